@@ -1,0 +1,41 @@
+"""ciuicflow: communication middleware for distributed PyTorch.
+
+The public names are loaded on first use (PEP 562), so ``import ciuicflow.kvflow`` does not pull in
+torch.distributed machinery, and ``import ciuicflow`` stays cheap.
+"""
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "ops": "ciuicflow.ops",
+    "Topology": "ciuicflow.topology",
+    "hierarchical_all_reduce": "ciuicflow.collectives.hierarchical",
+    "onebit_all_reduce": "ciuicflow.collectives.onebit",
+    "OneBitState": "ciuicflow.hooks",
+    "PowerSGDState": "ciuicflow.hooks",
+    "AllReduceState": "ciuicflow.hooks",
+    "hierarchical_allreduce": "ciuicflow.hooks",
+    "hierarchical_1bit": "ciuicflow.hooks",
+    "hierarchical_powersgd": "ciuicflow.hooks",
+    "onebit": "ciuicflow.hooks",
+    "powersgd": "ciuicflow.hooks",
+    "register": "ciuicflow.hooks",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'ciuicflow' has no attribute {name!r}")
+    module = import_module(module_name)
+    value = module if module_name.endswith("." + name) else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
