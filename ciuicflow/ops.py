@@ -1,0 +1,120 @@
+"""The native ops of ciuicflow: the byte-level work of gradient compression.
+
+Each function wraps ``torch.ops.ciuicflow.*`` (CPU kernels in ``csrc/cpu``, CUDA kernels in
+``csrc/cuda``) and has a fake implementation, so the ops trace under ``torch.compile``.
+
+Layout of a 1-bit vector of ``n`` elements with chunk size ``c`` (a positive multiple of 8):
+``packed`` is uint8 with ``ceil(n / 8)`` bytes, bit ``i`` is bit ``i % 8`` (LSB first) of byte
+``i // 8`` and is 1 where the value was ``>= 0`` (so ``-0.0`` counts as positive); ``scales`` is
+float32 with ``ceil(n / c)`` entries, one per chunk of ``c`` consecutive elements.
+
+Non-finite input never crashes or hangs an op. In ``onebit_pack`` an inf or NaN in ``x + error``
+makes that chunk's scale inf or NaN, so the chunk decompresses to non-finite values and its error
+becomes non-finite; other chunks are unaffected. Callers that must not poison their error buffers
+(the hooks) check for non-finite gradients first. In ``orthogonalize_`` a non-finite entry makes
+its column, and the columns after it, NaN.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from ciuicflow import _C  # noqa: F401  (loading the library registers the ops)
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "ciuicflow's native extension (ciuicflow._C) is not built. Install the package with "
+        "`pip install --no-build-isolation -e .` in an environment where torch is installed."
+    ) from exc
+
+__all__ = [
+    "onebit_pack",
+    "onebit_unpack",
+    "onebit_unpack_mean",
+    "orthogonalize_",
+    "has_cuda_kernels",
+]
+
+DEFAULT_CHUNK_SIZE = 2048
+
+
+def onebit_pack(
+    x: torch.Tensor, error: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress ``x`` to signs and per-chunk scales, with error feedback.
+
+    ``y = x + error``; per chunk ``scale = mean(|y|)`` (the L2-optimal scale for sign compression);
+    bit ``i`` is 1 where ``y[i] >= 0``; ``error`` (float32, same numel, contiguous) is updated in
+    place to ``y - scale * sign(y)``. So ``x + error_before == onebit_unpack(...) + error_after``
+    up to float rounding.
+
+    Args:
+        x: 1-D float32, float16 or bfloat16.
+        error: float32 with ``x.numel()`` elements, updated in place.
+        chunk_size: elements per scale, a positive multiple of 8.
+
+    Returns:
+        ``(packed, scales)``: uint8 ``[ceil(n/8)]`` and float32 ``[ceil(n/chunk_size)]``.
+    """
+    return torch.ops.ciuicflow.onebit_pack(x, error, chunk_size)
+
+
+def onebit_unpack(
+    packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Decompress: ``out[i] = scales[i // chunk_size] * (+1 if bit i else -1)``, float32 ``[numel]``."""
+    return torch.ops.ciuicflow.onebit_unpack(packed, scales, numel, chunk_size)
+
+
+def onebit_unpack_mean(
+    packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Mean of ``W`` compressed vectors in one pass: ``packed [W, ceil(numel/8)]``,
+    ``scales [W, ceil(numel/chunk_size)]`` -> float32 ``[numel]``.
+
+    The vectors are summed in row order, so every rank that holds the same rows gets the same bits
+    (the server step of compressed all-reduce).
+    """
+    return torch.ops.ciuicflow.onebit_unpack_mean(packed, scales, numel, chunk_size)
+
+
+def orthogonalize_(m: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """Orthonormalise the columns of ``m`` (``[n, r]`` or batched ``[B, n, r]``) in place by
+    modified Gram-Schmidt, as PowerSGD does: each column is divided by ``norm + eps`` and removed
+    from the columns after it. A zero column stays zero. float32, float16 and bfloat16 (computed in
+    float32, rounded once). Returns ``m``.
+    """
+    torch.ops.ciuicflow.orthogonalize_(m, eps)
+    return m
+
+
+def has_cuda_kernels() -> bool:
+    """Whether this build of the extension has the CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("ciuicflow::onebit_pack", "CUDA")
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+@torch.library.register_fake("ciuicflow::onebit_pack")
+def _onebit_pack_fake(x, error, chunk_size):
+    n = x.numel()
+    return (
+        x.new_empty((_ceil_div(n, 8),), dtype=torch.uint8),
+        x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake("ciuicflow::onebit_unpack")
+def _onebit_unpack_fake(packed, scales, numel, chunk_size):
+    return scales.new_empty((numel,), dtype=torch.float32)
+
+
+@torch.library.register_fake("ciuicflow::onebit_unpack_mean")
+def _onebit_unpack_mean_fake(packed, scales, numel, chunk_size):
+    return scales.new_empty((numel,), dtype=torch.float32)
+
+
+@torch.library.register_fake("ciuicflow::orthogonalize_")
+def _orthogonalize_fake(m, eps):
+    return None

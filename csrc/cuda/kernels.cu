@@ -1,0 +1,168 @@
+// CUDA kernels of the ciuicflow ops (see kernels.cuh). Semantics match csrc/cpu/ exactly; only the
+// order of floating-point sums differs.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels.cuh"
+
+namespace ciuicflow {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// Sum over the block; every thread gets the result.
+__device__ float block_sum(float v, float* shared) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // shared may still be read from a previous call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < kWarps; ++w) total += shared[w];
+  return total;
+}
+
+// One block per chunk. Pass 1 finds scale = mean|x + err|; pass 2 writes the sign bits with a warp
+// ballot (32 elements -> 4 bytes, written by lanes 0..3) and the new error.
+template <typename T>
+__global__ void onebit_pack_kernel(const T* __restrict__ x, float* __restrict__ err,
+                                   uint8_t* __restrict__ packed, float* __restrict__ scales,
+                                   int64_t n, int64_t chunk) {
+  __shared__ float shared[kWarps];
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * chunk;
+  const int64_t len = min(chunk, n - begin);
+  float local = 0.0f;
+  for (int64_t i = threadIdx.x; i < len; i += kThreads) {
+    local += fabsf(to_float(x[begin + i]) + err[begin + i]);
+  }
+  const float scale = block_sum(local, shared) / static_cast<float>(len);
+  if (threadIdx.x == 0) scales[blockIdx.x] = scale;
+  const int lane = threadIdx.x % 32;
+  const int64_t nbytes = (len + 7) / 8;
+  for (int64_t base = 0; base < len; base += kThreads) {
+    const int64_t i = base + threadIdx.x;
+    bool positive = false;
+    if (i < len) {
+      const float y = to_float(x[begin + i]) + err[begin + i];
+      positive = y >= 0.0f;
+      err[begin + i] = y - (positive ? scale : -scale);
+    }
+    const unsigned bits = __ballot_sync(0xffffffffu, positive);
+    const int64_t byte = (base + threadIdx.x - lane) / 8 + lane;  // warp's first byte + lane
+    if (lane < 4 && byte < nbytes) packed[begin / 8 + byte] = (bits >> (8 * lane)) & 0xffu;
+  }
+}
+
+__device__ __forceinline__ float unpack_one(const uint8_t* packed, const float* scales, int64_t i,
+                                            int64_t chunk) {
+  const float scale = scales[i / chunk];
+  return ((packed[i >> 3] >> (i & 7)) & 1) ? scale : -scale;
+}
+
+__global__ void onebit_unpack_kernel(const uint8_t* __restrict__ packed,
+                                     const float* __restrict__ scales, float* __restrict__ out,
+                                     int64_t n, int64_t chunk) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = unpack_one(packed, scales, i, chunk);
+  }
+}
+
+__global__ void onebit_unpack_mean_kernel(const uint8_t* __restrict__ packed,
+                                          const float* __restrict__ scales,
+                                          float* __restrict__ out, int64_t world, int64_t n,
+                                          int64_t chunk) {
+  const int64_t nbytes = (n + 7) / 8, nchunks = (n + chunk - 1) / chunk;
+  const float inv_world = 1.0f / static_cast<float>(world);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sum = 0.0f;  // rank order, as on the CPU
+    for (int64_t w = 0; w < world; ++w) {
+      sum += unpack_one(packed + w * nbytes, scales + w * nchunks, i, chunk);
+    }
+    out[i] = sum * inv_world;
+  }
+}
+
+// One block per matrix; columns are processed in order, each dot product a block reduction.
+__global__ void gram_schmidt_kernel(float* __restrict__ rows, int64_t r, int64_t n, float eps) {
+  __shared__ float shared[kWarps];
+  float* m = rows + static_cast<int64_t>(blockIdx.x) * r * n;
+  for (int64_t i = 0; i < r; ++i) {
+    float* col = m + i * n;
+    float sq = 0.0f;
+    for (int64_t k = threadIdx.x; k < n; k += kThreads) sq += col[k] * col[k];
+    const float denom = sqrtf(block_sum(sq, shared)) + eps;
+    if (denom != 0.0f) {  // a zero column stays zero
+      for (int64_t k = threadIdx.x; k < n; k += kThreads) col[k] /= denom;
+    }
+    __syncthreads();
+    for (int64_t j = i + 1; j < r; ++j) {
+      float* other = m + j * n;
+      float dot = 0.0f;
+      for (int64_t k = threadIdx.x; k < n; k += kThreads) dot += col[k] * other[k];
+      dot = block_sum(dot, shared);
+      for (int64_t k = threadIdx.x; k < n; k += kThreads) other[k] -= dot * col[k];
+    }
+    __syncthreads();
+  }
+}
+
+int grid_for(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < 65535 * 8 ? (blocks > 0 ? blocks : 1) : 65535 * 8);
+}
+
+}  // namespace
+
+cudaError_t onebit_pack(const void* x, ElemType type, float* err, uint8_t* packed, float* scales,
+                        int64_t n, int64_t chunk, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>((n + chunk - 1) / chunk);
+  switch (type) {
+    case ElemType::kFloat32:
+      onebit_pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(x), err,
+                                                          packed, scales, n, chunk);
+      break;
+    case ElemType::kFloat16:
+      onebit_pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const __half*>(x), err,
+                                                          packed, scales, n, chunk);
+      break;
+    case ElemType::kBFloat16:
+      onebit_pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
+                                                          err, packed, scales, n, chunk);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t onebit_unpack(const uint8_t* packed, const float* scales, float* out, int64_t n,
+                          int64_t chunk, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  onebit_unpack_kernel<<<grid_for(n), kThreads, 0, stream>>>(packed, scales, out, n, chunk);
+  return cudaGetLastError();
+}
+
+cudaError_t onebit_unpack_mean(const uint8_t* packed, const float* scales, float* out,
+                               int64_t world, int64_t n, int64_t chunk, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  onebit_unpack_mean_kernel<<<grid_for(n), kThreads, 0, stream>>>(packed, scales, out, world, n,
+                                                                  chunk);
+  return cudaGetLastError();
+}
+
+cudaError_t gram_schmidt_rows(float* rows, int64_t batch, int64_t r, int64_t n, float eps,
+                              cudaStream_t stream) {
+  if (batch == 0 || r == 0 || n == 0) return cudaSuccess;
+  gram_schmidt_kernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(rows, r, n, eps);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace ciuicflow

@@ -1,0 +1,88 @@
+// CUDA registrations: argument checks and allocation in ATen, the work in kernels.cu.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../onebit_common.h"
+#include "kernels.cuh"
+
+namespace ciuicflow {
+namespace {
+
+void check_cuda(cudaError_t status, const char* op) {
+  TORCH_CHECK(status == cudaSuccess, op, ": CUDA error: ", cudaGetErrorString(status));
+}
+
+cuda::ElemType elem_type(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kHalf: return cuda::ElemType::kFloat16;
+    case at::kBFloat16: return cuda::ElemType::kBFloat16;
+    default: return cuda::ElemType::kFloat32;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> onebit_pack_cuda(const at::Tensor& x, at::Tensor& error,
+                                                     int64_t chunk_size) {
+  check_pack_args(x, error, chunk_size);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.numel();
+  auto xc = x.contiguous();
+  auto packed = at::empty({ceil_div(n, 8)}, x.options().dtype(at::kByte));
+  auto scales = at::empty({ceil_div(n, chunk_size)}, x.options().dtype(at::kFloat));
+  check_cuda(cuda::onebit_pack(xc.const_data_ptr(), elem_type(xc), error.data_ptr<float>(),
+                               packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), n, chunk_size,
+                               at::cuda::getCurrentCUDAStream()),
+             "onebit_pack");
+  return {packed, scales};
+}
+
+at::Tensor onebit_unpack_cuda(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
+                              int64_t chunk_size) {
+  check_unpack_args("onebit_unpack", packed, scales, numel, chunk_size, 1);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  auto pc = packed.contiguous();
+  auto sc = scales.contiguous();
+  auto out = at::empty({numel}, sc.options());
+  check_cuda(cuda::onebit_unpack(pc.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(),
+                                 out.data_ptr<float>(), numel, chunk_size,
+                                 at::cuda::getCurrentCUDAStream()),
+             "onebit_unpack");
+  return out;
+}
+
+at::Tensor onebit_unpack_mean_cuda(const at::Tensor& packed, const at::Tensor& scales,
+                                   int64_t numel, int64_t chunk_size) {
+  check_unpack_args("onebit_unpack_mean", packed, scales, numel, chunk_size, 2);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  auto pc = packed.contiguous();
+  auto sc = scales.contiguous();
+  auto out = at::empty({numel}, sc.options());
+  check_cuda(cuda::onebit_unpack_mean(pc.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(),
+                                      out.data_ptr<float>(), pc.size(0), numel, chunk_size,
+                                      at::cuda::getCurrentCUDAStream()),
+             "onebit_unpack_mean");
+  return out;
+}
+
+void orthogonalize_cuda(at::Tensor& m, double eps) {
+  check_orthogonalize_args(m);
+  if (m.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(m.device());
+  auto rows = columns_as_float_rows(m);
+  check_cuda(cuda::gram_schmidt_rows(rows.data_ptr<float>(), rows.size(0), rows.size(1),
+                                     rows.size(2), static_cast<float>(eps),
+                                     at::cuda::getCurrentCUDAStream()),
+             "orthogonalize_");
+  write_back_columns(m, rows);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ciuicflow, CUDA, m) {
+  m.impl("onebit_pack", &onebit_pack_cuda);
+  m.impl("onebit_unpack", &onebit_unpack_cuda);
+  m.impl("onebit_unpack_mean", &onebit_unpack_mean_cuda);
+  m.impl("orthogonalize_", &orthogonalize_cuda);
+}
+
+}  // namespace ciuicflow

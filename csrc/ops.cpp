@@ -1,0 +1,22 @@
+// The schemas of every ciuicflow op, in one place. Kernels register themselves per backend:
+// csrc/cpu/*.cpp for CPU, csrc/cuda/*.cpp (+ kernels.cu) for CUDA. Nothing here communicates.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import ciuicflow._C` loads this library, which runs the registrations below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(ciuicflow, m) {
+  // error is updated in place; returns (packed uint8[ceil(n/8)], scales float32[ceil(n/chunk_size)])
+  m.def("onebit_pack(Tensor x, Tensor(a!) error, int chunk_size) -> (Tensor, Tensor)");
+  m.def("onebit_unpack(Tensor packed, Tensor scales, int numel, int chunk_size) -> Tensor");
+  // packed [W, nbytes], scales [W, nchunks] -> mean of the W decompressed vectors
+  m.def("onebit_unpack_mean(Tensor packed, Tensor scales, int numel, int chunk_size) -> Tensor");
+  // Gram-Schmidt on the columns of m ([n, r] or [B, n, r]), in place
+  m.def("orthogonalize_(Tensor(a!) m, float eps) -> ()");
+}
