@@ -24,7 +24,7 @@ def want_cuda() -> bool:
 
 def extension():
     sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    cxx = ["-O3", "-fopenmp", "-std=c++20"]
     if os.environ.get("CIUICFLOW_NATIVE", "0") == "1":
         cxx.append("-march=native")  # opt-in only: wheels must run on any x86-64
     common = dict(

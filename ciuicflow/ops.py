@@ -59,21 +59,41 @@ def onebit_pack(
 
 
 def onebit_unpack(
-    packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int = DEFAULT_CHUNK_SIZE
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decompress: ``out[i] = scales[i // chunk_size] * (+1 if bit i else -1)``, float32 ``[numel]``."""
+    """Decompress: ``out[i] = scales[i // chunk_size] * (+1 if bit i else -1)``, float32 ``[numel]``.
+
+    ``out``: an optional contiguous float32 buffer of ``numel`` elements to write into (saves an
+    allocation, which on large vectors costs more than the op).
+    """
+    if out is not None:
+        torch.ops.ciuicflow.onebit_unpack_into(packed, scales, numel, chunk_size, out)
+        return out
     return torch.ops.ciuicflow.onebit_unpack(packed, scales, numel, chunk_size)
 
 
 def onebit_unpack_mean(
-    packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int = DEFAULT_CHUNK_SIZE
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean of ``W`` compressed vectors in one pass: ``packed [W, ceil(numel/8)]``,
     ``scales [W, ceil(numel/chunk_size)]`` -> float32 ``[numel]``.
 
     The vectors are summed in row order, so every rank that holds the same rows gets the same bits
-    (the server step of compressed all-reduce).
+    (the server step of compressed all-reduce). ``out`` as in :func:`onebit_unpack`.
     """
+    if out is not None:
+        torch.ops.ciuicflow.onebit_unpack_mean_into(packed, scales, numel, chunk_size, out)
+        return out
     return torch.ops.ciuicflow.onebit_unpack_mean(packed, scales, numel, chunk_size)
 
 
@@ -113,6 +133,16 @@ def _onebit_unpack_fake(packed, scales, numel, chunk_size):
 @torch.library.register_fake("ciuicflow::onebit_unpack_mean")
 def _onebit_unpack_mean_fake(packed, scales, numel, chunk_size):
     return scales.new_empty((numel,), dtype=torch.float32)
+
+
+@torch.library.register_fake("ciuicflow::onebit_unpack_into")
+def _onebit_unpack_into_fake(packed, scales, numel, chunk_size, out):
+    return None
+
+
+@torch.library.register_fake("ciuicflow::onebit_unpack_mean_into")
+def _onebit_unpack_mean_into_fake(packed, scales, numel, chunk_size, out):
+    return None
 
 
 @torch.library.register_fake("ciuicflow::orthogonalize_")

@@ -52,6 +52,15 @@ inline void check_unpack_args(const char* op, const at::Tensor& packed, const at
               ", scales on ", scales.device());
 }
 
+inline void check_out(const char* op, const at::Tensor& out, int64_t numel,
+                      const at::Tensor& like) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == numel, op,
+              ": out must be a contiguous float32 tensor of ", numel, " elements, got ",
+              out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(out.device() == like.device(), op, ": out is on ", out.device(), ", inputs on ",
+              like.device());
+}
+
 inline void check_orthogonalize_args(const at::Tensor& m) {
   TORCH_CHECK(m.dim() == 2 || m.dim() == 3, "orthogonalize_: m must be [n, r] or [B, n, r], got ",
               m.sizes());

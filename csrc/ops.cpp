@@ -15,8 +15,11 @@ TORCH_LIBRARY(ciuicflow, m) {
   // error is updated in place; returns (packed uint8[ceil(n/8)], scales float32[ceil(n/chunk_size)])
   m.def("onebit_pack(Tensor x, Tensor(a!) error, int chunk_size) -> (Tensor, Tensor)");
   m.def("onebit_unpack(Tensor packed, Tensor scales, int numel, int chunk_size) -> Tensor");
+  // _into writes into a caller's float32 buffer of numel elements (no allocation on the hot path)
+  m.def("onebit_unpack_into(Tensor packed, Tensor scales, int numel, int chunk_size, Tensor(a!) out) -> ()");
   // packed [W, nbytes], scales [W, nchunks] -> mean of the W decompressed vectors
   m.def("onebit_unpack_mean(Tensor packed, Tensor scales, int numel, int chunk_size) -> Tensor");
+  m.def("onebit_unpack_mean_into(Tensor packed, Tensor scales, int numel, int chunk_size, Tensor(a!) out) -> ()");
   // Gram-Schmidt on the columns of m ([n, r] or [B, n, r]), in place
   m.def("orthogonalize_(Tensor(a!) m, float eps) -> ()");
 }

@@ -36,31 +36,43 @@ std::tuple<at::Tensor, at::Tensor> onebit_pack_cuda(const at::Tensor& x, at::Ten
   return {packed, scales};
 }
 
-at::Tensor onebit_unpack_cuda(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
-                              int64_t chunk_size) {
+void onebit_unpack_into_cuda(const at::Tensor& packed, const at::Tensor& scales,
+                                   int64_t numel, int64_t chunk_size, at::Tensor& out) {
   check_unpack_args("onebit_unpack", packed, scales, numel, chunk_size, 1);
+  check_out("onebit_unpack", out, numel, packed);
   const c10::cuda::CUDAGuard guard(packed.device());
   auto pc = packed.contiguous();
   auto sc = scales.contiguous();
-  auto out = at::empty({numel}, sc.options());
   check_cuda(cuda::onebit_unpack(pc.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(),
                                  out.data_ptr<float>(), numel, chunk_size,
                                  at::cuda::getCurrentCUDAStream()),
              "onebit_unpack");
+}
+
+void onebit_unpack_mean_into_cuda(const at::Tensor& packed, const at::Tensor& scales,
+                                        int64_t numel, int64_t chunk_size, at::Tensor& out) {
+  check_unpack_args("onebit_unpack_mean", packed, scales, numel, chunk_size, 2);
+  check_out("onebit_unpack_mean", out, numel, packed);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  auto pc = packed.contiguous();
+  auto sc = scales.contiguous();
+  check_cuda(cuda::onebit_unpack_mean(pc.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(),
+                                      out.data_ptr<float>(), pc.size(0), numel, chunk_size,
+                                      at::cuda::getCurrentCUDAStream()),
+             "onebit_unpack_mean");
+}
+
+at::Tensor onebit_unpack_cuda(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
+                              int64_t chunk_size) {
+  auto out = at::empty({numel}, scales.options().dtype(at::kFloat));
+  onebit_unpack_into_cuda(packed, scales, numel, chunk_size, out);
   return out;
 }
 
 at::Tensor onebit_unpack_mean_cuda(const at::Tensor& packed, const at::Tensor& scales,
                                    int64_t numel, int64_t chunk_size) {
-  check_unpack_args("onebit_unpack_mean", packed, scales, numel, chunk_size, 2);
-  const c10::cuda::CUDAGuard guard(packed.device());
-  auto pc = packed.contiguous();
-  auto sc = scales.contiguous();
-  auto out = at::empty({numel}, sc.options());
-  check_cuda(cuda::onebit_unpack_mean(pc.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(),
-                                      out.data_ptr<float>(), pc.size(0), numel, chunk_size,
-                                      at::cuda::getCurrentCUDAStream()),
-             "onebit_unpack_mean");
+  auto out = at::empty({numel}, scales.options().dtype(at::kFloat));
+  onebit_unpack_mean_into_cuda(packed, scales, numel, chunk_size, out);
   return out;
 }
 
@@ -81,7 +93,9 @@ void orthogonalize_cuda(at::Tensor& m, double eps) {
 TORCH_LIBRARY_IMPL(ciuicflow, CUDA, m) {
   m.impl("onebit_pack", &onebit_pack_cuda);
   m.impl("onebit_unpack", &onebit_unpack_cuda);
+  m.impl("onebit_unpack_into", &onebit_unpack_into_cuda);
   m.impl("onebit_unpack_mean", &onebit_unpack_mean_cuda);
+  m.impl("onebit_unpack_mean_into", &onebit_unpack_mean_into_cuda);
   m.impl("orthogonalize_", &orthogonalize_cuda);
 }
 

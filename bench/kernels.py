@@ -1,0 +1,194 @@
+"""Native ops against their pure-torch equivalents and a bandwidth ceiling, in one run.
+
+For each op and dtype it times: the ciuicflow kernel (impl "ciuicflow"), the same op written in
+plain torch ops (impl "torch"), and a copy that moves the same number of bytes (impl "copy",
+the ceiling). bytes_moved counts each byte the op must read or write once. The unpack ops write into a reused
+buffer (``out=``), as the collectives do: a fresh 256 MB allocation costs more than the op itself
+(first-touch page faults), and the copy ceiling does not pay it either.
+
+    python bench/kernels.py                      # 64M elements, CPU
+    python bench/kernels.py --numel 1000000 --json out/kernels.json
+    python bench/kernels.py --device cuda        # on a GPU build
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+import ciuicflow.ops as ops
+
+CHUNK = 2048
+WORLD = 4  # vectors averaged by onebit_unpack_mean
+RANK = 4  # columns orthogonalised
+
+
+# --- the same ops in plain torch (float32, as fast as plain torch gets) -------------------------
+def torch_pack(x, error, chunk):
+    n = x.numel()
+    y = x.float() + error
+    nchunks = math.ceil(n / chunk)
+    padded = torch.nn.functional.pad(y.abs(), (0, nchunks * chunk - n))
+    counts = torch.full((nchunks,), float(chunk), device=x.device)
+    counts[-1] = n - (nchunks - 1) * chunk
+    scales = padded.view(nchunks, chunk).sum(1) / counts
+    per_elem = scales.repeat_interleave(chunk)[:n]
+    positive = y >= 0
+    error.copy_(y - torch.where(positive, per_elem, -per_elem))
+    bits = torch.nn.functional.pad(positive.to(torch.uint8), (0, -n % 8)).view(-1, 8)
+    shifts = torch.arange(8, device=x.device, dtype=torch.uint8)
+    packed = (bits << shifts).sum(1, dtype=torch.uint8)
+    return packed, scales
+
+
+def torch_unpack(packed, scales, numel, chunk):
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    bits = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :numel]
+    per_elem = scales.repeat_interleave(chunk, dim=-1)[..., :numel]
+    return torch.where(bits.bool(), per_elem, -per_elem)
+
+
+def torch_unpack_mean(packed, scales, numel, chunk):
+    return torch_unpack(packed, scales, numel, chunk).mean(0)
+
+
+def torch_orthogonalize(m, eps=0.0):
+    """PyTorch's PowerSGD Gram-Schmidt (ddp_comm_hooks/powerSGD_hook.py), float32."""
+    for i in range(m.shape[-1]):
+        col = m[:, i : i + 1]
+        col /= torch.norm(col, dim=0, keepdim=True) + eps
+        rest = m[:, i + 1 :]
+        rest -= torch.sum(col * rest, dim=0, keepdim=True) * col
+    return m
+
+
+# --- measurement -------------------------------------------------------------------------------
+def timed(fn, device, repeats):
+    """Median seconds of fn() over `repeats` runs after one warm-up."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def copy_ceiling(nbytes, device, repeats):
+    """A copy whose reads plus writes equal nbytes: the most any op moving nbytes could reach."""
+    half = max(1, nbytes // 2)
+    src = torch.ones(half, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return timed(lambda: dst.copy_(src), device, repeats)
+
+
+def cases(numel, dtype, device):
+    """(op, bytes_moved, ciuicflow fn, torch fn) for each op at this size and dtype."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=gen).to(dtype).to(device)
+    error = torch.zeros(numel, device=device)
+    nbytes, nchunks = math.ceil(numel / 8), math.ceil(numel / CHUNK)
+    packed, scales = ops.onebit_pack(x, error.clone(), CHUNK)
+    unpacked = torch.empty(numel, device=device)  # reused, as the collectives reuse buckets
+    packed_w = packed.repeat(WORLD, 1)
+    scales_w = scales.repeat(WORLD, 1)
+    rows = numel // RANK
+    matrix = torch.randn(rows, RANK, generator=gen).to(dtype).to(device)
+    matrix32 = matrix.float()
+    itemsize = x.element_size()
+    yield (
+        "onebit_pack",
+        numel * itemsize + 8 * numel + nbytes + 4 * nchunks,
+        lambda: ops.onebit_pack(x, error, CHUNK),
+        lambda: torch_pack(x, error, CHUNK),
+    )
+    if dtype != torch.float32:
+        return  # the other ops take or produce float32 only; measured once
+    yield (
+        "onebit_unpack",
+        nbytes + 4 * nchunks + 4 * numel,
+        lambda: ops.onebit_unpack(packed, scales, numel, CHUNK, out=unpacked),
+        lambda: torch_unpack(packed, scales, numel, CHUNK),
+    )
+    yield (
+        "onebit_unpack_mean",
+        WORLD * (nbytes + 4 * nchunks) + 4 * numel,
+        lambda: ops.onebit_unpack_mean(packed_w, scales_w, numel, CHUNK, out=unpacked),
+        lambda: torch_unpack_mean(packed_w, scales_w, numel, CHUNK),
+    )
+    yield (
+        f"orthogonalize_[{rows}x{RANK}]",
+        2 * rows * RANK * itemsize,
+        lambda: ops.orthogonalize_(matrix),
+        lambda: torch_orthogonalize(matrix32),
+    )
+
+
+def run(numel, dtypes, device, repeats):
+    records = []
+    for dtype in dtypes:
+        for op, nbytes, ours, reference in cases(numel, dtype, device):
+            for impl, fn in (("ciuicflow", ours), ("torch", reference), ("copy", None)):
+                seconds = copy_ceiling(nbytes, device, repeats) if fn is None else timed(fn, device, repeats)
+                records.append(
+                    dict(op=op, impl=impl, numel=numel, dtype=str(dtype).replace("torch.", ""),
+                         device=device.type, threads=torch.get_num_threads(), seconds=seconds,
+                         bytes_moved=nbytes, **{"GB/s": nbytes / seconds / 1e9})
+                )
+                print(f"  {op:28s} {records[-1]['dtype']:9s} {impl:10s} {seconds * 1e3:9.2f} ms",
+                      file=sys.stderr, flush=True)
+    return records
+
+
+def table(records):
+    """Markdown: per op and dtype, our GB/s, share of the copy ceiling, speed-up over plain torch."""
+    by_key = {}
+    for r in records:
+        by_key.setdefault((r["op"], r["dtype"]), {})[r["impl"]] = r
+    lines = [
+        "| op | dtype | ciuicflow ms | torch ms | copy GB/s | ciuicflow GB/s | of ceiling | vs torch |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (op, dtype), impls in by_key.items():
+        ours, ref, copy = impls["ciuicflow"], impls["torch"], impls["copy"]
+        lines.append(
+            f"| {op} | {dtype} | {ours['seconds'] * 1e3:.2f} | {ref['seconds'] * 1e3:.2f} | "
+            f"{copy['GB/s']:.2f} | {ours['GB/s']:.2f} | {ours['GB/s'] / copy['GB/s']:.0%} | "
+            f"{ref['seconds'] / ours['seconds']:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--numel", type=int, default=64 * 2**20, help="elements per vector (default 64M)")
+    parser.add_argument("--dtypes", default="float32,float16,bfloat16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH", help="write one record per measurement")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not ops.has_cuda_kernels():
+        parser.error("this build of ciuicflow has no CUDA kernels (rebuild with CIUICFLOW_CUDA=1)")
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    print(f"ciuicflow kernels: numel={args.numel} device={device} threads={torch.get_num_threads()}",
+          file=sys.stderr)
+    records = run(args.numel, dtypes, device, args.repeats)
+    print(table(records))
+    if args.json:
+        import os
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

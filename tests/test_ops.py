@@ -1,0 +1,273 @@
+"""The native ops against pure-torch references (tests/reference.py), on fresh random inputs."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ciuicflow.ops as ops
+from tests import reference as ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 7, 8, 9, 15, 64, 1000, 2047, 2048, 2049, 4099, 65_537, 1 << 20]
+CHUNKS = [8, 24, 2048]
+POISON_BYTE = 0xA5
+POISON_FLOAT = float("nan")
+
+devices = ["cpu"]
+if torch.cuda.is_available() and ops.has_cuda_kernels():
+    devices.append("cuda")
+DEVICES = devices + [
+    pytest.param("cuda", marks=pytest.mark.skip(reason="CUDA not available on this machine"))
+] * (len(devices) == 1)
+
+
+def fresh(n, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * 3
+    return x.to(dtype).to(device), (torch.randn(n, generator=gen) * 0.1).to(device)
+
+
+def poisoned_like(t):
+    """A tensor of t's shape filled with garbage, copied into by the op under test."""
+    return torch.full_like(t, POISON_BYTE if t.dtype == torch.uint8 else POISON_FLOAT)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_onebit_pack_matches_reference(device, dtype, n, chunk):
+    x, error = fresh(n, dtype, device, seed=n * 31 + chunk)
+    want_packed, want_scales, want_error = ref.onebit_pack(x.cpu(), error.cpu(), chunk)
+    packed, scales = ops.onebit_pack(x, error, chunk)
+    assert packed.dtype == torch.uint8 and packed.shape == (math.ceil(n / 8),)
+    assert scales.dtype == torch.float32 and scales.shape == (math.ceil(n / chunk),)
+    torch.testing.assert_close(scales.cpu(), want_scales, rtol=2e-6, atol=1e-7)
+    # A bit may only differ where y is within rounding of zero.
+    y = x.cpu().double() + ref_error_before(x, n, chunk)
+    got_bits = ref.onebit_unpack(packed.cpu(), torch.ones_like(scales.cpu()), n, chunk) > 0
+    want_bits = ref.onebit_unpack(want_packed, torch.ones_like(want_scales), n, chunk) > 0
+    assert torch.all((got_bits == want_bits) | (y.abs() < 1e-6))
+    torch.testing.assert_close(error.cpu(), want_error, rtol=1e-5, atol=1e-5)
+
+
+def ref_error_before(x, n, chunk):
+    # fresh() is deterministic, so the error the op saw can be regenerated.
+    return fresh(n, x.dtype, "cpu", seed=n * 31 + chunk)[1].double()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", SIZES)
+def test_onebit_unpack_matches_reference(device, n):
+    chunk = 24
+    gen = torch.Generator().manual_seed(n)
+    packed = torch.randint(0, 256, (math.ceil(n / 8),), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(math.ceil(n / chunk), generator=gen) + 0.1
+    out = ops.onebit_unpack(packed.to(device), scales.to(device), n, chunk)
+    torch.testing.assert_close(out.cpu(), ref.onebit_unpack(packed, scales, n, chunk).float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("n", [1, 9, 2049, 65_537])
+def test_onebit_unpack_mean_matches_reference(device, world, n):
+    chunk = 2048
+    gen = torch.Generator().manual_seed(world * 1000 + n)
+    packed = torch.randint(0, 256, (world, math.ceil(n / 8)), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(world, math.ceil(n / chunk), generator=gen)
+    out = ops.onebit_unpack_mean(packed.to(device), scales.to(device), n, chunk)
+    want = ref.onebit_unpack_mean(packed, scales, n, chunk)
+    torch.testing.assert_close(out.cpu(), want.float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_variants_overwrite_poisoned_buffers(device):
+    n, chunk, world = 4099, 24, 3
+    gen = torch.Generator().manual_seed(7)
+    packed = torch.randint(0, 256, (world, math.ceil(n / 8)), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(world, math.ceil(n / chunk), generator=gen)
+    out = poisoned_like(torch.empty(n)).to(device)
+    got = ops.onebit_unpack(packed[0].to(device), scales[0].to(device), n, chunk, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out.cpu(), ref.onebit_unpack(packed[0], scales[0], n, chunk).float())
+    out = poisoned_like(torch.empty(n)).to(device)
+    ops.onebit_unpack_mean(packed.to(device), scales.to(device), n, chunk, out=out)
+    want = ref.onebit_unpack_mean(packed, scales, n, chunk).float()
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.onebit_unpack(packed[0], scales[0], n, chunk, out=torch.empty(n - 1))
+
+
+def test_pack_unpack_outputs_are_fully_written():
+    """Output buffers start from a garbage-filled allocator state: every byte must be written."""
+    n, chunk = 4099, 24
+    for _ in range(3):  # fill the allocator's free blocks with poison
+        poisoned_like(torch.empty(n)).sum()
+    x, error = fresh(n, torch.float32, "cpu", seed=1)
+    packed, scales = ops.onebit_pack(x, error.clone(), chunk)
+    assert torch.isfinite(scales).all()
+    out = ops.onebit_unpack(packed, scales, n, chunk)
+    assert torch.isfinite(out).all() and out.abs().min() > 0
+
+
+def test_tail_bits_beyond_numel_are_zero():
+    packed, _ = ops.onebit_pack(torch.ones(9), torch.zeros(9), 8)
+    assert packed.tolist() == [0xFF, 0x01]
+
+
+def test_zero_and_negative_zero_count_as_positive():
+    x = torch.tensor([0.0, -0.0, -1.0, 1.0, -0.0, 0.0, -2.0, 3.0])
+    packed, scales = ops.onebit_pack(x, torch.zeros(8), 8)
+    assert packed.item() == 0b10111011
+    assert scales.item() == pytest.approx(7.0 / 8)
+
+
+def test_all_zero_input_round_trips_to_zero():
+    x = torch.zeros(100)
+    error = torch.zeros(100)
+    packed, scales = ops.onebit_pack(x, error, 16)
+    assert torch.all(scales == 0) and torch.all(error == 0)
+    assert torch.all(ops.onebit_unpack(packed, scales, 100, 16) == 0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_poisons_only_its_chunk(bad):
+    x = torch.randn(64)
+    x[20] = bad
+    error = torch.zeros(64)
+    packed, scales = ops.onebit_pack(x, error, 16)
+    assert not torch.isfinite(scales[1])
+    assert torch.isfinite(scales[[0, 2, 3]]).all()
+    assert torch.isfinite(error[:16]).all() and torch.isfinite(error[32:]).all()
+    out = ops.onebit_unpack(packed, scales, 64, 16)
+    assert not torch.isfinite(out[16:32]).any()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: ops.onebit_pack(torch.randn(10), torch.zeros(10), 12), "multiple of 8"),
+        (lambda: ops.onebit_pack(torch.randn(10), torch.zeros(9), 8), "error has 9"),
+        (lambda: ops.onebit_pack(torch.randn(10), torch.zeros(10).double(), 8), "float32"),
+        (lambda: ops.onebit_pack(torch.randn(2, 5), torch.zeros(10), 8), "1-D"),
+        (lambda: ops.onebit_pack(torch.randn(10).double(), torch.zeros(10), 8), "float32, float16"),
+        (lambda: ops.onebit_unpack(torch.zeros(2, dtype=torch.uint8), torch.ones(1), 17, 8), "needs 3"),
+        (lambda: ops.onebit_unpack(torch.zeros(2, dtype=torch.uint8), torch.ones(1), 16, 8), "needs 2"),
+        (lambda: ops.onebit_unpack_mean(torch.zeros(2, dtype=torch.uint8), torch.ones(1), 16, 16), "2-D"),
+        (lambda: ops.orthogonalize_(torch.randn(3)), r"\[n, r\]"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 5000),
+    chunk=st.sampled_from([8, 16, 64, 2048]),
+    steps=st.integers(1, 4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_error_feedback_invariant(n, chunk, steps, seed):
+    """Over several steps, what was sent plus what is still in the error buffer equals the sum of
+    the inputs: error feedback loses nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    error = torch.zeros(n)
+    sent = torch.zeros(n, dtype=torch.float64)
+    total = torch.zeros(n, dtype=torch.float64)
+    for _ in range(steps):
+        x = torch.randn(n, generator=gen)
+        error_before = error.clone()
+        packed, scales = ops.onebit_pack(x, error, chunk)
+        out = ops.onebit_unpack(packed, scales, n, chunk)
+        torch.testing.assert_close(out + error, x + error_before, rtol=1e-5, atol=1e-5)
+        sent += out.double()
+        total += x.double()
+    torch.testing.assert_close(sent + error.double(), total, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), chunk=st.sampled_from([8, 40, 2048]), seed=st.integers(0, 2**31 - 1))
+def test_round_trip_of_a_sign_vector_is_exact_to_rounding(n, chunk, seed):
+    """Packing a vector that is already +-scale per chunk leaves no error and round-trips exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    scale = (torch.rand(-(-n // chunk), generator=gen) + 0.5).repeat_interleave(chunk)[:n]
+    x = signs * scale
+    error = torch.zeros(n)
+    packed, scales = ops.onebit_pack(x, error, chunk)
+    torch.testing.assert_close(ops.onebit_unpack(packed, scales, n, chunk), x, rtol=1e-5, atol=0)
+    assert error.abs().max() <= 1e-5 * x.abs().max()  # the mean of |x| is rounded in float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 1), (33, 4), (1000, 7), (3, 17, 5), (2, 4097, 2), (5, 5)])
+def test_orthogonalize_matches_reference(device, dtype, shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    m = torch.randn(shape, generator=gen).to(dtype)
+    want = ref.orthogonalize(m)
+    got = ops.orthogonalize_(m.to(device))
+    assert got.dtype == dtype and got.shape == shape
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    if shape[-2] >= shape[-1]:  # tall: the columns are orthonormal
+        q = got.cpu().double()
+        eye = torch.eye(shape[-1], dtype=torch.float64).expand(q.shape[:-2] + (shape[-1], shape[-1]))
+        torch.testing.assert_close(q.transpose(-1, -2) @ q, eye, rtol=0, atol=tol * 10)
+
+
+def test_orthogonalize_keeps_zero_columns_zero_and_honours_eps():
+    m = torch.randn(10, 3)
+    m[:, 1] = 0
+    ops.orthogonalize_(m)
+    assert torch.all(m[:, 1] == 0) and torch.isfinite(m).all()
+    col = torch.full((4, 1), 2.0)  # norm 4
+    ops.orthogonalize_(col, eps=1.0)
+    torch.testing.assert_close(col, torch.full((4, 1), 2.0 / 5))
+
+
+def test_orthogonalize_non_finite_does_not_crash():
+    m = torch.randn(8, 3)
+    m[0, 1] = float("inf")
+    ops.orthogonalize_(m)
+    assert torch.isfinite(m[:, 0]).all() and torch.isnan(m[:, 2]).all()
+
+
+def test_orthogonalize_non_contiguous_view_in_place():
+    base = torch.randn(4, 20)
+    view = base.t()  # [20, 4], not contiguous
+    want = ref.orthogonalize(view)
+    ops.orthogonalize_(view)
+    torch.testing.assert_close(base.t().double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_opcheck():
+    x, error = fresh(1000, torch.float32, "cpu", seed=3)
+    torch.library.opcheck(torch.ops.ciuicflow.onebit_pack.default, (x, error, 16))
+    packed, scales = ops.onebit_pack(x, error.clone(), 16)
+    torch.library.opcheck(torch.ops.ciuicflow.onebit_unpack.default, (packed, scales, 1000, 16))
+    torch.library.opcheck(
+        torch.ops.ciuicflow.onebit_unpack_mean.default,
+        (torch.stack([packed, packed]), torch.stack([scales, scales * 2]), 1000, 16),
+    )
+    torch.library.opcheck(
+        torch.ops.ciuicflow.onebit_unpack_into.default, (packed, scales, 1000, 16, torch.empty(1000))
+    )
+    torch.library.opcheck(torch.ops.ciuicflow.orthogonalize_.default, (torch.randn(30, 4), 0.0))
+
+
+def test_ops_trace_under_torch_compile():
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def roundtrip(x, error):
+        packed, scales = ops.onebit_pack(x, error, 64)
+        return ops.onebit_unpack(packed, scales, x.numel(), 64)
+
+    x, error = fresh(1000, torch.float32, "cpu", seed=4)
+    eager_error = error.clone()
+    want = ops.onebit_unpack(*ops.onebit_pack(x, eager_error, 64), 1000, 64)
+    torch.testing.assert_close(roundtrip(x, error), want)
+    torch.testing.assert_close(error, eager_error)
