@@ -1,0 +1,313 @@
+"""Gradient communication methods side by side on a simulated multi-node cluster, in one run.
+
+Same model (an MLP), same data, same steps, for each method: PyTorch's default all-reduce, its
+fp16_compress_hook, its powerSGD_hook at rank 1 and 4, each ciuicflow hook, and the `no_comm` floor (local
+gradients, no communication: the compute-only step time). The ranks run under torchrun on N network-namespace
+nodes whose inter-node link is rate limited with tc (ciuicflow/cluster.py); bytes on the wire are read from the
+links' counters. Writes JSON (a list of records), a markdown table and a PNG chart.
+
+    python bench/comm.py                          # 25M-param MLP, batch 32, 2 nodes x 2 ranks, 1 Gbit/s
+    python bench/comm.py --smoke                  # tiny and quick, for CI
+    python bench/comm.py --methods allreduce,hierarchical_1bit,no_comm --rate 200mbit --json out/c.json
+
+Methods: allreduce, fp16_compress_hook, powerSGD_hook:R, hierarchical_allreduce, hierarchical_1bit,
+hierarchical_powersgd:R, onebit, powersgd:R, no_comm (":R" = rank, default 1). A ciuicflow hook that cannot be
+imported is skipped with a message; a method that crashes is recorded as failed and the rest still run.
+Needs root for namespaces; otherwise everything runs on loopback and every output says NOT SHAPED.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ciuicflow.cluster import SimCluster, parse_rate  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "comm_worker.py")
+DEFAULT_METHODS = ("allreduce,fp16_compress_hook,powerSGD_hook:1,powerSGD_hook:4,hierarchical_allreduce,"
+                   "hierarchical_1bit,hierarchical_powersgd:1,hierarchical_powersgd:4,onebit,powersgd:1,powersgd:4,"
+                   "no_comm")
+SMOKE = dict(params=200_000, layers=4, batch=8, steps=3, warmup=2, bucket_cap_mb=0.25, nodes=2, ranks_per_node=2,
+             lr=1e-3, probe_numel=1 << 18, timeout=240)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--rate", default="1gbit", help="inter-node rate per node, e.g. 1gbit, 200mbit; 'none': unshaped")
+    p.add_argument("--params", default="25e6", help="MLP size in parameters (default 25e6)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32, help="per-rank batch size")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per method")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per method first (>= 2)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (PyTorch's default: 25)")
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
+    p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model, few steps, 2x2, several buckets: CI (overrides size, steps, topology)")
+    p.add_argument("--json", metavar="PATH", help="JSON output (default OUT_DIR/comm.json)")
+    p.add_argument("--out-dir", default="out/comm", help="where the JSON, markdown and PNG go")
+    p.add_argument("--no-png", action="store_true")
+    p.add_argument("--probe-numel", type=int, default=4 << 20,
+                   help="probe the machine with all-reduces of this many floats and compare the planner's "
+                        "predictions with the measurements (0: skip)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
+    p.add_argument("--require-netns", action="store_true", help="fail instead of falling back to loopback")
+    p.add_argument("--check-targets", action="store_true", help="exit 1 if a target of issue 4 is missed")
+    args = p.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+        args.timeout = min(args.timeout, SMOKE["timeout"])
+    try:
+        args.params = int(float(args.params))
+        args.rate_bps = None if str(args.rate).lower() == "none" else parse_rate(args.rate)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.params < 64:
+        p.error("--params must be at least 64")
+    if args.warmup < 2:
+        p.error("--warmup must be at least 2 (PowerSGD compresses from step 2)")
+    if args.steps < 1 or args.nodes < 1 or args.ranks_per_node < 1:
+        p.error("--steps, --nodes and --ranks-per-node must be positive")
+    sys.path.insert(0, HERE)
+    from comm_worker import parse_method
+    args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        for m in args.method_list:
+            parse_method(m)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def run_methods(cluster, args, log):
+    """All methods in as few torchrun launches as possible: a crash loses only the method that crashed.
+    Returns (records, machine probe or None)."""
+    records, todo = [], list(args.method_list)
+    probe = {} if args.probe_numel else None
+    deadline = time.monotonic() + args.timeout
+    while todo:
+        with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
+            out = f.name
+        os.chmod(out, 0o666)
+        worker_args = [WORKER, "--methods", ",".join(todo), "--params", args.params, "--layers", args.layers,
+                       "--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup,
+                       "--bucket-cap-mb", args.bucket_cap_mb, "--lr", args.lr, "--out", out]
+        if probe is not None:
+            worker_args += ["--probe-numel", args.probe_numel]
+        try:
+            run = cluster.torchrun(worker_args, timeout=max(1.0, deadline - time.monotonic()),
+                                   on_line=lambda node, line: line.startswith("[bench]") and log(line.rstrip()))
+            error = None if run.ok else f"exit codes {run.returncodes}"
+            tail = "\n".join(o[-4000:] for o in run.outputs)
+        except TimeoutError as exc:
+            error, tail = "timed out", str(exc)[-8000:]
+        with open(out) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        os.unlink(out)
+        done = [r for r in lines if "probe" not in r]
+        for r in lines:
+            if "probe" in r:
+                probe.update(r["probe"])
+        records += done
+        todo = todo[len(done):]
+        if error is None and todo:
+            error = "worker exited without these methods"
+        if error is not None:
+            if not todo:
+                log(f"[bench] launch ended badly after all methods ran ({error})")
+                break
+            failed = todo.pop(0)
+            log(f"[bench] FAILED {failed} ({error}); output tail:\n{tail[-3000:]}")
+            from comm_worker import method_label, parse_method
+            name, r = parse_method(failed)
+            records.append({"method": method_label(name, r), "hook": name, "rank": r,
+                            "failed": f"{error}: {_last_error_line(tail)}"})
+            if error == "timed out":
+                for m in todo:
+                    name, r = parse_method(m)
+                    records.append({"method": method_label(name, r), "hook": name, "rank": r,
+                                    "failed": "not run: time budget used up"})
+                break
+    return records, (probe or None)
+
+
+def _last_error_line(text):
+    """The exception a rank died of (torchrun's own ChildFailedError report says nothing)."""
+    pattern = re.compile(r"^\s*([\w.]*(Error|Exception|Interrupt)|Killed)\b.*")
+    lines = [ln.strip() for ln in text.splitlines() if pattern.match(ln) and "ChildFailedError" not in ln]
+    return lines[-1][:300] if lines else "see the output above"
+
+
+def _by_method(records):
+    return {r["method"]: r for r in records if "step_seconds" in r}
+
+
+def targets(records):
+    """The issue's targets at its configuration, evaluated on these records: list of (text, passed or None)."""
+    by = _by_method(records)
+    out = []
+    base, floor, h1 = by.get("allreduce"), by.get("no_comm"), by.get("hierarchical_1bit")
+    if base and h1 and base["inter_node_bytes_per_step"] and h1["inter_node_bytes_per_step"] is not None:
+        ratio = base["inter_node_bytes_per_step"] / max(h1["inter_node_bytes_per_step"], 1)
+        out.append((f"hierarchical_1bit moves 1/{ratio:.1f} of allreduce's inter-node bytes (target: <= 1/25)",
+                    ratio >= 25))
+    if floor and h1:
+        x = h1["step_seconds"] / floor["step_seconds"]
+        out.append((f"hierarchical_1bit step time is {x:.2f}x no_comm (target: <= 1.3x)", x <= 1.3))
+    if floor and base:
+        out.append((f"allreduce step time is {base['step_seconds'] / floor['step_seconds']:.2f}x no_comm", None))
+    for r in (1, 4):
+        ours, theirs = by.get(f"hierarchical_powersgd_r{r}"), by.get(f"powerSGD_hook_r{r}")
+        if ours and theirs:
+            out.append((f"hierarchical_powersgd_r{r} {ours['step_seconds']:.3f} s vs powerSGD_hook_r{r} "
+                        f"{theirs['step_seconds']:.3f} s (target: faster)", ours["step_seconds"] < theirs["step_seconds"]))
+    return out
+
+
+def markdown(records, cluster_line, config_line):
+    by = _by_method(records)
+    base, floor = by.get("allreduce"), by.get("no_comm")
+    lines = [f"**Cluster:** {cluster_line}", "", f"**Run:** {config_line}", "",
+             "| method | s/step | comm s/step | x no_comm | inter-node MB/step | bytes vs allreduce | final loss | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        if "step_seconds" not in r:
+            why = r.get("skipped") or r.get("failed")
+            lines.append(f"| {r['method']} | {'skipped' if 'skipped' in r else 'FAILED'} | | | | | | {why} |")
+            continue
+        b = r["inter_node_bytes_per_step"]
+        ratio = "n/a"
+        if b is not None and base and base["inter_node_bytes_per_step"]:
+            ratio = f"1/{base['inter_node_bytes_per_step'] / b:.1f}" if b else "0"
+        xf = f"{r['step_seconds'] / floor['step_seconds']:.2f}" if floor else "n/a"
+        lines.append(f"| {r['method']} | {r['step_seconds']:.3f} | {r['comm_seconds']:.3f} | {xf} | "
+                     f"{'n/a' if b is None else f'{b / 1e6:.2f}'} | {ratio} | {r['final_loss']:.5f} | {r['note']} |")
+    checks = targets(records)
+    if checks:
+        lines += ["", "Targets (issue 4):", ""]
+        for text, passed in checks:
+            mark = "" if passed is None else ("PASS " if passed else "MISS ")
+            lines.append(f"- {mark}{text}")
+    return "\n".join(lines) + "\n"
+
+
+def planner_section(records, machine):
+    """Markdown comparing ciuicflow's planner with this run; adds `planner` to each record it predicts."""
+    if not machine:
+        return ""
+    from ciuicflow import plan
+    try:
+        rows = plan.calibrate(records, machine)
+    except ValueError as exc:
+        return f"\nPlanner comparison not made: {exc}\n"
+    by = {r["method"]: r for r in records}
+    lines = ["", "Planner (ciuicflow/plan.py) vs this run. Machine probe: latency "
+             f"{machine['alpha'] * 1e6:.0f} us, intra-node {machine.get('intra_bw', 0) / 1e9:.2f} GB/s, "
+             f"matmul {machine['matmul_flops'] / 1e9:.1f} GFLOP/s per rank, compressors' local work "
+             f"{(rows[0]['local_seconds_per_element'] if rows else 0) * 1e9:.1f} ns/element (fitted on the probe's "
+             "1-bit all-reduce); compute = this run's no_comm step; no overlap.", "",
+             "| method | predicted s/step | measured s/step | error | predicted inter-node MB | measured MB |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        mb = row["measured_inter_node_bytes"]
+        lines.append(f"| {row['method']} | {row['predicted_step_seconds']:.3f} | {row['measured_step_seconds']:.3f} "
+                     f"| {row['step_error']:+.0%} | {row['predicted_inter_node_bytes'] / 1e6:.2f} | "
+                     f"{'n/a' if mb is None else f'{mb / 1e6:.2f}'} |")
+        by[row["method"]]["planner"] = row
+    if "ciuicflow_error" in machine:
+        lines += ["", f"(probe without ciuicflow: {machine['ciuicflow_error']})"]
+    return "\n".join(lines) + "\n"
+
+
+def chart(records, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in records if "step_seconds" in r]
+    if not rows:
+        return False
+    names = [r["method"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.2))
+    ypos = range(len(rows))
+    ax1.barh(ypos, [r["step_seconds"] for r in rows], color="#4c72b0", label="step")
+    ax1.barh(ypos, [min(r["comm_seconds"], r["step_seconds"]) for r in rows], color="#dd8452", alpha=0.8,
+             label="communication in flight")
+    floor = _by_method(rows).get("no_comm")
+    if floor:
+        ax1.axvline(floor["step_seconds"], color="k", ls="--", lw=1, label="no_comm floor")
+    ax1.set_yticks(list(ypos), names)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("seconds per step")
+    ax1.legend(loc="lower right", fontsize=8)
+    mb = [r["inter_node_bytes_per_step"] for r in rows]
+    if all(v is None for v in mb):
+        ax2.text(0.5, 0.5, "inter-node bytes not measured\n(NOT SHAPED: loopback fallback)", ha="center",
+                 va="center", transform=ax2.transAxes, color="red")
+    else:
+        ax2.barh(ypos, [max((v or 0) / 1e6, 1e-3) for v in mb], color="#55a868")
+        ax2.set_xscale("log")
+        ax2.set_xlabel("inter-node MB per step (log)")
+    ax2.set_yticks(list(ypos), names)
+    ax2.invert_yaxis()
+    import textwrap
+    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=9, color="black" if rows[0].get("shaped") else "red")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    json_path = args.json or os.path.join(args.out_dir, "comm.json")
+    stem = os.path.splitext(json_path)[0]
+    started = time.monotonic()
+    with SimCluster(args.nodes, args.ranks_per_node, args.rate_bps, require_netns=args.require_netns) as cluster:
+        cluster_line = cluster.describe()
+        records, machine = run_methods(cluster, args, log)
+    config_line = (f"MLP {args.layers} x Linear({records[0].get('width', '?') if records else '?'}) "
+                   f"~{args.params / 1e6:g}M params, batch {args.batch}/rank, {args.warmup} warmup + {args.steps} "
+                   f"measured steps/method, DDP bucket {args.bucket_cap_mb:g} MB, Adam lr {args.lr:g}, one fixed "
+                   f"batch per rank; "
+                   f"{args.nodes} nodes x {args.ranks_per_node} ranks, gloo"
+                   + (f", {time.monotonic() - started:.0f} s wall" if records else ""))
+    for r in records:
+        r.update(nodes=args.nodes, ranks_per_node=args.ranks_per_node, rate_bps=args.rate_bps,
+                 shaped=cluster.shaped, cluster=cluster_line)
+    table = markdown(records, cluster_line, config_line)
+    table += planner_section(records, machine)  # also adds each record's `planner` prediction
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(records, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    outputs = [json_path, stem + ".md"]
+    if not args.no_png and chart(records, stem + ".png", f"{cluster_line}\n{config_line}"):
+        outputs.append(stem + ".png")
+    print(table)
+    if not cluster.shaped:
+        print(f"WARNING: {cluster_line}")
+    print("wrote " + ", ".join(outputs))
+    ran = [r for r in records if "step_seconds" in r]
+    if not ran:
+        return 1
+    if args.check_targets and any(passed is False for _, passed in targets(records)):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""One rank of bench/comm.py, started by torchrun on each simulated node (see ciuicflow/cluster.py).
+
+Trains the same MLP on the same data for the same number of steps once per method (a DDP communication hook),
+and rank 0 appends one JSON record per method to --out as soon as the method is done, so a method that kills the
+job loses only itself (bench/comm.py relaunches with the rest).
+
+Per method: build the model from the same seed, wrap it in DDP, register the hook, run --warmup steps
+(not measured: DDP rebuilds its buckets after step 1 and PowerSGD starts compressing at step 2), then --steps
+measured steps. Measured:
+  step_seconds   wall time of forward + backward (incl. waiting for the hook) + Adam step, mean over the
+                 measured steps, slowest rank
+  comm_seconds   time during which at least one bucket's communication was in flight (union of the intervals
+                 from the hook's call to its future's completion), mean per step, slowest rank; it may overlap
+                 backward compute
+  inter_node_bytes_per_step  bytes that left every node on its inter-node link (the veth's tx counter, read by
+                 each node's local rank 0 between barriers), summed over nodes, per measured step
+  final_loss     MSE on the last measured step, averaged over ranks
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ciuicflow.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
+
+TORCH_HOOKS = ("allreduce", "fp16_compress_hook", "powerSGD_hook")
+CIUICFLOW_HOOKS = ("hierarchical_allreduce", "hierarchical_1bit", "hierarchical_powersgd", "onebit", "powersgd")
+RANKED = ("powerSGD_hook", "hierarchical_powersgd", "powersgd")  # methods that take a rank (name:r)
+
+POWERSGD_NOTE = ("torch powerSGD_hook on gloo: each bucket's future is waited for inside the hook before returning "
+                 "(unmodified, its P/Q all-reduces from future callbacks interleave across buckets and crash/hang)")
+
+
+def parse_method(spec: str):
+    """'powerSGD_hook:4' -> ('powerSGD_hook', 4); 'allreduce' -> ('allreduce', None)."""
+    name, _, rank = spec.partition(":")
+    if name not in TORCH_HOOKS + CIUICFLOW_HOOKS + ("no_comm",):
+        raise ValueError(f"unknown method {name!r}")
+    if rank and name not in RANKED:
+        raise ValueError(f"method {name!r} takes no rank")
+    if name in RANKED and not rank:
+        rank = "1"
+    return name, (int(rank) if rank else None)
+
+
+def method_label(name, rank):
+    return f"{name}_r{rank}" if rank is not None else name
+
+
+# --------------------------------------------------------------------------- model and data
+
+def mlp_width(params: int, layers: int) -> int:
+    # layers square Linear(width, width) layers with bias: layers * (width^2 + width) ~= params
+    return max(8, int(round(math.sqrt(params / layers) / 8)) * 8)
+
+
+def build_model(width, layers, seed):
+    torch.manual_seed(seed)
+    mods = []
+    for i in range(layers):
+        mods.append(torch.nn.Linear(width, width))
+        if i < layers - 1:
+            mods.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*mods)
+
+
+def make_batch(width, batch, seed, rank):
+    """Each rank's own batch (a distinct shard), identical for every method: inputs and a fixed teacher's output.
+
+    Every step fits the same batch, so the loss falls steadily within a few steps and final losses of the methods
+    are comparable (fresh random batches would bury the progress of ten steps in batch-to-batch noise)."""
+    gen = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(width, width, generator=gen) / math.sqrt(width)
+    gen.manual_seed(seed * 1000 + rank + 1)
+    x = torch.randn(batch, width, generator=gen)
+    return x, torch.tanh(x @ teacher)
+
+
+# --------------------------------------------------------------------------- hooks
+
+class CommClock:
+    """Intervals from each hook call to the completion of its future, for the current step."""
+
+    def __init__(self):
+        self.intervals = []
+
+    def reset(self):
+        self.intervals = []
+
+    def busy_seconds(self):
+        # union of the intervals: wall time with at least one bucket in flight
+        total, end = 0.0, -math.inf
+        for s, e in sorted(self.intervals):
+            if e > end:
+                total += e - max(s, end)
+                end = e
+        return total
+
+    def wrap(self, hook):
+        def timed(state, bucket):
+            start = time.perf_counter()
+            fut = hook(state, bucket)
+
+            def done(f):
+                self.intervals.append((start, time.perf_counter()))
+                return f.value()
+            return fut.then(done)
+        return timed
+
+
+def no_comm_hook(state, bucket):
+    """The floor: hand DDP the local gradient back without communicating."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def waiting(hook):
+    """Wait for the bucket's result before returning, so no two buckets' collectives interleave (gloo)."""
+    def hook_waited(state, bucket):
+        fut = hook(state, bucket)
+        fut.wait()
+        return fut
+    return hook_waited
+
+
+def register(ddp, name, rank, clock):
+    """Register method `name` on ddp with timing; returns (state or None, note)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+    if name == "no_comm":
+        ddp.register_comm_hook(None, clock.wrap(no_comm_hook))
+        return None, "no communication: local gradients only (compute floor)"
+    if name == "allreduce":
+        ddp.register_comm_hook(None, clock.wrap(default_hooks.allreduce_hook))
+        return None, "PyTorch default all-reduce (default_hooks.allreduce_hook, as DDP without a hook)"
+    if name == "fp16_compress_hook":
+        ddp.register_comm_hook(None, clock.wrap(default_hooks.fp16_compress_hook))
+        return None, "PyTorch fp16_compress_hook"
+    if name == "powerSGD_hook":
+        # compress from step 2 on (the earliest PowerSGD allows with error feedback): inside the warmup
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, clock.wrap(waiting(psgd.powerSGD_hook)))
+        return state, POWERSGD_NOTE
+    # a ciuicflow hook: ciuicflow.register calls ddp.register_comm_hook; time the hook it registers
+    import ciuicflow
+    original = ddp.register_comm_hook
+    ddp.register_comm_hook = lambda state, hook: original(state, clock.wrap(hook))
+    options = {}
+    if name != "hierarchical_allreduce":
+        options["warmup_steps"] = 2  # compress from step 2, like powerSGD_hook above (default: 10)
+    if rank is not None:
+        options["rank"] = rank
+    try:
+        state = ciuicflow.register(ddp, name, **options)
+    finally:
+        del ddp.register_comm_hook
+    shown = "".join(f", {k}={v!r}" for k, v in options.items())
+    return state, f"ciuicflow.register(model, {name!r}{shown})"
+
+
+def ciuicflow_unavailable(name):
+    """None when ciuicflow's hook `name` can be registered here, else why not (same answer on every rank)."""
+    try:
+        import ciuicflow
+        ciuicflow.register  # noqa: B018 - resolves ciuicflow.hooks
+        import ciuicflow.hooks as hooks
+        getattr(hooks, name)
+        if name != "hierarchical_allreduce":
+            import ciuicflow.ops  # noqa: F401 - the compressing hooks need the native ops
+    except Exception as exc:  # any import problem means: skip this method, say why
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# --------------------------------------------------------------------------- the run
+
+def node_link_delta(before):
+    """Bytes this node sent on its link since `before`, summed over nodes (local rank 0 reads, others add 0)."""
+    now = read_node_link_bytes() if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None
+    sent = 0.0 if now is None or before is None else float(now[0] - before[0])
+    total = torch.tensor([sent], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item()
+
+
+def reduce_scalar(value, op):
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def run_method(spec, args, width, data):
+    name, rank = parse_method(spec)
+    world = dist.get_world_size()
+    clock = CommClock()
+    model = build_model(width, args.layers, args.seed)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    state, note = register(ddp, name, rank, clock)
+    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    loss_fn = torch.nn.MSELoss()
+
+    def step(i):
+        x, y = data
+        clock.reset()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ddp(x), y)
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0, clock.busy_seconds(), loss.item()
+
+    first_loss = None
+    for i in range(args.warmup):
+        _, _, loss = step(i)
+        first_loss = loss if first_loss is None else first_loss
+    if hasattr(state, "reset_stats"):
+        state.reset_stats()  # hook_stats then cover the measured steps only
+    dist.barrier()
+    local_leader = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    before = read_node_link_bytes() if local_leader else None
+    dist.barrier()
+    step_total = comm_total = 0.0
+    loss = float("nan")
+    for i in range(args.warmup, args.warmup + args.steps):
+        seconds, comm, loss = step(i)
+        step_total += seconds
+        comm_total += comm
+        first_loss = loss if first_loss is None else first_loss
+    dist.barrier()
+    inter_bytes = node_link_delta(before)
+    measured = read_node_link_bytes() is not None
+    record = {
+        "method": method_label(name, rank),
+        "hook": name,
+        "rank": rank,
+        "step_seconds": reduce_scalar(step_total / args.steps, dist.ReduceOp.MAX),
+        "comm_seconds": reduce_scalar(comm_total / args.steps, dist.ReduceOp.MAX),
+        "inter_node_bytes_per_step": inter_bytes / args.steps if measured else None,
+        "first_loss": reduce_scalar(first_loss, dist.ReduceOp.SUM) / world,
+        "final_loss": reduce_scalar(loss, dist.ReduceOp.SUM) / world,
+        "note": note,
+    }
+    stats = getattr(state, "stats", None)
+    if callable(stats):
+        try:
+            record["hook_stats"] = json.loads(json.dumps(stats(), default=str))
+        except Exception as exc:
+            record["hook_stats"] = f"stats() failed: {exc}"
+    del ddp, model, opt
+    return record
+
+
+# --------------------------------------------------------------------------- machine probe (for the planner)
+
+def _median_seconds(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    # a collective lasts as long as its slowest rank
+    t = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def probe_machine(numels, repeat=3):
+    """What the planner needs to know about this machine, measured with every rank busy at once:
+    latency (a one-element all-reduce), intra-node bandwidth (all-reduces inside each node at the same time),
+    float32 matmul rate (PowerSGD-shaped), and the time of a flat, a hierarchical and a hierarchical 1-bit
+    all-reduce of each size in ``numels`` (the last two need ciuicflow). Collective; returns a dict."""
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = world // local
+    groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)]
+    mine = groups[dist.get_rank() // local]
+    out = {"nodes": nodes, "ranks_per_node": local}
+    small = torch.zeros(1)
+    for _ in range(3):
+        dist.all_reduce(small)
+    out["alpha"] = _median_seconds(lambda: dist.all_reduce(small), 15) / (2 * (world - 1))
+    x = torch.randn(max(numels))
+    if local > 1:
+        t = _median_seconds(lambda: dist.all_reduce(x, group=mine), repeat)
+        out["intra_bw"] = 2 * (local - 1) / local * x.numel() * 4 / max(t - 2 * (local - 1) * out["alpha"], 1e-9)
+    a, q = torch.randn(1024, 1024), torch.randn(1024, 4)
+    out["matmul_flops"] = 2 * 1024 * 1024 * 4 * 20 / _median_seconds(lambda: [a @ q for _ in range(20)], 3)
+    out["sizes"] = {}
+    try:
+        import ciuicflow
+        from ciuicflow.collectives.onebit import OneBitErrors
+        topology = ciuicflow.Topology.detect()
+    except Exception as exc:  # the exact ring can still be measured
+        out["ciuicflow_error"] = f"{type(exc).__name__}: {exc}"
+        topology = None
+    for n in numels:
+        y = torch.randn(n)
+        sizes = out["sizes"][str(n)] = {"flat_ring": _median_seconds(lambda: dist.all_reduce(y), repeat)}
+        if topology is not None:
+            sizes["hierarchical"] = _median_seconds(lambda: ciuicflow.hierarchical_all_reduce(y, topology), repeat)
+            errors = OneBitErrors()
+            ciuicflow.onebit_all_reduce(y, errors, topology, hierarchical=True)  # allocates its buffers
+            sizes["hierarchical_1bit"] = _median_seconds(
+                lambda: ciuicflow.onebit_all_reduce(y, errors, topology, hierarchical=True), repeat)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--methods", required=True, help="comma-separated method specs, e.g. allreduce,powerSGD_hook:4")
+    p.add_argument("--params", type=float, required=True, help="model size in parameters")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (PyTorch's default: 25)")
+    p.add_argument("--out", required=True, help="JSONL file rank 0 appends one record per method to")
+    p.add_argument("--probe-numel", type=int, default=0,
+                   help="after the methods, measure the machine for the planner with tensors of this size")
+    args = p.parse_args(argv)
+    specs = [s for s in args.methods.split(",") if s]
+    if args.warmup < 2:
+        p.error("--warmup must be at least 2 (DDP rebuilds buckets after step 1; PowerSGD compresses from step 2)")
+    for spec in specs:
+        parse_method(spec)  # fail early on a typo, before anything starts
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    width = mlp_width(int(args.params), args.layers)
+    data = make_batch(width, args.batch, args.seed, rank)
+
+    def emit(record):
+        if rank == 0:
+            record.update(width=width, layers=args.layers,
+                          params=args.layers * (width * width + width),
+                          batch=args.batch, steps=args.steps, warmup=args.warmup, world_size=dist.get_world_size(),
+                          bucket_cap_mb=args.bucket_cap_mb, shaped=os.environ.get(ENV_SHAPED) == "1")
+            with open(args.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    for spec in specs:
+        name, r = parse_method(spec)
+        if name in CIUICFLOW_HOOKS:
+            why = ciuicflow_unavailable(name)
+            if why is not None:
+                if rank == 0:
+                    print(f"[bench] SKIPPED {method_label(name, r)}: ciuicflow hook not available ({why})",
+                          flush=True)
+                emit({"method": method_label(name, r), "hook": name, "rank": r, "skipped": why})
+                continue
+        if rank == 0:
+            print(f"[bench] {method_label(name, r)} ...", flush=True)
+        try:
+            record = run_method(spec, args, width, data)
+        except Exception:
+            # the other ranks are probably stuck in a collective: die, bench/comm.py relaunches without it
+            traceback.print_exc()
+            sys.stdout.flush()
+            os._exit(3)
+        if rank == 0:
+            b = record["inter_node_bytes_per_step"]
+            print(f"[bench] {record['method']}: {record['step_seconds']:.3f} s/step, comm {record['comm_seconds']:.3f}"
+                  f" s, inter-node {'n/a' if b is None else f'{b / 1e6:.2f} MB'}/step, "
+                  f"final loss {record['final_loss']:.5f}", flush=True)
+        emit(record)
+    if args.probe_numel:
+        if rank == 0:
+            print("[bench] measuring the machine for the planner ...", flush=True)
+        machine = probe_machine([args.probe_numel])
+        if rank == 0:
+            with open(args.out, "a") as f:
+                f.write(json.dumps({"probe": machine}) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

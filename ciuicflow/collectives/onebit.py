@@ -1,0 +1,275 @@
+"""Two-phase 1-bit all-reduce with error feedback, in the form 1-bit Adam uses.
+
+Over a group of W ranks, a tensor is cut into W segments; rank j is the "server" of segment j.
+
+1. worker: each rank adds its worker error to its tensor, keeps the sign of every element and one
+   scale (mean |value|) per chunk, and keeps what that drops as its new worker error;
+2. all-to-all: segment j of every rank goes to rank j;
+3. server: rank j averages the W compressed copies of its segment (``onebit_unpack_mean``), adds
+   its server error, compresses again and keeps what that drops as its server error;
+4. all-gather: every rank receives every compressed segment and decompresses the whole tensor.
+
+Both collectives carry about 1/32 of the float32 bytes. The result is bit-for-bit the same on
+every rank (it is decompressed from the same bytes). What has not been sent yet is exactly what
+the error buffers hold: summed over steps, output + mean(worker errors) + server errors equals the
+sum of the exact means (see tests/test_hierarchical.py).
+
+Positions that must stay exact (parameters excluded from compression) travel in the same two
+collectives as float32 values: summed by their server, gathered back: a reduce-scatter and an
+all-gather, that is an all-reduce, with no extra round trip. Every rank also sends a non-finite
+flag to every server; when any rank holds inf/NaN the step becomes an exact all-reduce and the
+error buffers are left as they were (AMP's GradScaler then sees the overflow and skips the step).
+
+``onebit_all_reduce`` runs it flat over the whole group, or as the inter-node step of the
+hierarchical all-reduce (then the error buffers hold node-level quantities: one per shard).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ciuicflow.collectives import Link, Traffic, all_gather, all_reduce, all_to_all, \
+    ring_all_reduce_bytes
+from ciuicflow.collectives.hierarchical import add_exact_traffic, check_reducible, reduce_in_place
+from ciuicflow.topology import Topology
+
+DEFAULT_CHUNK_SIZE = 2048
+
+
+class OneBitErrors:
+    """Error-feedback memory of one tensor's 1-bit all-reduce (float32, on the tensor's device).
+
+    ``worker``: what this rank has not yet sent of its input (W segments, padding included);
+    ``server``: what it has not yet sent of the mean of the segment it serves."""
+
+    def __init__(self):
+        self.worker: torch.Tensor | None = None
+        self.server: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None  # the next worker error is written here first
+        self._splits: dict = {}
+
+    def ensure(self, layout: "_Layout", device) -> None:
+        shapes = (layout.world * layout.segment, layout.segment)
+        if self.worker is None:
+            self.worker = torch.zeros(shapes[0], device=device)
+            self.server = torch.zeros(shapes[1], device=device)
+        elif (self.worker.numel(), self.server.numel()) != shapes:
+            raise RuntimeError(
+                f"1-bit error buffers hold ({self.worker.numel()}, {self.server.numel()}) elements "
+                f"but this tensor needs {shapes}: one OneBitErrors serves one tensor layout")
+        elif self.worker.device != torch.device(device) and device is not None:
+            self.worker, self.server = self.worker.to(device), self.server.to(device)
+        if self._spare is None or self._spare.shape != self.worker.shape \
+                or self._spare.device != self.worker.device:
+            self._spare = torch.empty_like(self.worker)
+
+    def state_dict(self) -> dict:
+        return {"worker": self.worker, "server": self.server}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.worker, self.server = state["worker"], state["server"]
+        self._spare = None
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How a tensor of ``numel`` compressed and ``exact`` exact elements is cut over ``world`` ranks."""
+
+    numel: int
+    exact: int
+    world: int
+    segment: int  # compressed elements per segment, a whole number of chunks
+    chunk: int    # elements per scale; a multiple of 8 so a chunk is whole bytes
+    raw: int      # exact elements per segment
+
+    @staticmethod
+    def plan(numel: int, exact: int, world: int, chunk_size: int) -> "_Layout":
+        per_rank = -(-numel // world)
+        if per_rank == 0:
+            return _Layout(numel, exact, world, 0, chunk_size, -(-exact // world))
+        # As many chunks as chunk_size asks for, but evened out: padding stays under 8 per chunk.
+        nchunks = -(-per_rank // chunk_size)
+        chunk = _round_up(-(-per_rank // nchunks), 8)
+        return _Layout(numel, exact, world, nchunks * chunk, chunk, -(-exact // world))
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.segment // 8
+
+    @property
+    def nscales(self) -> int:
+        return self.segment // self.chunk if self.segment else 0
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def onebit_all_reduce(tensor: torch.Tensor, errors: OneBitErrors, topology: Topology | None = None,
+                      *, hierarchical: bool = True, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                      exact_mask: torch.Tensor | None = None,
+                      traffic: Traffic | None = None) -> torch.Tensor:
+    """Average ``tensor`` in place over the topology's group with 1-bit compression; return it.
+
+    ``hierarchical=True`` compresses only the inter-node step of the hierarchical all-reduce
+    (on a single node the all-reduce is then exact); ``False`` compresses all traffic, flat over
+    the group. ``errors`` persists between calls for the same tensor. ``exact_mask`` (bool, same
+    numel) marks positions reduced exactly. ``traffic`` accumulates the bytes sent.
+    """
+    check_reducible(tensor)
+    if chunk_size <= 0 or chunk_size % 8:
+        raise ValueError(f"chunk_size must be a positive multiple of 8, got {chunk_size}")
+    if exact_mask is not None and (exact_mask.dtype != torch.bool
+                                   or exact_mask.numel() != tensor.numel()):
+        raise ValueError("exact_mask must be a bool tensor with as many elements as the tensor")
+    topology = topology if topology is not None else Topology.detect()
+    flat = tensor.view(-1)
+    step = OneBitStep(errors, chunk_size, exact_mask)
+    if hierarchical:
+        if traffic is not None:
+            add_exact_traffic(traffic, flat.numel(), flat.element_size(), topology)
+        reduce_in_place(flat, topology, "mean", step, traffic)
+    elif topology.world_size > 1 and flat.numel() > 0:
+        link = Link.flat(topology)
+        if traffic is not None:
+            traffic.add_exact(link, ring_all_reduce_bytes(flat.numel() * flat.element_size(),
+                                                          link.size))
+        result = step(flat, link, None, 0, traffic)
+        if result is not flat:
+            flat.copy_(result)
+    return tensor
+
+
+class OneBitStep:
+    """One 1-bit exchange over a link: ``step(x, link, flag, offset, traffic) -> mean of x``."""
+
+    needs_flag = True
+
+    def __init__(self, errors: OneBitErrors, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 exact_mask: torch.Tensor | None = None):
+        self.errors = errors
+        self.chunk_size = chunk_size
+        self.exact_mask = exact_mask
+
+    def __call__(self, x: torch.Tensor, link: Link, flag, offset: int,
+                 traffic: Traffic | None) -> torch.Tensor:
+        from ciuicflow import ops
+
+        world = link.size
+        if world == 1:
+            return x
+        compressed_at, exact_at = self._split(offset, x.numel(), x.device)
+        xc = x if compressed_at is None else x[compressed_at]
+        xe = x.new_empty(0, dtype=torch.float32) if exact_at is None else x[exact_at].float()
+        layout = _Layout.plan(xc.numel(), xe.numel(), world, self.chunk_size)
+        errors = self.errors
+        errors.ensure(layout, x.device)
+        if flag is None:
+            flag = (~torch.isfinite(x)).any()
+        flag = flag.to(torch.float32).reshape(1, 1)
+
+        # Phase 1 (worker): compress into the spare buffer, so a fallback leaves the error as it was.
+        worker_error = errors._spare
+        worker_error.copy_(errors.worker)
+        if layout.segment:
+            packed, scales = ops.onebit_pack(_padded(xc, world * layout.segment), worker_error,
+                                             layout.chunk)
+            worker_error[layout.numel:].zero_()  # padding carries no error
+        else:
+            packed = x.new_empty(0, dtype=torch.uint8)
+            scales = x.new_empty(0, dtype=torch.float32)
+        send = _rows(world, packed, scales, flag.expand(world, 1),
+                     _padded(xe, world * layout.raw))
+        received = torch.empty_like(send)
+        all_to_all(received, send, link, traffic)
+        r_packed, r_scales, r_flags, r_raw = _unrows(received, layout, with_flag=True)
+
+        if bool(r_flags.sum() > 0):  # a rank holds inf/NaN: exact this step, errors untouched
+            if traffic is not None:
+                traffic.nonfinite_fallbacks += 1
+            x.div_(world)
+            return all_reduce(x, link, traffic)
+        errors.worker, errors._spare = worker_error, errors.worker
+
+        # Phase 2 (server of segment `me`): average, compress again with the server error, gather.
+        me = dist.get_rank(link.group)
+        real = max(0, min(layout.segment, layout.numel - me * layout.segment))
+        if layout.segment:
+            mean = ops.onebit_unpack_mean(r_packed, r_scales, layout.segment, layout.chunk)
+            mean[real:] = 0
+            s_packed, s_scales = ops.onebit_pack(mean, errors.server, layout.chunk)
+            errors.server[real:].zero_()
+        else:
+            s_packed, s_scales = packed[:0], scales[:0]
+        raw_mean = r_raw.sum(0).div_(world)
+        send2 = _rows(1, s_packed, s_scales, None, raw_mean)
+        gathered = send2.new_empty(world, send2.shape[1])
+        all_gather(gathered, send2.view(-1), link, traffic)
+        g_packed, g_scales, _, g_raw = _unrows(gathered, layout, with_flag=False)
+
+        if layout.segment:
+            out = ops.onebit_unpack(g_packed.view(-1), g_scales.view(-1),
+                                    world * layout.segment, layout.chunk)[:layout.numel]
+        else:
+            out = x.new_empty(0, dtype=torch.float32)
+        if compressed_at is None:
+            x.copy_(out)
+        else:
+            x[compressed_at] = out.to(x.dtype)
+            x[exact_at] = g_raw.reshape(-1)[:layout.exact].to(x.dtype)
+        return x
+
+    def _split(self, offset: int, length: int, device):
+        """Index tensors of the compressed and the exact positions of x[offset:offset+length]."""
+        if self.exact_mask is None:
+            return None, None
+        key = (offset, length)
+        cached = self.errors._splits.get(key)
+        if cached is None:
+            exact = torch.zeros(length, dtype=torch.bool, device=device)
+            window = self.exact_mask.view(-1)[offset:offset + length]
+            exact[:window.numel()] = window.to(device)
+            if not bool(exact.any()):
+                cached = (None, None)
+            else:
+                cached = ((~exact).nonzero().view(-1), exact.nonzero().view(-1))
+            self.errors._splits[key] = cached
+        return cached
+
+
+def _padded(values: torch.Tensor, length: int) -> torch.Tensor:
+    if values.numel() == length:
+        return values
+    out = values.new_zeros(length)
+    out[:values.numel()] = values
+    return out
+
+
+def _as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t.contiguous().view(rows, -1).view(torch.uint8) if t.numel() else \
+        t.new_empty(rows, 0, dtype=torch.uint8)
+
+
+def _rows(rows: int, packed, scales, flags, raw) -> torch.Tensor:
+    """[rows, bytes]: per row, packed signs | float32 scales | float32 flag | float32 exact values."""
+    parts = [packed.view(rows, -1) if packed.numel() else packed.new_empty(rows, 0),
+             _as_bytes(scales, rows)]
+    if flags is not None:
+        parts.append(_as_bytes(flags, rows))
+    parts.append(_as_bytes(raw.to(torch.float32), rows))
+    return torch.cat(parts, dim=1)
+
+
+def _unrows(rows: torch.Tensor, layout: _Layout, with_flag: bool):
+    """Split what ``_rows`` built (one row per rank) back into its four parts."""
+    sizes = [layout.packed_bytes, 4 * layout.nscales, 4 if with_flag else 0, 4 * layout.raw]
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(rows[:, start:start + size].contiguous())
+        start += size
+    packed, scales, flags, raw = parts
+    as_float = (lambda t: t.view(torch.float32) if t.shape[1] else
+                t.new_empty(t.shape[0], 0, dtype=torch.float32))
+    return packed, as_float(scales), as_float(flags), as_float(raw)

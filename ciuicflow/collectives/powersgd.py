@@ -1,0 +1,221 @@
+"""PowerSGD: rank-r compression with error feedback and warm start (Vogels et al., 2019).
+
+Each gradient matrix M (n x m, a parameter's gradient viewed as [shape[0], -1]) is sent as two
+thin factors: P = M Q (n x r) is summed over the ranks and orthonormalised (``orthogonalize_``,
+the native op), then Q = M^T P (m x r) is summed, and every rank rebuilds M ~ P Q^T / W. The part
+of M that this drops stays in the rank's error buffer and is added to the next step's gradient;
+Q is kept for the next step (warm start), which makes one power iteration per step enough.
+Vectors, small matrices and excluded parameters (``exact_mask``) go uncompressed, as in PyTorch's
+PowerSGD: a matrix is compressed only when (n + m) r * min_compression_rate < n m.
+
+The uncompressed values and a non-finite flag share the all-reduce of P, so a step costs two
+all-reduces. When any rank holds inf/NaN, the step becomes an exact all-reduce of the input and
+the error and warm-start buffers are left as they were.
+
+Hierarchical variant: P, Q and the exact values are summed with the hierarchical all-reduce, so
+inter-node links carry 1/L of the compressed bytes. Because P = M Q and Q = M^T P are linear in M,
+this is the same algorithm as averaging M inside each node exactly and running PowerSGD over the
+nodes, and it also compresses the intra-node traffic. On a single node the all-reduce is exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ciuicflow.collectives import Link, Traffic, all_reduce, ring_all_reduce_bytes
+from ciuicflow.collectives.hierarchical import EXACT, add_exact_traffic, check_reducible, \
+    reduce_in_place
+from ciuicflow.topology import Topology
+
+
+class PowerSGDMemory:
+    """Error-feedback and warm-start memory of one tensor's PowerSGD all-reduce (float32)."""
+
+    def __init__(self):
+        self.error: torch.Tensor | None = None
+        self.q: torch.Tensor | None = None
+        self._plans: dict = {}
+
+    def state_dict(self) -> dict:
+        return {"error": self.error, "q": self.q}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.error, self.q = state["error"], state["q"]
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    offset: int
+    rows: int
+    cols: int
+    rank: int
+    p_offset: int
+    q_offset: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    matrices: tuple[_Matrix, ...]
+    exact_index: torch.Tensor | None  # positions all-reduced uncompressed
+    p_numel: int
+    q_numel: int
+    numel: int
+
+    @property
+    def compressed_numel(self) -> int:
+        return sum(m.rows * m.cols for m in self.matrices)
+
+
+def plan_compression(numel: int, segments, rank: int, min_compression_rate: float,
+                     exact_mask: torch.Tensor | None, device) -> _Plan:
+    """Which segments ((offset, shape) pairs) are compressed, and where their factors live."""
+    matrices, p_numel, q_numel = [], 0, 0
+    covered = torch.zeros(numel, dtype=torch.bool)
+    for offset, shape in segments:
+        size = 1
+        for dim in shape:
+            size *= dim
+        if len(shape) < 2 or size == 0:
+            continue
+        rows, cols = shape[0], size // shape[0]
+        r = min(rank, rows, cols)
+        if (rows + cols) * r * min_compression_rate >= rows * cols:
+            continue
+        if exact_mask is not None and bool(exact_mask[offset:offset + size].any()):
+            continue
+        matrices.append(_Matrix(offset, rows, cols, r, p_numel, q_numel))
+        covered[offset:offset + size] = True
+        p_numel += rows * r
+        q_numel += cols * r
+    exact_index = None if bool(covered.all()) else (~covered).nonzero().view(-1).to(device)
+    return _Plan(tuple(matrices), exact_index, p_numel, q_numel, numel)
+
+
+def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
+                        topology: Topology | None = None, *, segments=None, rank: int = 1,
+                        hierarchical: bool = True, min_compression_rate: float = 2.0,
+                        exact_mask: torch.Tensor | None = None, error_feedback: bool = True,
+                        warm_start: bool = True, seed: int = 0, step: int = 0, key: int = 0,
+                        eps: float = 0.0, traffic: Traffic | None = None) -> torch.Tensor:
+    """Average ``tensor`` in place over the topology's group with PowerSGD; return it.
+
+    ``segments``: the matrices laid out in the flattened tensor, as ``(offset, shape)`` pairs (a
+    DDP bucket's gradients); default: the tensor itself, viewed as [shape[0], -1]. ``memory``
+    persists between calls for the same tensor. ``seed``, ``key`` and ``step`` seed the random
+    initial Q, the same on every rank. ``hierarchical=False`` runs flat over the group.
+    """
+    check_reducible(tensor)
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    topology = topology if topology is not None else Topology.detect()
+    flat = tensor.view(-1)
+    world = topology.world_size
+    if world == 1 or flat.numel() == 0:
+        return tensor
+    if traffic is not None:
+        if hierarchical:
+            add_exact_traffic(traffic, flat.numel(), flat.element_size(), topology)
+        else:
+            traffic.add_exact(Link.flat(topology),
+                              ring_all_reduce_bytes(flat.numel() * flat.element_size(), world))
+    if hierarchical and topology.num_nodes == 1:  # nothing crosses a node: exact is cheapest
+        reduce_in_place(flat, topology, "mean", EXACT, traffic)
+        return tensor
+
+    def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
+        if hierarchical:
+            reduce_in_place(values, topology, "sum", EXACT, traffic)
+            return values
+        return all_reduce(values, Link.flat(topology), traffic)
+
+    if segments is None:
+        segments = [(0, tuple(tensor.shape))]
+    plan_key = (tuple((o, tuple(s)) for o, s in segments), rank, min_compression_rate,
+                None if exact_mask is None else exact_mask.data_ptr())
+    plan = memory._plans.get(plan_key)
+    if plan is None:
+        plan = plan_compression(flat.numel(), segments, rank, min_compression_rate, exact_mask,
+                                flat.device)
+        memory._plans[plan_key] = plan
+
+    # M = gradient + error, in float32; the input stays intact for an exact fallback.
+    work = flat.to(torch.float32, copy=True)
+    if error_feedback and memory.error is not None:
+        if memory.error.numel() != flat.numel():
+            raise RuntimeError(f"PowerSGD error buffer holds {memory.error.numel()} elements, "
+                               f"the tensor {flat.numel()}: one memory serves one tensor")
+        work += memory.error.to(work.device)
+    q = _initial_q(plan, memory, warm_start, (seed, key, step), flat.device)
+    ps = torch.empty(plan.p_numel, device=flat.device)
+    for m in plan.matrices:
+        q_m = _factor(q, m.q_offset, m.cols, m.rank)
+        _orthogonalize(q_m, eps)
+        torch.matmul(_block(work, m), q_m, out=_factor(ps, m.p_offset, m.rows, m.rank))
+
+    exact_values = flat[plan.exact_index] if plan.exact_index is not None else flat[:0]
+    nonfinite = (~torch.isfinite(flat)).any().to(flat.dtype).view(1)
+    first = torch.cat([ps.to(flat.dtype), exact_values, nonfinite])
+    sum_over_ranks(first)
+    if bool(first[-1] > 0):  # a rank holds inf/NaN: exact this step, memory untouched
+        if traffic is not None:
+            traffic.nonfinite_fallbacks += 1
+        flat.div_(world)
+        sum_over_ranks(flat)
+        return tensor
+
+    ps = first[:plan.p_numel].to(torch.float32)
+    for m in plan.matrices:
+        p_m = _factor(ps, m.p_offset, m.rows, m.rank)
+        _orthogonalize(p_m, eps)
+        torch.matmul(_block(work, m).t(), p_m, out=_factor(q, m.q_offset, m.cols, m.rank))
+    second = q.to(flat.dtype)
+    sum_over_ranks(second)
+    q = second.to(torch.float32).div_(world)
+
+    approx = torch.zeros_like(work)
+    for m in plan.matrices:
+        torch.matmul(_factor(ps, m.p_offset, m.rows, m.rank),
+                     _factor(q, m.q_offset, m.cols, m.rank).t(), out=_block(approx, m))
+    flat.copy_(approx)
+    if plan.exact_index is not None:
+        flat[plan.exact_index] = first[plan.p_numel:-1].div_(world)
+    if error_feedback:
+        work.sub_(approx)
+        if plan.exact_index is not None:
+            work[plan.exact_index] = 0.0  # exact values leave nothing behind
+        memory.error = work
+    if warm_start:
+        memory.q = q
+    return tensor
+
+
+def _block(flat: torch.Tensor, m: _Matrix) -> torch.Tensor:
+    return flat[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
+
+
+def _factor(flat: torch.Tensor, offset: int, rows: int, rank: int) -> torch.Tensor:
+    return flat[offset:offset + rows * rank].view(rows, rank)
+
+
+def _orthogonalize(matrix: torch.Tensor, eps: float) -> None:
+    from ciuicflow import ops
+
+    ops.orthogonalize_(matrix, eps)
+
+
+def _initial_q(plan: _Plan, memory: PowerSGDMemory, warm_start: bool, seed_parts,
+               device) -> torch.Tensor:
+    """Q for this step: last step's (warm start) or fresh Gaussian, identical on every rank."""
+    if warm_start and memory.q is not None and memory.q.numel() == plan.q_numel:
+        return memory.q.to(device, copy=True)
+    generator = torch.Generator().manual_seed(_mix(seed_parts))
+    return torch.randn(plan.q_numel, generator=generator).to(device)
+
+
+def _mix(parts) -> int:
+    """A 63-bit seed from a few integers, the same in every process (unlike hash() of a str)."""
+    value = 0x9E3779B97F4A7C15
+    for part in parts:
+        value = (value ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 % (1 << 64)
+    return value % (1 << 63)

@@ -1,0 +1,198 @@
+"""Settings of the sidecar: defaults < TOML config file (``--config FILE``) < command-line flags."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .common import format_hostport, is_loopback, parse_hostport, parse_size
+
+TOKEN_ENV = "CIUICFLOW_KVFLOW_TOKEN"
+
+
+@dataclass
+class SidecarConfig:
+    name: str = "sidecar"
+    api: str = "127.0.0.1:50151"              # local API for the inference server
+    listen: str = "0.0.0.0:50152"             # where peers reach this sidecar
+    peers: Dict[str, str] = field(default_factory=dict)   # name -> HOST:PORT
+    allow_remote_api: bool = False            # let --api bind a non-loopback address
+    allow_unknown_peers: bool = False         # accept links from senders not named by --peer
+    metrics_port: int = 0                     # 0 = no metrics endpoint
+    metrics_host: str = "127.0.0.1"
+    # chunking and flow control
+    chunk_size: int = 256 << 10
+    min_cwnd: int = 0                         # bytes; 0 = 2 chunks
+    quantum_normal: int = 3 << 20             # DRR quantum per turn, bytes
+    quantum_low: int = 1 << 20
+    max_wait_s: float = 0.5                   # aging: a normal/low chunk waits at most this long behind high
+    link_rate: int = 0                        # emulate a slow link: read incoming peer traffic at <= bytes/s
+    # limits
+    max_total_bytes: int = 2 << 30            # buffered bytes in total (outgoing + incoming)
+    max_peer_bytes: int = 1 << 30             # buffered bytes per peer
+    max_message_bytes: int = 4 << 20          # largest gRPC message accepted
+    admission_timeout_s: float = 10.0         # a sender over the cap waits this long, then RESOURCE_EXHAUSTED
+    lease_s: float = 60.0                     # received transfers not collected in time are dropped
+    stall_timeout_s: float = 30.0             # a transfer without progress this long fails
+    resume_timeout_s: float = 30.0            # a peer gone this long: its transfers fail with UNAVAILABLE
+    max_retransmits: int = 8                  # per chunk, then DATA_LOSS
+    drain_s: float = 5.0                      # graceful shutdown: time to finish in-flight transfers
+    spool_dir: Optional[str] = None           # receiver: keep received chunks on disk, resume after a restart
+    # security
+    token: Optional[str] = None               # shared token required on peer links and sent to peers
+    token_file: Optional[str] = None
+    api_token: Optional[str] = None           # token required on the local API (optional)
+    tls_cert: Optional[str] = None            # PEM certificate chain of this sidecar
+    tls_key: Optional[str] = None             # PEM private key
+    tls_ca: Optional[str] = None              # PEM CA: peers must present a certificate it signed (mutual TLS)
+    tls_server_name: Optional[str] = None     # override the name checked in peers' certificates
+    # logging / testing
+    log_level: str = "INFO"
+    test_corrupt_every: int = 0               # TEST ONLY: corrupt 1 in N chunks sent, at random (retransmit tests)
+
+    # -------------------------------------------------------------- validation
+    def validate(self) -> "SidecarConfig":
+        api_host, _ = parse_hostport(self.api, what="--api")
+        parse_hostport(self.listen, what="--listen")
+        if not is_loopback(api_host) and not self.allow_remote_api:
+            raise ValueError(f"--api {self.api} is not a loopback address; add --allow-remote-api to allow it")
+        for peer, addr in self.peers.items():
+            if not peer or "=" in peer:
+                raise ValueError(f"bad peer name {peer!r}")
+            parse_hostport(addr, what=f"peer {peer}")
+        if not 4 << 10 <= self.chunk_size <= 4 << 20:
+            raise ValueError("--chunk-size must be between 4KiB and 4MiB (256KiB..1MiB recommended)")
+        if self.chunk_size + (64 << 10) > self.max_message_bytes:
+            raise ValueError("--max-message-bytes must exceed --chunk-size by at least 64KiB")
+        if self.max_peer_bytes <= 0 or self.max_total_bytes <= 0:
+            raise ValueError("memory caps must be positive")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_ca and not self.tls_cert:
+            raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if self.token_file and not self.token:
+            with open(self.token_file) as fh:
+                self.token = fh.read().strip()
+        if not self.token and os.environ.get(TOKEN_ENV):
+            self.token = os.environ[TOKEN_ENV]
+        if self.test_corrupt_every < 0:
+            raise ValueError("--test-corrupt-every must be >= 0")
+        return self
+
+
+_SIZE_FIELDS = {"chunk_size", "min_cwnd", "quantum_normal", "quantum_low", "link_rate", "max_total_bytes",
+                "max_peer_bytes", "max_message_bytes"}
+_FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
+
+
+def _coerce(name: str, value):
+    if name in _SIZE_FIELDS:
+        return parse_size(value, what=name)
+    if name == "peers":
+        if isinstance(value, dict):
+            return {str(k): str(v) for k, v in value.items()}
+        return dict(parse_peer(v) for v in value)
+    default = _FIELDS[name].default
+    if isinstance(default, bool):
+        if isinstance(value, str):
+            return value.lower() in ("1", "true", "yes", "on")
+        return bool(value)
+    if isinstance(default, int) and not isinstance(default, bool):
+        return int(value)
+    if isinstance(default, float):
+        return float(value)
+    return None if value is None else str(value)
+
+
+def parse_peer(text: str):
+    name, sep, addr = str(text).partition("=")
+    if not sep or not name or not addr:
+        raise ValueError(f"--peer {text!r} must be NAME=HOST:PORT")
+    return name.strip(), addr.strip()
+
+
+def load_toml(path: str) -> dict:
+    """Read a config file. Keys are the flag names (dashes or underscores); ``[peers]`` is a table of
+    NAME = "HOST:PORT"; tables ``[limits]``, ``[tls]``, ``[auth]``, ``[flow]`` may group keys."""
+    with open(path, "rb") as fh:
+        raw = tomllib.load(fh)
+    out = {}
+    for key, value in raw.items():
+        k = key.replace("-", "_")
+        if isinstance(value, dict) and k != "peers":
+            for sub_key, sub_value in value.items():
+                sk = sub_key.replace("-", "_")
+                if sk not in _FIELDS and f"{k}_{sk}" in _FIELDS:
+                    sk = f"{k}_{sk}"
+                out[sk] = sub_value
+        else:
+            out[k] = value
+    unknown = sorted(set(out) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ciuicflow-sidecar",
+        description="KV-flow sidecar: moves KV-cache data between inference servers with priorities and "
+                    "congestion control. Flags override the --config file.",
+    )
+    S = argparse.SUPPRESS
+    a = p.add_argument
+    a("--config", metavar="FILE", help="TOML config file (keys as the flags, [peers] table)")
+    a("--name", default=S, help="this sidecar's name (peers know it by this)")
+    a("--api", default=S, metavar="HOST:PORT", help="local API for the inference server (default 127.0.0.1:50151)")
+    a("--listen", default=S, metavar="HOST:PORT", help="where peers reach this sidecar (default 0.0.0.0:50152)")
+    a("--peer", dest="peers", action="append", default=S, metavar="NAME=HOST:PORT", help="a peer (repeatable)")
+    a("--allow-remote-api", action="store_true", default=S, help="allow --api on a non-loopback address")
+    a("--allow-unknown-peers", action="store_true", default=S, help="accept links from senders not named by --peer")
+    a("--metrics-port", type=int, default=S, help="Prometheus metrics port (0: off)")
+    a("--metrics-host", default=S, help="metrics address (default 127.0.0.1)")
+    a("--chunk-size", default=S, help="chunk size, e.g. 256KiB (256KiB..1MiB recommended)")
+    a("--min-cwnd", default=S, help="smallest congestion window in bytes (default 2 chunks)")
+    a("--quantum-normal", default=S, help="DRR quantum of class normal per turn (default 3MiB)")
+    a("--quantum-low", default=S, help="DRR quantum of class low per turn (default 1MiB)")
+    a("--max-wait-s", type=float, default=S, help="aging: longest wait of normal/low behind high (default 0.5)")
+    a("--link-rate", default=S, help="emulate a slow link: read incoming peer traffic at most this fast, "
+                                     "e.g. 100MB or 800Mbit (default: off)")
+    a("--max-total-bytes", default=S, help="cap on buffered bytes in total (default 2GiB)")
+    a("--max-peer-bytes", default=S, help="cap on buffered bytes per peer (default 1GiB)")
+    a("--max-message-bytes", default=S, help="largest gRPC message accepted (default 4MiB)")
+    a("--admission-timeout-s", type=float, default=S, help="wait over the cap before RESOURCE_EXHAUSTED (10)")
+    a("--lease-s", type=float, default=S, help="uncollected received transfers expire after this (60)")
+    a("--stall-timeout-s", type=float, default=S, help="a transfer without progress fails after this (30)")
+    a("--resume-timeout-s", type=float, default=S, help="a peer gone this long fails its transfers (30)")
+    a("--max-retransmits", type=int, default=S, help="retransmits of one chunk before DATA_LOSS (8)")
+    a("--drain-s", type=float, default=S, help="graceful shutdown: time to finish in-flight transfers (5)")
+    a("--spool-dir", default=S, metavar="DIR", help="keep received chunks on disk to resume after a restart")
+    a("--token", default=S, help=f"shared peer token (or --token-file, or ${TOKEN_ENV})")
+    a("--token-file", default=S, metavar="FILE")
+    a("--api-token", default=S, help="token required on the local API")
+    a("--tls-cert", default=S, metavar="PEM", help="certificate chain for peer links")
+    a("--tls-key", default=S, metavar="PEM", help="private key for peer links")
+    a("--tls-ca", default=S, metavar="PEM", help="CA that signs peers' certificates: turns on mutual TLS")
+    a("--tls-server-name", default=S, help="name expected in peers' certificates (default: the peer's host)")
+    a("--log-level", default=S, help="DEBUG, INFO, WARNING (default INFO)")
+    a("--test-corrupt-every", type=int, default=S, metavar="N",
+      help="TEST ONLY: corrupt 1 in N chunks sent (at random), to exercise checksum retransmits")
+    return p
+
+
+def load_config(argv: Optional[List[str]] = None) -> SidecarConfig:
+    args = vars(build_parser().parse_args(argv))
+    config_file = args.pop("config", None)
+    values = load_toml(config_file) if config_file else {}
+    file_peers = _coerce("peers", values.pop("peers", {}))
+    flag_peers = _coerce("peers", args.pop("peers", []))
+    values.update(args)
+    cfg = SidecarConfig()
+    for key, value in values.items():
+        setattr(cfg, key, _coerce(key, value))
+    cfg.peers = {**file_peers, **flag_peers}
+    return cfg.validate()
+

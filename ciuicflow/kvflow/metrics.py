@@ -1,0 +1,43 @@
+"""Prometheus metrics of one sidecar (its own registry, served by ``--metrics-port``)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        p = "ciuicflow_kvflow_"
+        self.bytes = Counter(p + "bytes", "Payload bytes moved, per peer, class and direction",
+                             ["peer", "priority", "direction"], registry=r)
+        self.chunks = Counter(p + "chunks", "Chunks moved, per peer, class and direction",
+                              ["peer", "priority", "direction"], registry=r)
+        self.transfers = Counter(p + "transfers", "Finished transfers by outcome (gRPC status name)",
+                                 ["peer", "priority", "direction", "status"], registry=r)
+        self.latency = Histogram(p + "transfer_seconds", "Time from send to delivery, per class and direction",
+                                 ["priority", "direction"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "Outgoing transfers with a chunk waiting, per peer and class",
+                                 ["peer", "priority"], registry=r)
+        self.pacing_rate = Gauge(p + "pacing_rate_bytes_per_second", "Pacing rate per peer", ["peer"], registry=r)
+        self.btl_bw = Gauge(p + "bottleneck_bandwidth_bytes_per_second", "Estimated delivery rate per peer",
+                            ["peer"], registry=r)
+        self.rtt = Gauge(p + "min_rtt_seconds", "Minimum chunk RTT per peer", ["peer"], registry=r)
+        self.cwnd = Gauge(p + "cwnd_bytes", "Cap on bytes in flight per peer", ["peer"], registry=r)
+        self.inflight = Gauge(p + "inflight_bytes", "Bytes sent and not yet acknowledged per peer", ["peer"],
+                              registry=r)
+        self.rtt_hist = Histogram(p + "chunk_rtt_seconds", "Chunk RTT samples per peer", ["peer"],
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.retransmits = Counter(p + "retransmits", "Chunks sent again, per peer and reason",
+                                   ["peer", "reason"], registry=r)
+        self.rejected = Counter(p + "rejected_requests", "Requests refused, by gRPC status name",
+                                ["code"], registry=r)
+        self.buffered = Gauge(p + "buffered_bytes", "Bytes buffered (outgoing + incoming) per peer", ["peer"],
+                              registry=r)
+        self.buffered_total = Gauge(p + "memory_used_bytes", "Bytes buffered in total (outgoing + incoming)", registry=r)
+        self.leases_expired = Counter(p + "leases_expired", "Received transfers dropped uncollected", registry=r)
+        self.link_up = Gauge(p + "peer_link_up", "1 while the link to the peer is connected", ["peer"], registry=r)
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        return start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,1 @@
+"""Protocol of the KV-flow sidecar: kvflow.proto and its generated stubs."""

@@ -1,0 +1,519 @@
+"""The KV-flow sidecar process: ``ciuicflow-sidecar`` / ``python -m ciuicflow.kvflow.server``.
+
+Two gRPC servers on one asyncio event loop:
+  * the local API (``KVFlow``: Send, Recv, Stats) on ``--api`` (loopback unless ``--allow-remote-api``);
+  * the peer transport (``KVFlowPeer.Link``) on ``--listen``, with optional mutual TLS and a shared token.
+Both also serve gRPC health checking and reflection. Prometheus metrics on ``--metrics-port``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Dict, List, Optional
+
+import crc32c
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .budget import MemoryBudget
+from .common import (AUTH_METADATA, FLOW_METADATA, LOCAL_SERVICE, PAYLOAD_KINDS, PEER_SERVICE, check_key,
+                     check_part_info, format_hostport, parse_hostport, priority_from_pb)
+from .config import SidecarConfig, load_config
+from .metrics import Metrics
+from .proto import kvflow_pb2 as pb
+from .receiver import MALFORMED, PeerService, Store
+from .sender import OutChunk, PeerLink, TransferFailed
+
+log = logging.getLogger("ciuicflow.kvflow")
+
+
+def _safe_deserializer(cls):
+    def deserialize(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception:       # noqa: BLE001 - reported as INVALID_ARGUMENT by the handler
+            return MALFORMED
+    return deserialize
+
+
+class _Cutter:
+    """Cuts the local client's messages of one transfer into chunks of at most ``chunk_size`` bytes,
+    checking that parts come in order and match their description."""
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+        self.part = 0                 # the part being filled
+        self.offset = 0               # bytes of it received
+        self.nbytes: Optional[int] = None
+        self.info: Optional[pb.PartInfo] = None
+        self.buf = bytearray()
+        self.buf_offset = 0           # part offset of buf[0]
+
+    def feed(self, d: pb.SendData) -> List[OutChunk]:
+        if self.nbytes is None:       # a new part starts
+            if d.part != self.part or d.offset != 0:
+                raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"chunk out of order: got part {d.part} offset {d.offset}, "
+                                     f"expected part {self.part} offset 0")
+            if not d.HasField("info"):
+                raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"first message of part {d.part} has no PartInfo")
+            err = check_part_info(d.info, self.part)
+            if err:
+                raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, err)
+            self.nbytes = d.info.nbytes
+            self.info = d.info
+        elif d.part != self.part or d.offset != self.offset:
+            raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"chunk out of order: got part {d.part} offset {d.offset}, "
+                                 f"expected part {self.part} offset {self.offset}")
+        if self.offset + len(d.data) > self.nbytes:
+            raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"part {self.part}: {self.offset + len(d.data)} bytes sent, part has {self.nbytes}")
+        data = d.data
+        self.offset += len(data)
+        out = []
+        pos = 0
+        if self.buf:
+            need = self.chunk_size - len(self.buf)
+            self.buf += data[:need]
+            pos = min(need, len(data))
+            if len(self.buf) == self.chunk_size:
+                out.append(self._emit(bytes(self.buf)))
+                self.buf = bytearray()
+        # Whole chunks straight from the message (no copy when the message is exactly one chunk).
+        while len(data) - pos >= self.chunk_size:
+            piece = data if pos == 0 and len(data) == self.chunk_size else data[pos:pos + self.chunk_size]
+            out.append(self._emit(piece))
+            pos += self.chunk_size
+        if pos < len(data):
+            self.buf += data[pos:]
+        if self.offset == self.nbytes:
+            if self.buf or not out:
+                out.append(self._emit(bytes(self.buf)))
+                self.buf = bytearray()
+            self.part += 1
+            self.offset = 0
+            self.nbytes = None
+            self.buf_offset = 0
+        return out
+
+    def _emit(self, data: bytes) -> OutChunk:
+        info = self.info if self.buf_offset == 0 else None
+        chunk = OutChunk(self.part, self.buf_offset, data, crc32c.crc32c(data), info)
+        self.buf_offset += len(data)
+        return chunk
+
+    def finish(self, num_parts: int) -> None:
+        if self.nbytes is not None:
+            raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"SendEnd before part {self.part} was complete ({self.offset} of {self.nbytes} bytes)")
+        if num_parts != self.part:
+            raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"SendEnd says {num_parts} parts, {self.part} were sent")
+
+
+class LocalService:
+    """``KVFlow``: the API of the inference server beside this sidecar."""
+
+    def __init__(self, sidecar: "Sidecar"):
+        self.sc = sidecar
+
+    async def _reject(self, context, code: grpc.StatusCode, message: str):
+        self.sc.metrics.rejected.labels(code.name).inc()
+        await context.abort(code, message)
+
+    async def _check_auth(self, context):
+        token = self.sc.cfg.api_token
+        if token and dict(context.invocation_metadata()).get(AUTH_METADATA) != f"Bearer {token}":
+            await self._reject(context, grpc.StatusCode.UNAUTHENTICATED, "local API needs a valid token")
+
+    # ------------------------------------------------------------------ Send
+    async def Send(self, request_iterator, context):
+        await self._check_auth(context)
+        sc = self.sc
+        if sc.shutting_down:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
+        flow = dict(context.invocation_metadata()).get(FLOW_METADATA, "").lower() == "enabled"
+        iterator = request_iterator.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "empty Send stream: expected a SendHeader")
+        if first is MALFORMED:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed SendRequest")
+        if first.WhichOneof("msg") != "header":
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "the first SendRequest must be a header")
+        h = first.header
+        err = check_key(h.key)
+        priority = priority_from_pb(h.priority)
+        if err:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, err)
+        if priority is None:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"unknown priority value {h.priority}")
+        if h.payload_kind and h.payload_kind not in PAYLOAD_KINDS:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"payload_kind must be one of {PAYLOAD_KINDS}, got {h.payload_kind!r}")
+        if h.deadline_s < 0 or h.lease_s < 0:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "deadline_s and lease_s must be >= 0")
+        link = sc.links.get(h.dest)
+        if link is None:
+            known = ", ".join(sorted(sc.links)) or "none"
+            await self._reject(context, grpc.StatusCode.NOT_FOUND, f"unknown peer {h.dest!r} (known: {known})")
+        try:
+            t = link.create_transfer(h.key, priority, flow, h.deadline_s, h.payload_kind or "bytes",
+                                     h.resume, h.lease_s)
+        except TransferFailed as exc:
+            await self._reject(context, exc.code, exc.message)
+        ingest = asyncio.create_task(self._ingest(link, t, iterator))
+        try:
+            await asyncio.wait({ingest, t.done}, return_when=asyncio.FIRST_COMPLETED)
+            if not t.done.done():
+                try:
+                    ingest.result()
+                except TransferFailed as exc:
+                    link.fail(t, exc.code, exc.message)
+                except Exception as exc:    # noqa: BLE001
+                    link.fail(t, grpc.StatusCode.CANCELLED, f"local sender stream broke: {exc}")
+            try:
+                return await t.done
+            except TransferFailed as exc:
+                if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
+                    sc.metrics.rejected.labels(exc.code.name).inc()
+                await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:
+            link.fail(t, grpc.StatusCode.CANCELLED, "the local client cancelled the send")
+            raise
+        finally:
+            if not ingest.done():
+                ingest.cancel()
+            ingest.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+    async def _ingest(self, link: PeerLink, t, iterator) -> None:
+        sc = self.sc
+        cutter = _Cutter(sc.cfg.chunk_size)
+        async for req in iterator:
+            if t.finished:
+                return
+            if req is MALFORMED:
+                raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, "malformed SendRequest")
+            kind = req.WhichOneof("msg")
+            if kind == "data":
+                for chunk in cutter.feed(req.data):
+                    n = len(chunk.data)
+                    too_big = t.buffered + n > min(sc.budget.peer_cap, sc.budget.total_cap)
+                    if too_big and link.durable is None:
+                        # Whether the peer spools decides what fits: learn it from the handshake.
+                        stop = time.monotonic() + sc.cfg.admission_timeout_s
+                        while link.durable is None and not t.finished and time.monotonic() < stop:
+                            await asyncio.sleep(0.01)
+                    if too_big and not link.durable:
+                        # Kept until the peer commits it (to resend after a restart of the peer), so it
+                        # can never fit: refuse now rather than after the admission timeout.
+                        raise TransferFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                             f"transfer {t.key!r} is larger than the memory cap "
+                                             f"({sc.budget.peer_cap} bytes per peer; a receiver with "
+                                             f"--spool-dir lifts this)")
+                    if not await sc.budget.reserve(link.name, n, sc.cfg.admission_timeout_s):
+                        raise TransferFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                             f"over the memory cap for {sc.cfg.admission_timeout_s:g}s "
+                                             f"(peer {link.name!r}: {sc.budget.per_peer.get(link.name, 0)} bytes "
+                                             f"buffered, total {sc.budget.used})")
+                    if t.finished:
+                        sc.budget.release(link.name, n)
+                        return
+                    t.buffered += n
+                    link.add_chunk(t, chunk)
+            elif kind == "end":
+                cutter.finish(req.end.num_parts)
+                link.close_transfer(t, req.end.num_parts)
+                return
+            elif kind == "header":
+                raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, "a second SendHeader in one Send")
+            else:
+                raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, "empty SendRequest")
+        raise TransferFailed(grpc.StatusCode.CANCELLED, "the Send stream ended without SendEnd")
+
+    # ------------------------------------------------------------------ Recv
+    async def Recv(self, request, context):
+        await self._check_auth(context)
+        if request is MALFORMED:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed RecvRequest")
+        err = check_key(request.key)
+        if err:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, err)
+        if request.timeout_s < 0:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0")
+        store = self.sc.store
+        deadline = time.monotonic() + request.timeout_s if request.timeout_s > 0 else None
+        tomb = store.tombstones.get(request.key)
+        if request.key not in store.entries and tomb is not None and tomb[0] == "expired":
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"transfer {request.key!r} expired: not collected within its lease")
+        entry = await store.wait_for(request.key, deadline)
+        if entry is None:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no transfer with key {request.key!r} arrived within {request.timeout_s:g}s")
+        if entry.readers:
+            await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transfer {request.key!r} is already being received")
+        entry.readers += 1
+        try:
+            yield pb.RecvReply(header=pb.RecvHeader(key=entry.key, source=entry.source,
+                                                    payload_kind=entry.payload_kind,
+                                                    priority={"high": pb.HIGH, "normal": pb.NORMAL,
+                                                              "low": pb.LOW}[entry.priority]))
+            pos = 0
+            generation = entry.generation
+            while True:
+                if entry.generation != generation:
+                    if any(g > generation and seq < pos for g, seq in entry.truncations):
+                        await context.abort(grpc.StatusCode.ABORTED,
+                                            f"transfer {entry.key!r} was resumed with different content; "
+                                            "receive it again")
+                    generation = entry.generation
+                while pos < len(entry.chunks):
+                    c = entry.chunks[pos]
+                    pos += 1
+                    yield pb.RecvReply(data=pb.RecvData(part=c.part, offset=c.offset, data=c.data, info=c.info))
+                if entry.failed:
+                    code, message = entry.failed
+                    await context.abort(code, message)
+                if entry.complete and pos >= len(entry.chunks):
+                    store.collect(entry)
+                    return
+                if self.sc.shutting_down:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
+                timeout = None if deadline is None else deadline - time.monotonic()
+                if timeout is not None and timeout <= 0:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"transfer {entry.key!r} incomplete after {request.timeout_s:g}s "
+                                        f"({len(entry.chunks)} chunks arrived)")
+                await entry.changed(1.0 if timeout is None else min(timeout, 1.0))
+        finally:
+            entry.readers -= 1
+            entry.last_activity = time.monotonic()
+
+    # ------------------------------------------------------------------ Stats
+    async def Stats(self, request, context):
+        await self._check_auth(context)
+        return pb.StatsReply(json=json.dumps(self.sc.stats()))
+
+
+class Sidecar:
+    def __init__(self, cfg: SidecarConfig):
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.budget = MemoryBudget(cfg.max_total_bytes, cfg.max_peer_bytes, on_change=self._budget_changed)
+        self.store = Store(self)
+        self.links: Dict[str, PeerLink] = {}
+        self.shutting_down = False
+        self.started = time.monotonic()
+        self.api_address = ""
+        self.listen_address = ""
+        self.metrics_address = ""
+        self._servers: List[grpc.aio.Server] = []
+        self._health: List[health.aio.HealthServicer] = []
+        self._tasks: List[asyncio.Task] = []
+
+    def _budget_changed(self, peer: str, peer_used: int, total: int) -> None:
+        self.metrics.buffered.labels(peer).set(peer_used)
+        self.metrics.buffered_total.set(total)
+
+    # ------------------------------------------------------------------ channels
+    def _read(self, path: Optional[str]) -> Optional[bytes]:
+        if not path:
+            return None
+        with open(path, "rb") as fh:
+            return fh.read()
+
+    def _options(self):
+        n = self.cfg.max_message_bytes
+        return [
+            ("grpc.max_receive_message_length", n),
+            ("grpc.max_send_message_length", n),
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+
+    def make_channel(self, address: str) -> grpc.aio.Channel:
+        cfg = self.cfg
+        options = self._options() + [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if cfg.tls_cert:
+            if cfg.tls_server_name:
+                options.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
+            creds = grpc.ssl_channel_credentials(root_certificates=self._read(cfg.tls_ca),
+                                                 private_key=self._read(cfg.tls_key),
+                                                 certificate_chain=self._read(cfg.tls_cert))
+            return grpc.aio.secure_channel(address, creds, options=options)
+        return grpc.aio.insecure_channel(address, options=options)
+
+    # ------------------------------------------------------------------ start / stop
+    def _new_server(self, service_name: str, handlers) -> grpc.aio.Server:
+        server = grpc.aio.server(options=self._options())
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+        hs = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        reflection.enable_server_reflection(
+            (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self._health.append((hs, service_name))
+        self._servers.append(server)
+        return server
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        local = LocalService(self)
+        api_server = self._new_server(LOCAL_SERVICE, {
+            "Send": grpc.stream_unary_rpc_method_handler(
+                local.Send, request_deserializer=_safe_deserializer(pb.SendRequest),
+                response_serializer=pb.SendReply.SerializeToString),
+            "Recv": grpc.unary_stream_rpc_method_handler(
+                local.Recv, request_deserializer=_safe_deserializer(pb.RecvRequest),
+                response_serializer=pb.RecvReply.SerializeToString),
+            "Stats": grpc.unary_unary_rpc_method_handler(
+                local.Stats, request_deserializer=_safe_deserializer(pb.StatsRequest),
+                response_serializer=pb.StatsReply.SerializeToString),
+        })
+        api_host, api_port = parse_hostport(cfg.api)
+        bound = api_server.add_insecure_port(format_hostport(api_host, api_port))
+        if bound == 0:
+            raise RuntimeError(f"cannot bind the local API on {cfg.api}")
+        self.api_address = format_hostport(api_host, bound)
+
+        peer = PeerService(self)
+        peer_server = self._new_server(PEER_SERVICE, {
+            "Link": grpc.stream_stream_rpc_method_handler(
+                peer.Link, request_deserializer=_safe_deserializer(pb.PeerFrame),
+                response_serializer=pb.PeerReply.SerializeToString),
+        })
+        host, port = parse_hostport(cfg.listen)
+        listen = format_hostport(host, port)
+        if cfg.tls_cert:
+            creds = grpc.ssl_server_credentials([(self._read(cfg.tls_key), self._read(cfg.tls_cert))],
+                                                root_certificates=self._read(cfg.tls_ca),
+                                                require_client_auth=bool(cfg.tls_ca))
+            bound = peer_server.add_secure_port(listen, creds)
+        else:
+            bound = peer_server.add_insecure_port(listen)
+        if bound == 0:
+            raise RuntimeError(f"cannot bind the peer port on {cfg.listen}")
+        self.listen_address = format_hostport(host, bound)
+
+        if cfg.spool_dir:
+            from .spool import Spool
+            self.store.spool = Spool(cfg.spool_dir)
+            restored = self.store.spool.restore(self)
+            if restored:
+                log.info("restored %d transfer(s) from spool %s", restored, cfg.spool_dir)
+
+        for server in self._servers:
+            await server.start()
+        for hs, name in self._health:
+            await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+            await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port:
+            self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            self.metrics_address = format_hostport(cfg.metrics_host, cfg.metrics_port)
+        for name, address in cfg.peers.items():
+            link = PeerLink(self, name, address)
+            self.links[name] = link
+            link.start()
+        self._tasks.append(asyncio.create_task(self._sweeper()))
+
+    async def _sweeper(self) -> None:
+        period = max(0.05, min(1.0, self.cfg.lease_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.store.sweep()
+            except Exception:   # noqa: BLE001 - keep serving
+                log.exception("sweep failed")
+
+    async def stop(self) -> None:
+        """Graceful shutdown: refuse new work, let in-flight transfers finish for ``drain_s``, then fail the
+        rest explicitly (UNAVAILABLE to local senders and to receivers)."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        log.info("shutting down: draining for up to %gs", self.cfg.drain_s)
+        for hs, _ in self._health:
+            await hs.enter_graceful_shutdown()
+        deadline = time.monotonic() + self.cfg.drain_s
+        while time.monotonic() < deadline and any(link.transfers for link in self.links.values()):
+            await asyncio.sleep(0.05)
+        for link in self.links.values():
+            link.fail_all(grpc.StatusCode.UNAVAILABLE, "sending sidecar is shutting down")
+        await asyncio.sleep(0.1)      # let the aborts reach the peers
+        for entry in list(self.store.entries.values()):
+            entry.notify()            # Recv streams see shutting_down
+        for task in self._tasks:
+            task.cancel()
+        for link in self.links.values():
+            await link.close()
+        await asyncio.gather(*(server.stop(1.0) for server in self._servers))
+        log.info("stopped")
+
+    def stats(self) -> dict:
+        return {
+            "name": self.cfg.name,
+            "uptime_s": time.monotonic() - self.started,
+            "api": self.api_address,
+            "listen": self.listen_address,
+            "chunk_size": self.cfg.chunk_size,
+            "memory": self.budget.snapshot(),
+            "peers": {name: link.snapshot() for name, link in self.links.items()},
+            "store": self.store.snapshot(),
+            "shutting_down": self.shutting_down,
+        }
+
+
+async def serve(cfg: SidecarConfig, ready=None) -> None:
+    sidecar = Sidecar(cfg)
+    await sidecar.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    peers = ",".join(f"{n}={a}" for n, a in cfg.peers.items()) or "-"
+    log.info("sidecar %r ready: api=%s listen=%s metrics=%s peers=%s tls=%s token=%s", cfg.name,
+             sidecar.api_address, sidecar.listen_address, sidecar.metrics_address or "-", peers,
+             "mutual" if cfg.tls_ca else ("on" if cfg.tls_cert else "off"), "on" if cfg.token else "off")
+    if ready is not None:
+        ready(sidecar)
+    await stop.wait()
+    await sidecar.stop()
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = load_config(argv)
+    except (ValueError, OSError) as exc:
+        print(f"ciuicflow-sidecar: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(cfg))
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

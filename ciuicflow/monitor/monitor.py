@@ -1,0 +1,439 @@
+"""``Monitor``: per-step communication records, Prometheus export, straggler and hang alerts.
+
+    state = ciuicflow.register(ddp_model, "hierarchical_1bit")
+    with ciuicflow.monitor.Monitor(run_dir="runs/exp1", states=[state],
+                                   prometheus_port=9400, straggler_every=50) as mon:
+        for batch in loader:
+            with mon.step():
+                with mon.phase("data"):
+                    x, y = next(batches)
+                loss = loss_fn(ddp_model(x), y)
+                loss.backward()
+                optimizer.step()
+                mon.add_metrics(loss=loss.item())
+
+Constructing a ``Monitor`` is collective when torch.distributed is initialised (every rank of the
+group constructs one, in the same order as its other collectives): it builds a gloo group of its
+own, agrees on a run id and, without an explicit ``topology``, detects the node layout. Every
+rank must run the same number of steps (a straggler check is a collective every
+``straggler_every`` steps).
+
+Each step record (one JSON line per step in ``RUN_DIR/rankNNNNN.jsonl``) holds: ``step``,
+``time`` (Unix time at the step's end), ``step_s`` (wall time), ``comm_s`` (time in the sources'
+compression and communication, from their ``time_s``), ``compute_s`` (``step_s - comm_s``, at
+least 0), ``comm_fraction``, bytes sent per link class and what exact all-reduces would have
+sent (``intra_node_bytes``, ``inter_node_bytes``, ``exact_*``), ``compression_ratio`` (exact /
+actual, all links) and ``inter_node_compression_ratio``, ``error_feedback_norm`` (every
+``error_norm_every`` steps, else null), ``phases`` (seconds per ``phase``) and ``metrics``
+(``add_metrics``). With overlapping hooks (``overlap=True``) communication runs beside the
+backward pass, so ``comm_fraction`` bounds the exposed share from above.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+from ciuicflow.monitor.recorder import RunRecorder
+from ciuicflow.monitor.sources import StatsSource, combine, ratio
+from ciuicflow.monitor.stragglers import (BETWEEN_STEPS, HangWatchdog, Heartbeat,
+                                          StragglerDetector, describe_hang, describe_straggler)
+from ciuicflow.monitor.traffic import TRAFFIC_MODELS
+
+log = logging.getLogger("ciuicflow.monitor")
+
+
+class Monitor:
+    """Records every step; exports, gathers and watches as configured.
+
+    Args:
+        run_dir: where to write ``rankNNNNN.jsonl`` (None: record nothing to disk).
+        states: hook states (``stats()``) and/or callables returning cumulative stats dicts.
+        group: the process group being trained on (default: the world).
+        topology: a ``ciuicflow.Topology`` of ``group`` (default: a state's, else detected).
+        prometheus_port: base port; rank's endpoint is ``base + local rank`` (0: OS-chosen).
+        prometheus_addr: address the endpoints bind to (``"0.0.0.0"`` to be scraped remotely).
+        prometheus_push: ``host:port`` of a Pushgateway to push to every ``push_every`` steps.
+        straggler_every: gather step times every N steps (0: never).
+        straggler_factor, straggler_min_excess_s: a straggler is busy > factor x median and
+            > median + min_excess_s.
+        hang_timeout_s: a rank whose position has not changed for this long is reported
+            (None or 0: no watchdog).
+        heartbeat_s: how often heartbeats are published and read (default: timeout / 10, <= 5 s).
+        store: a torch.distributed Store shared by the ranks (default: the rendezvous store).
+        watchdog_rank: the rank that logs alerts and runs the hang watchdog.
+        error_norm_every: compute the error-feedback norm every N steps (0: only when reported).
+        traffic_model: ``"hierarchical"``, ``"flat"`` or ``"auto"`` (hierarchical when the
+            topology is); pass ``"flat"`` with the flat hooks (``onebit``, ``powersgd``).
+        flush_every: flush the record file every N steps.
+        sync_cuda: ``torch.cuda.synchronize()`` at step boundaries for exact per-step times.
+        on_alert: called with each alert dict raised on this rank.
+    """
+
+    def __init__(self, run_dir: str | None = None, states=(), *, group=None, topology=None,
+                 prometheus_port: int | None = None, prometheus_addr: str = "127.0.0.1",
+                 prometheus_push: str | None = None, push_every: int = 10,
+                 straggler_every: int = 50, straggler_factor: float = 1.5,
+                 straggler_min_excess_s: float = 0.005, hang_timeout_s: float | None = 300.0,
+                 heartbeat_s: float | None = None, store=None, watchdog_rank: int = 0,
+                 error_norm_every: int = 10, traffic_model: str = "auto", flush_every: int = 10,
+                 sync_cuda: bool = False, on_alert=None):
+        if traffic_model not in TRAFFIC_MODELS + ("auto",):
+            raise ValueError(f"traffic_model must be auto, hierarchical or flat, got "
+                             f"{traffic_model!r}")
+        for name, value in (("straggler_every", straggler_every),
+                            ("error_norm_every", error_norm_every)):
+            if int(value) < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if prometheus_port is not None and not 0 <= int(prometheus_port) < 65536:
+            raise ValueError(f"prometheus_port must be a port number, got {prometheus_port}")
+        if isinstance(states, (str, bytes)) or not hasattr(states, "__iter__"):
+            states = [states]
+        states = list(states)
+        self.sources = [StatsSource(s) for s in states]
+        self.error_norm_every = int(error_norm_every)
+        self.sync_cuda = bool(sync_cuda)
+        self._on_alert_user = on_alert
+        self.alerts: list[dict] = []
+        self._alerts_lock = threading.Lock()
+        self.last_windows: list[dict] | None = None
+
+        self._init_layout(group, topology, states)
+        self.watchdog_rank = int(watchdog_rank)
+        if not 0 <= self.watchdog_rank < self.world_size:
+            raise ValueError(f"watchdog_rank {watchdog_rank} is outside the group "
+                             f"(size {self.world_size})")
+        if traffic_model == "auto":
+            traffic_model = "hierarchical" if self._topology_is_hierarchical else "flat"
+        self.traffic_model = traffic_model
+
+        self._stragglers = None
+        if straggler_every and self.world_size > 1:
+            self._stragglers = StragglerDetector(
+                self._group, int(straggler_every), float(straggler_factor),
+                float(straggler_min_excess_s), rank=self.rank, node=self.node, host=self.host)
+
+        self._heartbeat = self._watchdog = None
+        if hang_timeout_s and self.world_size > 1:
+            self._start_hang_detection(store, float(hang_timeout_s), heartbeat_s)
+
+        self._prometheus = None
+        if prometheus_port is not None or prometheus_push is not None:
+            from ciuicflow.monitor.prometheus import PrometheusExporter
+
+            port = None if prometheus_port is None else \
+                (0 if int(prometheus_port) == 0 else int(prometheus_port) + self.local_rank)
+            self._prometheus = PrometheusExporter(self.rank, self.node, port=port,
+                                                  addr=prometheus_addr,
+                                                  push_gateway=prometheus_push,
+                                                  push_every=push_every)
+
+        self.start_time = time.time()
+        self.recorder = None
+        if run_dir is not None:
+            self.recorder = RunRecorder(run_dir, self.rank, self._meta(), flush_every)
+
+        self.steps = 0             # completed steps; the next step's index
+        self.overhead_s = 0.0      # time in the monitor's own bookkeeping (gathers excluded)
+        self._in_step = False
+        self._t_begin = 0.0
+        self._phase_stack: list[tuple[str, float]] = []
+        self._phase_times: dict[str, float] = {}
+        self._ordinal = 0
+        self._metrics: dict = {}
+        self._closed = False
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _init_layout(self, group, topology, states) -> None:
+        import torch.distributed as dist
+
+        self.host = socket.gethostname()
+        if topology is None:
+            topology = next((s.topology for s in states
+                             if getattr(s, "topology", None) is not None), None)
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed:
+            self.rank, self.world_size, self._group = 0, 1, None
+            self.node_of_rank, self.hosts = [0], [self.host]
+            self.run_id = uuid.uuid4().hex
+            self._topology_is_hierarchical = False
+            return
+        if group is None:
+            group = topology.group if topology is not None else dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        if topology is None and self.world_size > 1:
+            from ciuicflow.topology import Topology
+
+            topology = Topology.detect(group)
+        if topology is not None and topology.world_size != self.world_size:
+            raise ValueError(f"topology has {topology.world_size} ranks, the group "
+                             f"{self.world_size}")
+        self._group = None
+        infos = [{"host": self.host, "run_id": None}]
+        if self.world_size > 1:
+            # the monitor's collectives run on a gloo group of their own: CPU objects, and no
+            # interleaving with the hooks' collectives on the training group
+            self._group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                         use_local_synchronization=True)
+            infos = [None] * self.world_size
+            mine = {"host": self.host, "run_id": uuid.uuid4().hex if self.rank == 0 else None}
+            dist.all_gather_object(infos, mine, group=self._group)
+        self.run_id = infos[0]["run_id"] or uuid.uuid4().hex
+        self.hosts = [info["host"] for info in infos]
+        self.node_of_rank = list(topology.node_of_rank) if topology is not None \
+            else [0] * self.world_size
+        self._topology_is_hierarchical = bool(topology is not None and topology.hierarchical)
+
+    def _start_hang_detection(self, store, timeout_s: float, heartbeat_s) -> None:
+        import torch.distributed as dist
+
+        interval = float(heartbeat_s) if heartbeat_s else min(5.0, timeout_s / 10)
+        if interval <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        while store is None and isinstance(base, dist.PrefixStore):
+            base = base.underlying_store  # clones of a PrefixStore lose their prefix
+
+        def own_connection():
+            # each thread gets its own connection when the store can make one
+            try:
+                connection = base.clone()
+            except (RuntimeError, NotImplementedError, AttributeError):
+                connection = base
+            return dist.PrefixStore(f"ciuicflow/monitor/{self.run_id}/", connection)
+
+        self._heartbeat = Heartbeat(own_connection(), self.rank, interval)
+        dist.barrier(group=self._group)  # every heartbeat key exists before anyone reads
+        self._heartbeat.start()
+        if self.rank == self.watchdog_rank:
+            info = [{"node": n, "host": h} for n, h in zip(self.node_of_rank, self.hosts)]
+            self._watchdog = HangWatchdog(own_connection(), self.world_size, timeout_s, interval,
+                                          info, self._raise_alert)
+            self._watchdog.start()
+
+    def _meta(self) -> dict:
+        import ciuicflow
+
+        return {
+            "run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
+            "node": self.node, "local_rank": self.local_rank, "node_of_rank": self.node_of_rank,
+            "host": self.host, "hosts": self.hosts, "traffic_model": self.traffic_model,
+            "sources": [s.name for s in self.sources], "start_time": self.start_time,
+            "pid": os.getpid(), "ciuicflow_version": ciuicflow.__version__,
+            "straggler_every": self._stragglers.every if self._stragglers else 0,
+            "prometheus_port": self.prometheus_port,
+        }
+
+    # -- layout ----------------------------------------------------------------------------
+
+    @property
+    def node(self) -> int:
+        return self.node_of_rank[self.rank]
+
+    @property
+    def local_rank(self) -> int:
+        return [r for r, n in enumerate(self.node_of_rank) if n == self.node].index(self.rank)
+
+    @property
+    def prometheus_port(self) -> int | None:
+        """The port this rank's metrics endpoint listens on (None: no endpoint)."""
+        return self._prometheus.port if getattr(self, "_prometheus", None) else None
+
+    # -- the training loop's side ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self):
+        """``with mon.step(): ...`` — one training step. A step that raises is not recorded."""
+        self.step_begin()
+        try:
+            yield self
+        except BaseException:
+            self._abandon_step()
+            raise
+        self.step_end()
+
+    def step_begin(self) -> None:
+        start = time.perf_counter()
+        if self._closed:
+            raise RuntimeError("this Monitor is closed")
+        if self._in_step:
+            raise RuntimeError("step_begin() called twice without step_end()")
+        self._in_step = True
+        self._phase_times = {}
+        self._ordinal = 0
+        if self._heartbeat is not None:
+            self._heartbeat.move(self.steps, "step", 0)
+        if self.sync_cuda:
+            self._cuda_synchronize()
+        now = time.perf_counter()
+        self.overhead_s += now - start
+        self._t_begin = now
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a named part of the step (``"data"``, ``"forward"``...); shown in alerts."""
+        start = time.perf_counter()
+        if not self._in_step:
+            raise RuntimeError(f"phase {name!r} outside a step: call it inside mon.step()")
+        self._phase_stack.append((name, start))
+        self._moved(name)
+        self.overhead_s += time.perf_counter() - start
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self._phase_stack.pop()
+            self._phase_times[name] = self._phase_times.get(name, 0.0) + (end - start)
+            self._moved(self._phase_stack[-1][0] if self._phase_stack else "step")
+            self.overhead_s += time.perf_counter() - end
+
+    def _moved(self, phase: str) -> None:
+        self._ordinal += 1
+        if self._heartbeat is not None:
+            self._heartbeat.move(self.steps, phase, self._ordinal)
+
+    def add_metrics(self, **values) -> None:
+        """Free-form numbers for the current step's record (loss, learning rate, ...)."""
+        for name, value in values.items():
+            self._metrics[name] = value.item() if hasattr(value, "item") else float(value)
+
+    def step_end(self) -> dict:
+        """End the step: record it, export it, and run a straggler check when one is due."""
+        if self.sync_cuda:
+            self._cuda_synchronize()
+        end = time.perf_counter()
+        if not self._in_step:
+            raise RuntimeError("step_end() without step_begin()")
+        step_s = end - self._t_begin
+        record = self._make_record(self.steps, step_s)
+        self._in_step = False
+        self._phase_stack = []
+        if self.recorder is not None:
+            self.recorder.step(record)
+        if self._prometheus is not None:
+            self._prometheus.observe_step(record)
+        self.steps += 1
+        if self._heartbeat is not None:
+            self._heartbeat.move(self.steps, BETWEEN_STEPS, -1)
+        check_due = self._stragglers is not None and self._stragglers.add(
+            record["step"], step_s, self._busy_s(record), record.get("phases"))
+        self.overhead_s += time.perf_counter() - end
+        if check_due:
+            self._check_stragglers()
+        return record
+
+    def _make_record(self, index: int, step_s: float) -> dict:
+        deltas, reported_norms = [], []
+        for source in self.sources:
+            delta, norm = source.delta()
+            deltas.append(delta)
+            if norm is not None:
+                reported_norms.append(norm)
+        total = combine(deltas)
+        comm_s = total["time_s"]
+        sent = total["intra_node_bytes"] + total["inter_node_bytes"]
+        exact = total["exact_intra_node_bytes"] + total["exact_inter_node_bytes"]
+        record = {
+            "type": "step", "step": index, "time": time.time(), "step_s": step_s,
+            "comm_s": comm_s, "compute_s": max(step_s - comm_s, 0.0),
+            "comm_fraction": min(comm_s / step_s, 1.0) if step_s > 0 else 0.0,
+            "intra_node_bytes": total["intra_node_bytes"],
+            "inter_node_bytes": total["inter_node_bytes"],
+            "exact_intra_node_bytes": total["exact_intra_node_bytes"],
+            "exact_inter_node_bytes": total["exact_inter_node_bytes"],
+            "compression_ratio": ratio(exact, sent),
+            "inter_node_compression_ratio": ratio(total["exact_inter_node_bytes"],
+                                                  total["inter_node_bytes"]),
+            "error_feedback_norm": self._error_norm(index, reported_norms),
+        }
+        if self._phase_times:
+            record["phases"] = self._phase_times
+        if self._metrics:
+            record["metrics"], self._metrics = self._metrics, {}
+        return record
+
+    def _error_norm(self, index: int, reported: list[float]) -> float | None:
+        norms = list(reported)
+        if self.error_norm_every and index % self.error_norm_every == 0:
+            norms += [n for n in (s.compute_error_norm() for s in self.sources
+                                  if s.can_compute_error_norm()) if n is not None]
+        if not norms:
+            return None
+        return sum(n * n for n in norms) ** 0.5
+
+    def _busy_s(self, record: dict) -> float:
+        # with sources, waiting for peers shows up inside comm_s: busy time excludes it
+        return record["compute_s"] if self.sources else record["step_s"]
+
+    def _abandon_step(self) -> None:
+        self._in_step = False
+        self._phase_stack = []
+        self._metrics = {}
+        if self._heartbeat is not None:
+            self._heartbeat.move(self.steps, BETWEEN_STEPS, -1)
+
+    @staticmethod
+    def _cuda_synchronize() -> None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    # -- alerts ----------------------------------------------------------------------------
+
+    def _check_stragglers(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.move(self.steps, "straggler check", -1)
+        windows, alerts = self._stragglers.check()
+        self.last_windows = windows
+        if self._heartbeat is not None:
+            self._heartbeat.move(self.steps, BETWEEN_STEPS, -1)
+        if self.rank == self.watchdog_rank:  # one rank speaks for all
+            for alert in alerts:
+                self._raise_alert(dict(alert, time=time.time()))
+
+    def _raise_alert(self, alert: dict) -> None:
+        alert = dict(alert, detected_by=self.rank)
+        describe = describe_hang if alert["kind"] == "hang" else describe_straggler
+        log.warning("ciuicflow.monitor: %s", describe(alert))
+        with self._alerts_lock:
+            self.alerts.append(alert)
+        if self.recorder is not None:
+            self.recorder.alert(alert)
+        if self._prometheus is not None:
+            self._prometheus.count_alert(alert["kind"])
+        if self._on_alert_user is not None:
+            try:
+                self._on_alert_user(alert)
+            except Exception:  # a broken callback must not take training down
+                log.exception("ciuicflow.monitor: on_alert callback failed")
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the threads and the endpoint, write the end record. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.close()
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+        if self._prometheus is not None:
+            self._prometheus.close()
+        if self.recorder is not None:
+            self.recorder.close({
+                "steps": self.steps, "overhead_s": self.overhead_s,
+                "gather_s": self._stragglers.gather_s if self._stragglers else 0.0,
+                "wall_s": time.time() - self.start_time, "time": time.time()})
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

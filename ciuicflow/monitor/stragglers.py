@@ -1,0 +1,274 @@
+"""Straggler detection (step times gathered over gloo) and hang detection (store heartbeats).
+
+Stragglers. Every ``every`` steps each rank summarises its last window (mean step time, mean busy
+time, mean time per phase) and the summaries are all-gathered over a gloo group. In synchronous
+training every rank waits for the slowest inside the collectives, so wall step times are nearly
+equal; the rank to blame is the one that is *busy* longest. Busy time is step time minus time in
+the hooks (which includes waiting for peers); without hook statistics it is the step time. A rank
+is a straggler when its busy time exceeds ``factor`` x the median over ranks and the median by at
+least ``min_excess_s``; the phase reported is the one (``Monitor.phase``) exceeding its own median
+by the most. The gather is a collective: every rank must call ``check`` at the same step.
+
+Hangs. A collective cannot tell which rank is missing: it just blocks. So each rank publishes its
+position (step, phase, a counter bumped at every transition) to the rendezvous store from a
+background thread, and a watchdog thread on one rank reads everyone's. A rank whose position has
+not changed for ``timeout_s`` (by the watchdog's clock, so node clocks need not agree) is stalled.
+When the others wait for it in a collective they stall too; the suspects are the stalled ranks
+furthest behind (lowest step, then fewest phase transitions within it), the others are reported
+as waiting.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("ciuicflow.monitor")
+
+BETWEEN_STEPS = "between steps"
+
+
+# ------------------------------------------------------------------------------------------------
+# Stragglers
+
+
+def find_stragglers(windows: list[dict], factor: float = 1.5,
+                    min_excess_s: float = 0.005) -> list[dict]:
+    """Alerts for the ranks whose busy time is ``> factor x median`` (and ``> median + min_excess_s``).
+
+    ``windows``: one summary per rank with ``rank``, ``node``, ``host``, ``first_step``,
+    ``last_step``, ``busy_s``, ``step_s`` and ``phases`` (phase -> mean seconds)."""
+    if factor <= 1.0:
+        raise ValueError(f"straggler factor must be > 1, got {factor}")
+    if len(windows) < 2:
+        return []
+    median_busy = statistics.median(w["busy_s"] for w in windows)
+    phase_names = sorted({name for w in windows for name in w["phases"]})
+    phase_medians = {name: statistics.median(w["phases"].get(name, 0.0) for w in windows)
+                     for name in phase_names}
+    alerts = []
+    for w in windows:
+        busy = w["busy_s"]
+        if busy <= factor * median_busy or busy - median_busy < min_excess_s:
+            continue
+        phase, phase_s, phase_median = "step", busy, median_busy
+        if phase_names:
+            phase = max(phase_names, key=lambda n: w["phases"].get(n, 0.0) - phase_medians[n])
+            phase_s, phase_median = w["phases"].get(phase, 0.0), phase_medians[phase]
+        alerts.append({
+            "type": "alert", "kind": "straggler", "rank": w["rank"], "node": w["node"],
+            "host": w["host"], "phase": phase, "steps": [w["first_step"], w["last_step"]],
+            "busy_s": busy, "median_busy_s": median_busy,
+            "ratio": busy / median_busy if median_busy > 0 else None,
+            "step_s": w["step_s"], "phase_s": phase_s, "median_phase_s": phase_median,
+        })
+    return alerts
+
+
+def describe_straggler(alert: dict) -> str:
+    ratio = f"x{alert['ratio']:.1f}" if alert.get("ratio") else "median 0"
+    text = (f"straggler: rank {alert['rank']} (node {alert['node']}, host {alert['host']}) is busy "
+            f"{alert['busy_s'] * 1e3:.1f} ms/step vs median {alert['median_busy_s'] * 1e3:.1f} ms "
+            f"({ratio}) over steps {alert['steps'][0]}-{alert['steps'][1]}; phase "
+            f"'{alert['phase']}'")
+    if alert["phase"] != "step":
+        text += (f" takes {alert['phase_s'] * 1e3:.1f} ms vs median "
+                 f"{alert['median_phase_s'] * 1e3:.1f} ms")
+    return text
+
+
+class StragglerDetector:
+    """Collects this rank's steps and, every ``every`` steps, gathers and compares windows."""
+
+    def __init__(self, group, every: int, factor: float, min_excess_s: float, *, rank: int,
+                 node: int, host: str):
+        if every < 1:
+            raise ValueError(f"straggler_every must be >= 1, got {every}")
+        if factor <= 1.0:
+            raise ValueError(f"straggler_factor must be > 1, got {factor}")
+        self.group, self.every = group, every
+        self.factor, self.min_excess_s = factor, min_excess_s
+        self._identity = {"rank": rank, "node": node, "host": host}
+        self._window: list[dict] = []
+        self.gather_s = 0.0  # time spent in the gathers (they also wait for the slowest rank)
+
+    def add(self, step: int, step_s: float, busy_s: float, phases: dict | None) -> bool:
+        """Record a step; True when a check is due (call ``check`` on every rank then)."""
+        self._window.append({"step": step, "step_s": step_s, "busy_s": busy_s,
+                             "phases": phases or {}})
+        return len(self._window) >= self.every
+
+    def summary(self) -> dict:
+        window = self._window
+        n = len(window)
+        phases: dict[str, float] = {}
+        for entry in window:
+            for name, seconds in entry["phases"].items():
+                phases[name] = phases.get(name, 0.0) + seconds / n
+        return dict(self._identity, first_step=window[0]["step"], last_step=window[-1]["step"],
+                    step_s=sum(e["step_s"] for e in window) / n,
+                    busy_s=sum(e["busy_s"] for e in window) / n, phases=phases)
+
+    def check(self) -> tuple[list[dict], list[dict]]:
+        """Gather every rank's window (collective); return (all windows, straggler alerts)."""
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        mine = self.summary()
+        self._window = []
+        windows = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(windows, mine, group=self.group)
+        self.gather_s += time.perf_counter() - start
+        return windows, find_stragglers(windows, self.factor, self.min_excess_s)
+
+
+# ------------------------------------------------------------------------------------------------
+# Hangs
+
+
+def find_hang_suspects(positions: dict[int, dict], stalled: set[int]) -> list[int]:
+    """Among ``stalled`` ranks, those furthest behind: lowest step, then fewest transitions.
+
+    ``positions``: rank -> heartbeat (``step``, ``ordinal``: phase transitions within the step,
+    ``closed``). Closed ranks are ignored."""
+    live = {r: p for r, p in positions.items() if not p.get("closed")}
+    candidates = [r for r in stalled if r in live]
+    if not candidates:
+        return []
+
+    def behind(rank):
+        return (live[rank]["step"], live[rank]["ordinal"])
+
+    lowest = min(behind(r) for r in live)
+    suspects = sorted(r for r in candidates if behind(r) == lowest)
+    return suspects or sorted(candidates)
+
+
+def describe_hang(alert: dict) -> str:
+    text = (f"hang: rank {alert['rank']} (node {alert['node']}, host {alert['host']}) has not "
+            f"progressed for {alert['stalled_s']:.1f} s, at step {alert['step']}, phase "
+            f"'{alert['phase']}'")
+    if alert["waiting"]:
+        text += "; waiting: " + ", ".join(
+            f"rank {w['rank']} (node {w['node']}) step {w['step']} phase '{w['phase']}'"
+            for w in alert["waiting"])
+    return text
+
+
+class Heartbeat:
+    """This rank's position, updated by the training loop and published by a thread.
+
+    The training loop only assigns a tuple (cheap, atomic under the GIL); the thread writes it
+    to the store when it changed."""
+
+    def __init__(self, store, rank: int, interval_s: float):
+        self._store, self._key, self._interval = store, f"hb/{rank}", interval_s
+        self._position = (0, 0, BETWEEN_STEPS, 0, False)  # seq, step, phase, ordinal, closed
+        self._published = None
+        self._stop = threading.Event()
+        self._thread = None
+        self.publish()
+
+    def move(self, step: int, phase: str, ordinal: int) -> None:
+        seq = self._position[0] + 1
+        self._position = (seq, step, phase, ordinal, False)
+
+    def publish(self) -> None:
+        position = self._position
+        if position == self._published:
+            return
+        seq, step, phase, ordinal, closed = position
+        self._store.set(self._key, json.dumps({"seq": seq, "step": step, "phase": phase,
+                                               "ordinal": ordinal, "closed": closed}))
+        self._published = position
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name="ciuicflow-heartbeat")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.publish()
+            except Exception as exc:  # the store went away (shutdown): stop quietly
+                log.debug("ciuicflow.monitor: heartbeat stopped: %s", exc)
+                return
+
+    def close(self) -> None:
+        seq, step, phase, ordinal, _ = self._position
+        self._position = (seq + 1, step, phase, ordinal, True)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.publish()
+        except Exception as exc:
+            log.debug("ciuicflow.monitor: last heartbeat not published: %s", exc)
+
+
+class HangWatchdog:
+    """Reads every rank's heartbeat; reports stalled ranks through ``on_alert``."""
+
+    def __init__(self, store, world_size: int, timeout_s: float, interval_s: float,
+                 ranks_info: list[dict], on_alert: Callable[[dict], None],
+                 clock: Callable[[], float] = time.monotonic):
+        if timeout_s <= 0:
+            raise ValueError(f"hang_timeout_s must be > 0, got {timeout_s}")
+        self._store, self._world = store, world_size
+        self._timeout, self._interval = timeout_s, interval_s
+        self._info, self._on_alert, self._clock = ranks_info, on_alert, clock
+        self._keys = [f"hb/{r}" for r in range(world_size)]
+        self._last_seq: dict[int, int] = {}
+        self._since: dict[int, float] = {}
+        self._alerted: dict[int, int] = {}  # rank -> seq already reported
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="ciuicflow-watchdog")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def poll(self) -> list[dict]:
+        """One look at the heartbeats; returns (and reports) new hang alerts."""
+        now = self._clock()
+        positions = {r: json.loads(v) for r, v in enumerate(self._store.multi_get(self._keys))}
+        stalled = set()
+        for rank, position in positions.items():
+            if self._last_seq.get(rank) != position["seq"]:
+                self._last_seq[rank], self._since[rank] = position["seq"], now
+                self._alerted.pop(rank, None)
+            elif not position["closed"] and now - self._since[rank] >= self._timeout:
+                stalled.add(rank)
+        alerts = []
+        suspects = find_hang_suspects(positions, stalled)
+        fresh = [r for r in suspects if self._alerted.get(r) != positions[r]["seq"]]
+        for rank in fresh:
+            self._alerted[rank] = positions[rank]["seq"]
+            waiting = [dict(self._where(r, positions[r]), stalled_s=now - self._since[r])
+                       for r in sorted(stalled) if r not in suspects]
+            alert = dict(self._where(rank, positions[rank]), type="alert", kind="hang",
+                         stalled_s=now - self._since[rank], waiting=waiting, time=time.time())
+            alerts.append(alert)
+            self._on_alert(alert)
+        return alerts
+
+    def _where(self, rank: int, position: dict) -> dict:
+        info = self._info[rank]
+        return {"rank": rank, "node": info["node"], "host": info["host"],
+                "step": position["step"], "phase": position["phase"]}
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.poll()
+            except Exception as exc:  # the store is gone (another rank shut it down)
+                log.debug("ciuicflow.monitor: hang watchdog stopped: %s", exc)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

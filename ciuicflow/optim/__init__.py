@@ -1,0 +1,11 @@
+"""Optimizers that do their own compressed communication (the 1-bit Adam family).
+
+- ``OneBitAdam``: 1-bit Adam (Tang et al. 2021): exact Adam for ``freeze_steps`` steps, then a
+  frozen variance and a momentum averaged with 1-bit compression and error feedback;
+
+They run on any torch.distributed backend, without DDP (``step`` is collective), or inside
+DeepSpeed's engine (``ciuicflow.integrations.deepspeed``). See docs/onebit_adam.md.
+"""
+from ciuicflow.optim.onebit_adam import CompressedMomentumOptimizer, OneBitAdam
+
+__all__ = ["CompressedMomentumOptimizer", "OneBitAdam"]

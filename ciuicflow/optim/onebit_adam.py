@@ -1,0 +1,362 @@
+"""1-bit Adam (Tang et al. 2021): Adam whose momentum, not its gradient, crosses the network in 1 bit.
+
+For ``freeze_steps`` steps it is plain Adam on the exact mean gradient. Adam's variance then
+changes slowly enough to be frozen; from then on each rank folds its *local* gradient into its
+momentum, and the momenta are averaged by ciuicflow's 1-bit all-reduce with worker and server error
+feedback (``ciuicflow.collectives.onebit``: across nodes only, after an exact intra-node
+reduce-scatter, when ``hierarchical``; over all traffic otherwise). The averaged momentum is the same
+bit for bit on every rank, so parameters stay in sync without sending gradients.
+
+    optimizer = OneBitAdam(model.parameters(), lr=1e-3, freeze_steps=100)
+    for batch in loader:                       # no DDP: the optimizer does the communication
+        loss_fn(model(batch)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+Every rank must call ``step`` together (it is collective) and start from the same parameters.
+During warm-up ``step`` averages the gradients itself (``reduce_warmup_grads=True``); inside
+DeepSpeed's engine the engine does that, and stops after warm-up (see
+``ciuicflow.integrations.deepspeed``, installed automatically when deepspeed is imported).
+
+State: ``exp_avg`` / ``exp_avg_sq`` per parameter (``exp_avg`` is a view into one flat buffer per
+device and dtype, the buffer the collective reduces), and in ``state_dict()["onebit"]`` the step
+count, whether the variance is frozen, and this rank's error-feedback buffers. Each rank saves and
+loads its own ``state_dict``; errors saved by another rank, or for another world size, are dropped
+with a warning (the run still converges, it just does not continue bit for bit).
+
+A parameter group with ``compress=False`` has its momentum averaged exactly, in the same two
+collectives (for tensors whose momentum must not pick up compression noise, e.g. ones that stay
+exactly zero).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from ciuicflow.collectives import Traffic
+from ciuicflow.collectives.hierarchical import flat_all_reduce, hierarchical_all_reduce
+from ciuicflow.collectives.onebit import DEFAULT_CHUNK_SIZE, OneBitErrors, onebit_all_reduce
+from ciuicflow.topology import Topology
+
+_STATE_KEY = "onebit"
+_STATE_VERSION = 1
+
+
+@dataclass
+class _FlatBucket:
+    """The parameters of one device and dtype, laid end to end: one flat momentum buffer whose views
+    are the parameters' ``exp_avg``, and the positions that are averaged exactly."""
+
+    params: list
+    momentum: torch.Tensor
+    exact_mask: torch.Tensor | None
+    errors: OneBitErrors = field(default_factory=OneBitErrors)
+
+    def views(self, flat: torch.Tensor) -> list:
+        out, offset = [], 0
+        for p in self.params:
+            out.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+
+
+class CompressedMomentumOptimizer(Optimizer):
+    """What the 1-bit Adam family shares: the flat momentum buffers and their error feedback, the
+    exact gradient average of the warm-up, the compressed momentum average, the freeze switch that
+    an engine listens to, and the rank-local part of the state dict. Subclasses write ``step``."""
+
+    quiet_foreign_errors = False  # set while an engine loads rank 0's state dict on every rank
+
+    def __init__(self, params, defaults: dict, *, group=None, hierarchical: bool = True,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, reduce_warmup_grads: bool = True):
+        if chunk_size <= 0 or chunk_size % 8:
+            raise ValueError(f"chunk_size must be a positive multiple of 8, got {chunk_size}")
+        super().__init__(params, dict(defaults, compress=True))
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.is_complex() or not p.is_floating_point():
+                    raise TypeError(f"{type(self).__name__} needs floating-point real parameters, "
+                                    f"got {p.dtype}")
+        self.group = group
+        self.hierarchical = bool(hierarchical)
+        self.chunk_size = int(chunk_size)
+        self.reduce_warmup_grads = bool(reduce_warmup_grads)
+        self.traffic = Traffic()  # modelled bytes sent by this rank, warm-up and compressed
+        self.steps_taken = 0
+        self.frozen = False
+        self._buckets: list[_FlatBucket] | None = None
+        self._topology: Topology | None = None
+        self._loaded_errors: list | None = None
+        self._freeze_listeners: list = []
+        self._skip_next_steps = 0  # DeepSpeed's state-allocating step (see integrations.deepspeed)
+        if "deepspeed" in sys.modules:  # deepspeed.initialize must know how to drive us
+            from ciuicflow.integrations.deepspeed import install
+            install()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_buckets", None) is not None or getattr(self, "steps_taken", 0):
+            raise RuntimeError(f"{type(self).__name__}: add parameter groups before the first step "
+                               "(the layout of the compressed buffers is fixed by then)")
+        super().add_param_group(param_group)
+
+    # -- what subclasses use ---------------------------------------------------------------
+
+    def add_freeze_listener(self, listener) -> None:
+        """``listener(frozen: bool)`` is called now and whenever the warm-up ends or a loaded
+        state changes it (an engine switches its own gradient all-reduce off and on with it)."""
+        self._freeze_listeners.append(listener)
+        listener(self.frozen)
+
+    def _set_frozen(self, frozen: bool) -> None:
+        self.frozen = frozen
+        for listener in self._freeze_listeners:
+            listener(frozen)
+
+    def _topo(self) -> Topology:
+        if self._topology is None:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError(f"{type(self).__name__}.step is collective: initialise "
+                                   "torch.distributed (init_process_group) first")
+            self._topology = Topology.detect(self.group)
+        return self._topology
+
+    def _flat_buckets(self) -> list[_FlatBucket]:
+        """Build the momentum buffers on first use (and after a load), keeping any loaded momentum."""
+        if self._buckets is not None:
+            return self._buckets
+        by_key: dict = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                by_key.setdefault((p.device, p.dtype), []).append((p, g["compress"]))
+        buckets = []
+        for (device, dtype), members in by_key.items():
+            params = [p for p, _ in members]
+            numel = sum(p.numel() for p in params)
+            momentum = torch.zeros(numel, device=device, dtype=dtype)
+            exact = None
+            if not all(compress for _, compress in members):
+                exact = torch.cat([torch.full((p.numel(),), not compress, dtype=torch.bool,
+                                              device=device) for p, compress in members])
+            bucket = _FlatBucket(params, momentum, exact)
+            for p, view in zip(params, bucket.views(momentum)):
+                state = self.state[p]
+                if "exp_avg" in state:
+                    view.copy_(state["exp_avg"])
+                state["exp_avg"] = view
+                state.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
+            buckets.append(bucket)
+        if self._loaded_errors is not None:
+            for bucket, saved in zip(buckets, self._loaded_errors):
+                bucket.errors.load_state_dict({k: v.to(bucket.momentum.device).clone()
+                                               for k, v in saved.items()})
+            self._loaded_errors = None
+        self._buckets = buckets
+        return buckets
+
+    def _grads(self, bucket: _FlatBucket) -> list:
+        grads = []
+        for p in bucket.params:
+            if p.grad is None:
+                grads.append(torch.zeros_like(p))  # every rank must send the same layout
+            elif p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            else:
+                grads.append(p.grad)
+        return grads
+
+    def _mean_grads(self, bucket: _FlatBucket) -> list:
+        """The gradients to use in a warm-up step: averaged exactly over the group here, or as they
+        are when the caller (DeepSpeed's engine) has averaged them already."""
+        grads = self._grads(bucket)
+        if not self.reduce_warmup_grads:
+            return grads
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(bucket.momentum.dtype)
+        reduce = hierarchical_all_reduce if self.hierarchical else flat_all_reduce
+        reduce(flat, self._topo(), op="mean", traffic=self.traffic)
+        return bucket.views(flat)
+
+    def _average_momentum(self, bucket: _FlatBucket) -> None:
+        onebit_all_reduce(bucket.momentum, bucket.errors, self._topo(),
+                          hierarchical=self.hierarchical, chunk_size=self.chunk_size,
+                          exact_mask=bucket.exact_mask, traffic=self.traffic)
+
+    def _skip_step(self) -> bool:
+        if self._skip_next_steps:
+            self._skip_next_steps -= 1
+            return True
+        return False
+
+    # -- state dict ------------------------------------------------------------------------
+
+    def _rank_identity(self) -> tuple:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(self.group), dist.get_world_size(self.group)
+        return None, None
+
+    def _extra_state(self) -> dict:
+        """The rank-local part: step count, freeze flag, error-feedback buffers."""
+        rank, world = self._rank_identity()
+        if self._buckets is not None:
+            errors = [{k: v.clone() for k, v in b.errors.state_dict().items()}
+                      for b in self._buckets if b.errors.worker is not None]
+            errors = errors if len(errors) == len(self._buckets) else []
+        else:
+            errors = self._loaded_errors or []
+        return {"version": _STATE_VERSION, "steps_taken": self.steps_taken, "frozen": self.frozen,
+                "rank": rank, "world_size": world, "hierarchical": self.hierarchical,
+                "chunk_size": self.chunk_size, "errors": errors}
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state[_STATE_KEY] = self._extra_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(_STATE_KEY, None)
+        if extra is None:
+            raise ValueError(f"not a {type(self).__name__} state dict: it has no {_STATE_KEY!r} entry")
+        super().load_state_dict(state_dict)
+        self._buckets = None  # rebuilt from the loaded exp_avg at the next step
+        self.steps_taken = int(extra["steps_taken"])
+        self._loaded_errors = self._usable_errors(extra) or None
+        self._set_frozen(bool(extra["frozen"]))
+
+    def load_rank_state(self, extra: dict) -> None:
+        """Load only the rank-local part (``state_dict()["onebit"]``), e.g. after an engine loaded
+        rank 0's state dict on every rank."""
+        self.steps_taken = int(extra["steps_taken"])
+        errors = self._usable_errors(extra, quiet=False)
+        self._buckets = None
+        self._loaded_errors = errors or None
+        self._set_frozen(bool(extra["frozen"]))
+
+    def _usable_errors(self, extra: dict, quiet: bool | None = None) -> list:
+        quiet = self.quiet_foreign_errors if quiet is None else quiet
+        rank, world = self._rank_identity()
+        same_layout = (extra.get("hierarchical") == self.hierarchical
+                       and extra.get("chunk_size") == self.chunk_size)
+        if extra["errors"] and (extra["rank"], extra["world_size"]) == (rank, world) and same_layout:
+            return extra["errors"]
+        if extra["errors"] and not quiet:
+            warnings.warn(
+                f"{type(self).__name__}: the loaded error-feedback buffers belong to rank "
+                f"{extra['rank']} of {extra['world_size']} (hierarchical={extra.get('hierarchical')}, "
+                f"chunk_size={extra.get('chunk_size')}); this is rank {rank} of {world} "
+                f"(hierarchical={self.hierarchical}, chunk_size={self.chunk_size}). They are reset "
+                "to zero: training continues, but not bit for bit. Save and load each rank's own "
+                "state_dict to resume exactly.", RuntimeWarning, stacklevel=3)
+        return []
+
+
+class OneBitAdam(CompressedMomentumOptimizer):
+    """1-bit Adam: Adam on the exact mean gradient for ``freeze_steps`` steps, then a frozen
+    variance and a momentum averaged with 1-bit compression and error feedback.
+
+    Args:
+        params: parameters or parameter groups (a group may set ``compress=False``: its momentum
+            is averaged exactly).
+        lr, betas, eps: as in ``torch.optim.Adam``.
+        weight_decay: decoupled, as in AdamW (``p -= lr * weight_decay * p``).
+        freeze_steps: warm-up steps with exact communication (>= 1); the variance is frozen after.
+        bias_correction: Adam's bias correction (the paper's algorithm has none: pass False).
+        group: the process group (default: the world).
+        hierarchical: compress only inter-node traffic, after an exact intra-node reduce-scatter
+            (True), or all traffic (False).
+        chunk_size: elements per 1-bit scale (a multiple of 8).
+        reduce_warmup_grads: average the gradients during warm-up (False when a wrapper, such as
+            DeepSpeed's engine, already does).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, freeze_steps: int = 100, bias_correction: bool = True,
+                 group=None, hierarchical: bool = True, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 reduce_warmup_grads: bool = True):
+        _check_adam_args(lr, betas, eps, weight_decay)
+        if int(freeze_steps) != freeze_steps or freeze_steps < 1:
+            raise ValueError(f"freeze_steps must be an integer >= 1 (the variance needs a warm-up), "
+                             f"got {freeze_steps}")
+        self.freeze_steps = int(freeze_steps)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction)
+        super().__init__(params, defaults, group=group, hierarchical=hierarchical,
+                         chunk_size=chunk_size, reduce_warmup_grads=reduce_warmup_grads)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._skip_step():
+            return loss
+        buckets = self._flat_buckets()
+        self.steps_taken += 1
+        for bucket in buckets:
+            if self.frozen:
+                grads = self._grads(bucket)
+                self._fold_into_momentum(bucket, grads)
+                self._average_momentum(bucket)
+            else:
+                grads = self._mean_grads(bucket)
+                self._fold_into_momentum(bucket, grads)
+                self._fold_into_variance(bucket, grads)
+            self._update_params(bucket)
+        if not self.frozen and self.steps_taken >= self.freeze_steps:
+            self._set_frozen(True)
+        return loss
+
+    def _per_group(self, bucket: _FlatBucket, values: list):
+        """(group, [(param, value)]) for the bucket's params, group by group."""
+        index = {id(p): i for i, p in enumerate(bucket.params)}
+        for g in self.param_groups:
+            members = [(p, values[index[id(p)]]) for p in g["params"] if id(p) in index]
+            if members:
+                yield g, members
+
+    def _fold_into_momentum(self, bucket: _FlatBucket, grads: list) -> None:
+        for g, members in self._per_group(bucket, grads):
+            momenta = [self.state[p]["exp_avg"] for p, _ in members]
+            torch._foreach_lerp_(momenta, [grad for _, grad in members], 1 - g["betas"][0])
+
+    def _fold_into_variance(self, bucket: _FlatBucket, grads: list) -> None:
+        for g, members in self._per_group(bucket, grads):
+            variances = [self.state[p]["exp_avg_sq"] for p, _ in members]
+            beta2 = g["betas"][1]
+            torch._foreach_mul_(variances, beta2)
+            torch._foreach_addcmul_(variances, [x for _, x in members], [x for _, x in members],
+                                    value=1 - beta2)
+
+    def _update_params(self, bucket: _FlatBucket) -> None:
+        t = self.steps_taken
+        t_variance = min(t, self.freeze_steps)  # the variance stopped changing at the freeze
+        for g, members in self._per_group(bucket, bucket.params):
+            params = [p for p, _ in members]
+            beta1, beta2 = g["betas"]
+            correct = g["bias_correction"]
+            step_size = g["lr"] / (1 - beta1 ** t) if correct else g["lr"]
+            variance_scale = math.sqrt(1 - beta2 ** t_variance) if correct else 1.0
+            if g["weight_decay"]:
+                torch._foreach_mul_(params, 1 - g["lr"] * g["weight_decay"])
+            denom = torch._foreach_sqrt([self.state[p]["exp_avg_sq"] for p in params])
+            torch._foreach_div_(denom, variance_scale)
+            torch._foreach_add_(denom, g["eps"])
+            torch._foreach_addcdiv_(params, [self.state[p]["exp_avg"] for p in params], denom,
+                                    value=-step_size)
+
+
+def _check_adam_args(lr, betas, eps, weight_decay) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"invalid epsilon: {eps}")
+    if len(tuple(betas)) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"invalid weight_decay: {weight_decay}")

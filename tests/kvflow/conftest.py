@@ -1,0 +1,176 @@
+"""Fixtures that run real KV-flow sidecar processes on 127.0.0.1 and always clean them up."""
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+READY_RE = re.compile(r"sidecar '(?P<name>[^']+)' ready: api=(?P<api>\S+) listen=(?P<listen>\S+)")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Sidecar:
+    """One ``python -m ciuicflow.kvflow.server`` process; ``restart()`` keeps its ports and flags."""
+
+    def __init__(self, name: str, logdir: pathlib.Path, peers=None, args=(), listen_port=None):
+        self.name = name
+        self.logdir = logdir
+        self.peers = dict(peers or {})
+        self.args = list(args)
+        self.listen_port = listen_port or free_port()
+        self.api_port = free_port()
+        self.proc = None
+        self.api = None
+        self.starts = 0
+        self._clients = []
+
+    @property
+    def listen(self) -> str:
+        return f"127.0.0.1:{self.listen_port}"
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.logdir / f"{self.name}.{self.starts}.log"
+
+    def start(self) -> "Sidecar":
+        self.starts += 1
+        cmd = [sys.executable, "-m", "ciuicflow.kvflow.server", "--name", self.name,
+               "--api", f"127.0.0.1:{self.api_port}", "--listen", self.listen]
+        for peer, addr in self.peers.items():
+            cmd += ["--peer", f"{peer}={addr}"]
+        cmd += self.args
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> "Sidecar":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log()
+            m = READY_RE.search(text)
+            if m:
+                self.api = m.group("api")
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar {self.name} exited with {self.proc.returncode}:\n{text}")
+            time.sleep(0.05)
+        raise RuntimeError(f"sidecar {self.name} not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def client(self, **kwargs):
+        from ciuicflow.kvflow import Client
+        c = Client(self.api, **kwargs)
+        self._clients.append(c)
+        return c
+
+    def stats(self) -> dict:
+        return self.client().stats()
+
+    def kill9(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        return self.proc.returncode
+
+    def restart(self) -> "Sidecar":
+        self.kill9()
+        return self.start().wait_ready()
+
+    def cleanup(self) -> None:
+        for c in self._clients:
+            try:
+                c.close()
+            except Exception:
+                pass
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        if getattr(self, "_log", None):
+            self._log.close()
+
+
+class SidecarFactory:
+    free_port = staticmethod(free_port)
+
+    def __init__(self, logdir: pathlib.Path):
+        self.logdir = logdir
+        self.all = []
+
+    def make(self, name, peers=None, args=(), listen_port=None) -> Sidecar:
+        sc = Sidecar(name, self.logdir, peers, args, listen_port)
+        self.all.append(sc)
+        return sc
+
+    def pair(self, a_args=(), b_args=()):
+        """Sidecars 'a' and 'b', each the other's peer, started together and ready."""
+        a = self.make("a", args=a_args)
+        b = self.make("b", args=b_args)
+        a.peers = {"b": b.listen}
+        b.peers = {"a": a.listen}
+        for sc in (a, b):
+            sc.start()
+        for sc in (a, b):
+            sc.wait_ready()
+        return a, b
+
+    def start_all(self, *sidecars):
+        for sc in sidecars:
+            sc.start()
+        for sc in sidecars:
+            sc.wait_ready()
+
+    def cleanup(self, dump: bool = False):
+        for sc in self.all:
+            sc.cleanup()
+        if dump:
+            for sc in self.all:
+                sys.stderr.write(f"\n----- log of sidecar {sc.name} -----\n{sc.log()[-4000:]}\n")
+
+
+@pytest.fixture
+def sidecars(tmp_path, request):
+    factory = SidecarFactory(tmp_path)
+    yield factory
+    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+    factory.cleanup(dump=failed)
+
+
+@pytest.fixture(scope="module")
+def module_sidecars(tmp_path_factory):
+    factory = SidecarFactory(tmp_path_factory.mktemp("sidecars"))
+    yield factory
+    factory.cleanup()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)

@@ -1,0 +1,120 @@
+"""Peer links refuse senders without credentials: shared token, mutual TLS."""
+import os
+import shutil
+import subprocess
+
+import grpc
+import pytest
+
+from ciuicflow.kvflow import KVFlowError
+from ciuicflow.kvflow.proto import kvflow_pb2 as pb
+
+LINK = "/ciuicflow.kvflow.v1.KVFlowPeer/Link"
+
+
+def test_kvflow_token_required_on_peer_links(sidecars):
+    b = sidecars.make("b", args=["--token", "s3cret"])
+    good = sidecars.make("a", args=["--token", "s3cret"])
+    bad = sidecars.make("intruder")                      # no token
+    good.peers = {"b": b.listen}
+    bad.peers = {"b": b.listen}
+    b.peers = {"a": good.listen, "intruder": bad.listen}
+    sidecars.start_all(b, good, bad)
+    with pytest.raises(KVFlowError) as e:
+        bad.client().send("b", "t-1", b"let me in").wait(20)
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    # raw calls: no token, wrong token
+    with grpc.insecure_channel(b.listen) as ch:
+        link = ch.stream_stream(LINK, request_serializer=pb.PeerFrame.SerializeToString,
+                                response_deserializer=pb.PeerReply.FromString)
+        for md in ((("x-ciuic-peer", "a"),), (("x-ciuic-peer", "a"), ("authorization", "Bearer guess"))):
+            with pytest.raises(grpc.RpcError) as err:
+                list(link(iter([]), metadata=md, timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # the right token works, and b never stored the intruder's data
+    good.client().send("b", "t-2", b"hello").wait(20)
+    cb = b.client()
+    assert cb.recv("t-2", timeout_s=10) == b"hello"
+    assert "t-1" not in cb.stats()["store"]["keys"]
+
+
+def test_kvflow_local_api_token(sidecars):
+    a, b = sidecars.pair(a_args=["--api-token", "local"])
+    with pytest.raises(KVFlowError) as e:
+        a.client().send("b", "x", b"x").wait(10)
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    a.client(token="local").send("b", "x", b"x").wait(10)
+    assert b.client().recv("x", timeout_s=10) == b"x"
+
+
+# ---------------------------------------------------------------------- mutual TLS
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _make_ca(d, name):
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=keyCertSign,cRLSign", cwd=d)
+    return f"{name}.pem", f"{name}.key"
+
+
+def _make_leaf(d, ca, name):
+    ca_pem, ca_key = ca
+    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+                               "extendedKeyUsage=serverAuth,clientAuth\n")
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", ca_pem, "-CAkey", ca_key, "-CAcreateserial",
+             "-out", f"{name}.pem", "-days", "2", "-extfile", "ext.cnf", cwd=d)
+    return str(d / f"{name}.pem"), str(d / f"{name}.key")
+
+
+def test_kvflow_mutual_tls(sidecars, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make test certificates")
+    ca = _make_ca(tmp_path, "ca")
+    ca_path = tmp_path / "ca.pem"
+    tls = {name: _make_leaf(tmp_path, ca, name) for name in ("a", "b")}
+    rogue_cert, rogue_key = _make_leaf(tmp_path, _make_ca(tmp_path, "rogue-ca"), "rogue")
+
+    def args(name):
+        cert, key = tls[name]
+        return ["--tls-cert", cert, "--tls-key", key, "--tls-ca", str(ca_path)]
+
+    a, b = sidecars.pair(a_args=args("a"), b_args=args("b"))
+    payload = os.urandom(1 << 20)
+    a.client().send("b", "tls-1", payload, priority="high").wait(30)
+    assert b.client().recv("tls-1", timeout_s=10) == payload
+
+    frames = [pb.PeerFrame(open=pb.TransferOpen(tid=1, key="x", uuid="u"))]
+    md = (("x-ciuic-peer", "a"),)
+
+    def attempt(channel):
+        link = channel.stream_stream(LINK, request_serializer=pb.PeerFrame.SerializeToString,
+                                     response_deserializer=pb.PeerReply.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            list(link(iter(frames), metadata=md, timeout=5))
+        return err.value.code()
+
+    ca_pem = ca_path.read_bytes()
+    # plaintext against the TLS port
+    with grpc.insecure_channel(b.listen) as ch:
+        assert attempt(ch) == grpc.StatusCode.UNAVAILABLE
+    # TLS without a client certificate
+    with grpc.secure_channel(b.listen, grpc.ssl_channel_credentials(root_certificates=ca_pem)) as ch:
+        assert attempt(ch) == grpc.StatusCode.UNAVAILABLE
+    # a client certificate from another CA
+    creds = grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=open(rogue_key, "rb").read(),
+                                         certificate_chain=open(rogue_cert, "rb").read())
+    with grpc.secure_channel(b.listen, creds) as ch:
+        assert attempt(ch) == grpc.StatusCode.UNAVAILABLE
+    # a sidecar with the rogue certificate cannot deliver either
+    rogue = sidecars.make("a", args=["--tls-cert", rogue_cert, "--tls-key", rogue_key, "--tls-ca", str(ca_path),
+                                     "--resume-timeout-s", "2"])
+    rogue.peers = {"b": b.listen}
+    sidecars.start_all(rogue)
+    with pytest.raises(KVFlowError) as e:
+        rogue.client().send("b", "tls-2", b"spoofed").wait(30)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "tls-2" not in b.client().stats()["store"]["keys"]

@@ -1,0 +1,301 @@
+"""Deterministic unit tests of the pure parts: scheduler, congestion controller (simulated clock), config,
+payload encoding."""
+import heapq
+import math
+
+import pytest
+
+from ciuicflow.kvflow.common import parse_hostport, parse_size
+from ciuicflow.kvflow.config import load_config
+from ciuicflow.kvflow.congestion import PROBE_BW, PROBE_RTT, CongestionController
+from ciuicflow.kvflow.scheduler import Scheduler
+
+CHUNK = 256 << 10
+
+
+class FakeClock:
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+# ---------------------------------------------------------------------- scheduler
+def drain(s: Scheduler, clock: FakeClock, sizes: dict, per_pick_s: float = 0.0, limit: int = 10_000):
+    """Serve every transfer's chunks: sizes[tid] = list of chunk sizes. Returns the pick order."""
+    order = []
+    for tid, chunks in sizes.items():
+        if chunks:
+            s.set_ready(tid, chunks[0])
+    while len(order) < limit:
+        tid = s.pick()
+        if tid is None:
+            break
+        order.append(tid)
+        sizes[tid].pop(0)
+        clock.advance(per_pick_s)
+        s.set_ready(tid, sizes[tid][0] if sizes[tid] else 0)
+    return order
+
+
+def test_kvflow_scheduler_high_preempts_at_chunk_boundary():
+    clock = FakeClock()
+    s = Scheduler(clock, max_wait_s=10)
+    s.add("bulk", "low")
+    s.set_ready("bulk", CHUNK)
+    assert s.pick() == "bulk"
+    s.set_ready("bulk", CHUNK)
+    s.add("urgent", "high")
+    s.set_ready("urgent", CHUNK)
+    # the very next chunk is the high one, and all of it goes before bulk continues
+    assert s.pick() == "urgent"
+    s.set_ready("urgent", CHUNK)
+    assert s.pick() == "urgent"
+    s.set_ready("urgent", 0)
+    assert s.pick() == "bulk"
+
+
+def test_kvflow_scheduler_edf_inside_high():
+    clock = FakeClock()
+    s = Scheduler(clock)
+    s.add("late", "high", deadline=5.0)
+    s.add("none", "high", deadline=None)
+    s.add("early", "high", deadline=1.0)
+    order = drain(s, clock, {"late": [10], "none": [10], "early": [10]})
+    assert order == ["early", "late", "none"]
+
+
+def test_kvflow_scheduler_drr_shares_by_quantum():
+    clock = FakeClock()
+    s = Scheduler(clock, quantum={"normal": 3 * CHUNK, "low": CHUNK})
+    s.add("n", "normal")
+    s.add("l", "low")
+    order = drain(s, clock, {"n": [CHUNK] * 300, "l": [CHUNK] * 300}, limit=400)
+    n, l = order.count("n"), order.count("l")
+    assert n + l == 400
+    assert 2.8 < n / l < 3.2
+    # interleaved, not one after the other
+    assert "l" in order[:8]
+
+
+def test_kvflow_scheduler_fifo_inside_class_and_small_chunks():
+    clock = FakeClock()
+    s = Scheduler(clock)
+    s.add("first", "normal")
+    s.add("second", "normal")
+    order = drain(s, clock, {"first": [1000] * 5, "second": [1000] * 5})
+    assert order == ["first"] * 5 + ["second"] * 5
+
+
+def test_kvflow_scheduler_aging_prevents_starvation():
+    clock = FakeClock()
+    s = Scheduler(clock, max_wait_s=0.5)
+    s.add("h", "high")
+    s.add("l", "low")
+    # a continuous high load, one chunk every 10 ms
+    order = drain(s, clock, {"h": [CHUNK] * 1000, "l": [CHUNK] * 10}, per_pick_s=0.01, limit=600)
+    low_positions = [i for i, tid in enumerate(order) if tid == "l"]
+    assert len(low_positions) == 10                  # low finished although high never stopped
+    gaps = [b - a for a, b in zip([-1] + low_positions, low_positions)]
+    assert max(gaps) <= 52                           # ~0.5 s of 10 ms picks between low chunks
+    assert s.stats.aged == 10
+    # without aging, low waits for all of high
+    clock2 = FakeClock()
+    s2 = Scheduler(clock2, max_wait_s=math.inf)
+    s2.add("h", "high")
+    s2.add("l", "low")
+    order2 = drain(s2, clock2, {"h": [CHUNK] * 100, "l": [CHUNK] * 3}, per_pick_s=0.01)
+    assert order2 == ["h"] * 100 + ["l"] * 3
+
+
+def test_kvflow_scheduler_bad_input():
+    s = Scheduler(FakeClock())
+    with pytest.raises(ValueError):
+        s.add("x", "urgent")
+    s.add("x", "low")
+    with pytest.raises(KeyError):
+        s.add("x", "low")
+    assert s.pick() is None
+    s.remove("x")
+    s.remove("x")
+    assert len(s) == 0
+
+
+# ---------------------------------------------------------------------- congestion controller
+def simulate(rate: float, rtt: float, duration: float, chunk: int = CHUNK, app_gap=None):
+    """A bottleneck link (FIFO queue at ``rate`` bytes/s) plus ``rtt`` of propagation, driven on a fake
+    clock. Returns (controller, bytes delivered, queueing delays of the chunks after the first second)."""
+    clock = FakeClock()
+    cc = CongestionController(clock, chunk_bytes=chunk)
+    acks = []
+    link_free = 0.0
+    sn = 0
+    delivered = 0
+    qdelay = []
+    while clock.t < duration:
+        while acks and acks[0][0] <= clock.t:
+            _, s, size = heapq.heappop(acks)
+            cc.on_ack(s)
+            delivered += size
+        if app_gap and int(clock.t / app_gap[0]) % 2 == 1:     # idle half the time: app-limited
+            cc.on_app_limited()
+            nxt = (int(clock.t / app_gap[0]) + 1) * app_gap[0]
+            clock.t = min([nxt] + ([acks[0][0]] if acks else []))
+            continue
+        if cc.can_send(chunk) and cc.send_delay() == 0:
+            depart = max(clock.t, link_free) + chunk / rate
+            if clock.t > 1.0:
+                qdelay.append(depart - clock.t - chunk / rate)
+            link_free = depart
+            heapq.heappush(acks, (depart + rtt, sn, chunk))
+            cc.on_send(sn, chunk)
+            sn += 1
+            continue
+        candidates = [acks[0][0]] if acks else []
+        if cc.send_delay() > 0:
+            candidates.append(clock.t + cc.send_delay())
+        clock.t = min(candidates) if candidates else clock.t + 1e-4
+    return cc, delivered, qdelay
+
+
+@pytest.mark.parametrize("rate,rtt", [(12.5e6, 0.002), (125e6, 0.0002), (125e6, 0.02), (1.25e9, 0.001)])
+def test_kvflow_congestion_fills_link_with_short_queue(rate, rtt):
+    cc, delivered, qdelay = simulate(rate, rtt, duration=3.0)
+    assert cc.mode == PROBE_BW
+    assert cc.btl_bw == pytest.approx(rate, rel=0.05)
+    assert cc.min_rtt == pytest.approx(rtt + CHUNK / rate, rel=0.1)
+    assert delivered / 3.0 > 0.9 * rate * (1 - 0.2 / 3)          # ~full link after startup
+    # the queue below us stays near a few chunks: a high-priority chunk waits little
+    mean_q = sum(qdelay) / len(qdelay)
+    assert mean_q < max(4 * CHUNK / rate, 0.5 * rtt)
+    assert cc.cwnd <= max(2.6 * rate * (rtt + CHUNK / rate), cc.min_cwnd) + CHUNK
+
+
+def test_kvflow_congestion_unpaced_queue_would_be_long():
+    """Reference for the above: sending without the controller queues everything at the bottleneck."""
+    rate, total = 12.5e6, 64 << 20
+    # all chunks written at t=0: the last waits total/rate
+    assert total / rate > 5.0
+
+
+def test_kvflow_congestion_app_limited_keeps_estimate():
+    cc, _, _ = simulate(125e6, 0.002, duration=3.0, app_gap=(0.2,))
+    assert cc.btl_bw == pytest.approx(125e6, rel=0.1)
+
+
+def test_kvflow_congestion_probe_rtt_and_reset():
+    clock = FakeClock()
+    cc = CongestionController(clock, chunk_bytes=CHUNK, min_rtt_window_s=1.0, probe_rtt_s=0.1)
+    # steady flow with one chunk in flight: rtt 10 ms, never lower afterwards
+    for i in range(50):
+        cc.on_send(i, CHUNK)
+        clock.advance(0.01 if i == 0 else 0.02)
+        cc.on_ack(i)
+    assert cc.mode == PROBE_RTT or cc.min_rtt == pytest.approx(0.01)
+    for i in range(50, 200):
+        cc.on_send(i, CHUNK)
+        clock.advance(0.02)
+        cc.on_ack(i)
+    assert cc.min_rtt == pytest.approx(0.02, rel=0.01)     # re-measured after the window expired
+    cc.reset()
+    assert cc.inflight == 0 and cc.can_send(CHUNK)
+    assert cc.on_ack(12345) is None                          # unknown send numbers are ignored
+
+
+def test_kvflow_congestion_pacing_spaces_chunks():
+    clock = FakeClock()
+    cc = CongestionController(clock, chunk_bytes=CHUNK)
+    cc.btl_bw, cc.min_rtt, cc.mode, cc.pacing_gain, cc.cwnd_gain = 100e6, 0.01, PROBE_BW, 1.0, 2.0
+    cc.filled_pipe = True
+    cc.on_send(1, CHUNK)
+    assert cc.send_delay() == pytest.approx(CHUNK / 100e6, rel=0.01)
+    assert cc.can_send(CHUNK)
+    clock.advance(CHUNK / 100e6)
+    assert cc.send_delay() == 0
+    assert cc.cwnd == int(2.0 * 100e6 * 0.01)
+    cc.btl_bw = 1e6                      # a tiny BDP: the window never drops below min_cwnd
+    assert cc.cwnd == cc.min_cwnd == 2 * CHUNK
+    cc.on_send(2, CHUNK)
+    assert cc.send_delay() <= 0.02 + 1e-9            # a low estimate slows, never stalls: gap <= 2 min RTT
+
+
+def test_kvflow_congestion_tiny_first_sample_does_not_stall():
+    """A 1-byte app-limited chunk as the very first sample must not pace the next chunk seconds away."""
+    clock = FakeClock()
+    cc = CongestionController(clock, chunk_bytes=CHUNK)
+    cc.on_app_limited()
+    cc.on_send(1, 1)
+    clock.advance(0.001)
+    cc.on_ack(1)
+    assert 0 < cc.btl_bw < 10_000
+    cc.on_send(2, CHUNK)
+    assert cc.send_delay() < 0.001
+
+
+# ---------------------------------------------------------------------- config and encoding
+def test_kvflow_parse_size_and_address():
+    assert parse_size("256KiB") == 256 << 10
+    assert parse_size("1MiB") == 1 << 20
+    assert parse_size("1.5G") == 1_500_000_000
+    assert parse_size("800Mbit") == 100_000_000
+    assert parse_size(4096) == 4096
+    with pytest.raises(ValueError):
+        parse_size("lots")
+    assert parse_hostport("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert parse_hostport("[::1]:9") == ("::1", 9)
+    with pytest.raises(ValueError):
+        parse_hostport("nohost")
+
+
+def test_kvflow_config_file_and_flags(tmp_path):
+    path = tmp_path / "sidecar.toml"
+    path.write_text('''
+name = "prefill0"
+api = "127.0.0.1:7000"
+listen = "0.0.0.0:7001"
+chunk-size = "512KiB"
+metrics_port = 9400
+[peers]
+decode0 = "10.0.0.2:7001"
+[limits]
+max_peer_bytes = "64MiB"
+lease_s = 5
+''')
+    cfg = load_config(["--config", str(path), "--peer", "decode1=10.0.0.3:7001", "--lease-s", "7"])
+    assert cfg.name == "prefill0"
+    assert cfg.chunk_size == 512 << 10
+    assert cfg.peers == {"decode0": "10.0.0.2:7001", "decode1": "10.0.0.3:7001"}
+    assert cfg.max_peer_bytes == 64 << 20
+    assert cfg.lease_s == 7.0           # the flag wins
+    assert cfg.metrics_port == 9400
+    bad = tmp_path / "bad.toml"
+    bad.write_text('nmae = "x"\n')
+    with pytest.raises(ValueError, match="unknown setting"):
+        load_config(["--config", str(bad)])
+    with pytest.raises(ValueError, match="loopback"):
+        load_config(["--api", "0.0.0.0:7000"])
+    assert load_config(["--api", "0.0.0.0:7000", "--allow-remote-api"]).api == "0.0.0.0:7000"
+    with pytest.raises(ValueError):
+        load_config(["--peer", "nobody"])
+    with pytest.raises(ValueError):
+        load_config(["--chunk-size", "64MiB"])
+
+
+def test_kvflow_tensor_encoding_roundtrip():
+    torch = pytest.importorskip("torch")
+    from ciuicflow.kvflow.client import decode_part, encode_part
+
+    values = [torch.randn(3, 5), torch.randn(4, 4, dtype=torch.float64).t(), torch.arange(7, dtype=torch.int8),
+              torch.randn(2, 3).to(torch.bfloat16), torch.zeros(0, 8, dtype=torch.float16), torch.tensor(3.5),
+              torch.tensor([True, False]), torch.randn(2, 2, dtype=torch.complex64).conj()]
+    for i, v in enumerate(values):
+        info, mv = encode_part(i, v, name=f"t{i}")
+        out = decode_part(info, bytearray(mv))
+        assert out.dtype == v.dtype and out.shape == v.shape
+        assert torch.equal(out, v.resolve_conj())
+    with pytest.raises(TypeError):
+        encode_part(0, 3.14)

@@ -1,0 +1,282 @@
+"""The collectives on real gloo processes: hierarchical all-reduce, 1-bit, PowerSGD.
+
+Each rank draws its inputs from a seed that names (rank, case), so every rank can recompute every
+other rank's input and hence the exact mean, in float64, without extra communication.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+
+LENGTHS = [0, 1, 2, 3, 5, 7, 8, 9, 31, 64, 100, 257, 1000, 2049, 4099, 10007]
+
+
+def _input(rank, case, numel, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(rank * 100_003 + case)
+    return (torch.randn(numel, generator=generator) * (1 + case % 3)).to(dtype)
+
+
+def _exact_mean(world, case, numel, dtype=torch.float32):
+    return torch.stack([_input(r, case, numel, dtype).double() for r in range(world)]).mean(0)
+
+
+def _gather(tensor):
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    return out
+
+
+# -- hierarchical all-reduce ----------------------------------------------------------------------
+
+
+def _hierarchical_matches_exact(rank, world):
+    from ciuicflow.collectives import Traffic
+    from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
+    from ciuicflow.topology import Topology
+
+    topology = Topology.detect()
+    report = {"describe": topology.describe(), "hierarchical": topology.hierarchical}
+    worst = {}
+    for dtype, tol in [(torch.float32, 1e-6), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)]:
+        for case, numel in enumerate(LENGTHS):
+            for op in ("mean", "sum"):
+                x = _input(rank, case, numel, dtype)
+                hierarchical_all_reduce(x, topology, op=op)
+                want = _exact_mean(world, case, numel, dtype) * (world if op == "sum" else 1)
+                scale = max(1.0, want.abs().max().item()) if numel else 1.0
+                err = (x.double() - want).abs().max().item() / scale if numel else 0.0
+                worst[(str(dtype), op)] = max(worst.get((str(dtype), op), 0.0), err)
+                assert err <= tol, (dtype, op, numel, err)
+                for other in _gather(x):
+                    assert torch.equal(other, x), ("ranks disagree", dtype, numel)
+    # the exact path's modelled bytes: inter-node links carry 1/L of a flat all-reduce's share
+    traffic = Traffic()
+    hierarchical_all_reduce(torch.ones(4000), topology, traffic=traffic)
+    report.update(worst=worst, traffic=traffic.as_dict())
+    return report
+
+
+@pytest.mark.parametrize("layout", [
+    dict(nodes=2), dict(nodes=2, node_env="override"), dict(nodes=4), dict(nodes=1),
+    dict(node_sizes=[3, 1]),
+], ids=["2x2-torchrun", "2x2-override", "4x1", "1x4", "uneven-3+1"])
+def test_hierarchical_all_reduce_equals_exact(layout):
+    results = run_distributed(_hierarchical_matches_exact, 4, **layout)
+    report = results[0]
+    if layout.get("nodes") == 2:
+        assert report["hierarchical"] and report["describe"].startswith("2 node(s) x 2 rank(s)")
+        # 4000 floats, 2 nodes x 2: inter-node = ring over 2 nodes of 8000 B = 8000 B
+        assert report["traffic"]["inter_bytes"] == pytest.approx(8000.0)
+        assert report["traffic"]["intra_bytes"] == pytest.approx(2 * 0.5 * 16000.0)
+    else:
+        assert not report["hierarchical"]
+
+
+def test_world_size_one_is_identity():
+    assert run_distributed(_identity_check, 1, nodes=1) == [True]
+
+
+def _identity_check(rank, world):
+    from ciuicflow import collectives  # noqa: F401
+    from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
+    from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
+    from ciuicflow.collectives.powersgd import PowerSGDMemory, powersgd_all_reduce
+    x = torch.randn(6, 5)
+    ok = True
+    for reduce in (lambda t: hierarchical_all_reduce(t),
+                   lambda t: onebit_all_reduce(t, OneBitErrors(), hierarchical=False),
+                   lambda t: powersgd_all_reduce(t, PowerSGDMemory(), hierarchical=False)):
+        y = x.clone()
+        reduce(y)
+        ok = ok and torch.equal(x, y)
+    return ok
+
+
+def test_bad_inputs_raise_clear_errors():
+    assert run_distributed(_bad_inputs, 2, nodes=1) == [True, True]
+
+
+def _bad_inputs(rank, world):
+    from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
+    from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
+    with pytest.raises(TypeError, match="floating-point"):
+        hierarchical_all_reduce(torch.ones(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="contiguous"):
+        hierarchical_all_reduce(torch.ones(4, 4).t())
+    with pytest.raises(ValueError, match="op must be"):
+        hierarchical_all_reduce(torch.ones(4), op="max")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        onebit_all_reduce(torch.ones(4), OneBitErrors(), chunk_size=12)
+    return True
+
+
+# -- 1-bit -----------------------------------------------------------------------------------------
+
+
+def _onebit_invariant(rank, world, hierarchical, chunk_size, numel, steps, exclude_every):
+    """Run `steps` compressed all-reduces; return what the invariant check needs."""
+    from ciuicflow.collectives import Traffic
+    from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
+    from ciuicflow.topology import Topology
+
+    topology = Topology.detect()
+    errors = OneBitErrors()
+    mask = None
+    if exclude_every:
+        mask = torch.zeros(numel, dtype=torch.bool)
+        mask[::exclude_every] = True
+    outputs, traffic = [], Traffic()
+    for step in range(steps):
+        x = _input(rank, step, numel)
+        onebit_all_reduce(x, errors, topology, hierarchical=hierarchical, chunk_size=chunk_size,
+                          exact_mask=mask, traffic=traffic)
+        for other in _gather(x):
+            assert torch.equal(other, x), "1-bit results differ across ranks"
+        outputs.append(x)
+    return {"outputs": torch.stack(outputs), "worker": errors.worker.clone(),
+            "server": errors.server.clone(), "traffic": traffic.as_dict(),
+            "local_rank": topology.local_rank if hierarchical else 0,
+            "node": topology.node if hierarchical else rank, "mask": mask}
+
+
+def _compressed_index(numel, mask, start, length):
+    """Positions (in the full tensor) of the compressed elements of tensor[start:start+length]."""
+    positions = torch.arange(start, min(start + length, numel))
+    if mask is not None:
+        positions = positions[~mask[positions]]
+    return positions
+
+
+@pytest.mark.parametrize("hierarchical,chunk_size,numel,exclude_every", [
+    (True, 2048, 10007, 0), (True, 64, 999, 0), (False, 2048, 5000, 0), (True, 16, 777, 7),
+    (False, 8, 123, 5),
+])
+def test_onebit_error_feedback_invariant(hierarchical, chunk_size, numel, exclude_every):
+    """sum_t out_t + mean(worker errors) + server errors == sum_t exact mean_t, per element."""
+    world, nodes, steps = 4, 2, 6
+    results = run_distributed(_onebit_invariant, world, nodes=nodes,
+                              args=(hierarchical, chunk_size, numel, steps, exclude_every))
+    sent = results[0]["outputs"].double().sum(0)
+    exact = sum(_exact_mean(world, step, numel) for step in range(steps))
+    mask = results[0]["mask"]
+    held = torch.zeros(numel, dtype=torch.float64)
+    if hierarchical:
+        # Each shard i (held by local rank i of each node) has its own worker errors (one per
+        # node: node-level quantities) and servers (segment j on node j's local rank i).
+        local = world // nodes
+        shard_len = -(-numel // local)
+        for i in range(local):
+            holders = [r for r in results if r["local_rank"] == i]
+            positions = _compressed_index(numel, mask, i * shard_len, shard_len)
+            worker = torch.stack([h["worker"].double() for h in holders]).mean(0)
+            server = torch.cat([h["server"].double()
+                                for h in sorted(holders, key=lambda h: h["node"])])
+            held[positions] += worker[:positions.numel()] + server[:positions.numel()]
+    else:
+        positions = _compressed_index(numel, mask, 0, numel)
+        worker = torch.stack([r["worker"].double() for r in results]).mean(0)
+        server = torch.cat([r["server"].double() for r in results])
+        held[positions] += worker[:positions.numel()] + server[:positions.numel()]
+    gap = (sent + held - exact).abs().max().item()
+    assert gap < 1e-4 * steps, gap
+    # the error buffers are not trivially zero: compression dropped something
+    assert held.abs().max().item() > 0.1
+    if mask is not None:  # excluded positions are exact every step
+        assert (results[0]["outputs"][:, mask].double()
+                - torch.stack([_exact_mean(world, s, numel)[mask] for s in range(steps)])
+                ).abs().max().item() < 1e-5
+    # bytes: the compressed step carries about 1/32 of float32 bytes (plus scales and padding)
+    traffic = results[0]["traffic"]
+    if not exclude_every and numel > 4000:
+        assert traffic["exact_inter_bytes"] / traffic["inter_bytes"] > 15
+
+
+def _onebit_overflow(rank, world):
+    from ciuicflow.collectives import Traffic
+    from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
+
+    errors, traffic = OneBitErrors(), Traffic()
+    onebit_all_reduce(_input(rank, 1, 300), errors, chunk_size=16, traffic=traffic)
+    before = (errors.worker.clone(), errors.server.clone())
+    x = _input(rank, 2, 300)
+    if rank == 3:
+        x[5] = float("inf")
+    onebit_all_reduce(x, errors, chunk_size=16, traffic=traffic)
+    untouched = torch.equal(before[0], errors.worker) and torch.equal(before[1], errors.server)
+    exact = _exact_mean(world, 2, 300).float()
+    finite_ok = torch.allclose(x[6:], exact[6:], atol=1e-6)
+    return untouched, bool(torch.isinf(x[5])), finite_ok, traffic.nonfinite_fallbacks
+
+
+def test_onebit_nonfinite_step_is_exact_and_keeps_errors():
+    for untouched, has_inf, finite_ok, fallbacks in run_distributed(_onebit_overflow, 4, nodes=2):
+        assert untouched and has_inf and finite_ok and fallbacks == 1
+
+
+# -- PowerSGD --------------------------------------------------------------------------------------
+
+
+def _powersgd_checks(rank, world, hierarchical):
+    from ciuicflow.collectives import Traffic
+    from ciuicflow.collectives.powersgd import PowerSGDMemory, powersgd_all_reduce
+
+    shapes = [(24, 16), (16,), (8, 2, 3), (5,)]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    segments, offset = [], 0
+    for s in shapes:
+        segments.append((offset, s))
+        offset += torch.Size(s).numel()
+    # full rank: P Q^T reproduces M exactly, so the result is the exact mean
+    x = _input(rank, 0, numel)
+    powersgd_all_reduce(x, PowerSGDMemory(), segments=segments, rank=16, hierarchical=hierarchical,
+                        min_compression_rate=0.0)
+    full_rank_err = (x.double() - _exact_mean(world, 0, numel)).abs().max().item()
+    # rank 1, several steps: sum_t out_t + mean(error) == sum_t exact mean_t
+    memory, outputs, traffic = PowerSGDMemory(), [], Traffic()
+    for step in range(5):
+        x = _input(rank, 10 + step, numel)
+        powersgd_all_reduce(x, memory, segments=segments, rank=1, hierarchical=hierarchical,
+                            step=step, traffic=traffic)
+        for other in _gather(x):
+            assert torch.allclose(other, x, atol=1e-6)
+        outputs.append(x)
+    return {"full_rank_err": full_rank_err, "sum": torch.stack(outputs).double().sum(0),
+            "error": memory.error.double(), "traffic": traffic.as_dict(), "numel": numel}
+
+
+@pytest.mark.parametrize("hierarchical", [True, False], ids=["hierarchical", "flat"])
+def test_powersgd_exact_at_full_rank_and_error_feedback_invariant(hierarchical):
+    world = 4
+    results = run_distributed(_powersgd_checks, world, nodes=2, args=(hierarchical,))
+    assert all(r["full_rank_err"] < 1e-4 for r in results), [r["full_rank_err"] for r in results]
+    numel = results[0]["numel"]
+    exact = sum(_exact_mean(world, 10 + s, numel) for s in range(5))
+    mean_error = torch.stack([r["error"] for r in results]).mean(0)
+    gap = (results[0]["sum"] + mean_error - exact).abs().max().item()
+    assert gap < 1e-4, gap
+    assert mean_error.abs().max().item() > 0.1  # rank 1 does drop something
+    traffic = results[0]["traffic"]
+    assert traffic["inter_bytes"] < traffic["exact_inter_bytes"]
+
+
+def _powersgd_overflow(rank, world):
+    from ciuicflow.collectives import Traffic
+    from ciuicflow.collectives.powersgd import PowerSGDMemory, powersgd_all_reduce
+
+    memory, traffic = PowerSGDMemory(), Traffic()
+    powersgd_all_reduce(_input(rank, 1, 400).view(20, 20), memory, traffic=traffic)
+    before = (memory.error.clone(), memory.q.clone())
+    x = _input(rank, 2, 400).view(20, 20)
+    if rank == 0:
+        x[0, 0] = float("nan")
+    powersgd_all_reduce(x, memory, step=1, traffic=traffic)
+    untouched = torch.equal(before[0], memory.error) and torch.equal(before[1], memory.q)
+    exact = _exact_mean(world, 2, 400).float().view(20, 20)
+    return (untouched, bool(torch.isnan(x[0, 0])),
+            torch.allclose(x.view(-1)[1:], exact.view(-1)[1:], atol=1e-6), traffic.nonfinite_fallbacks)
+
+
+def test_powersgd_nonfinite_step_is_exact_and_keeps_memory():
+    for untouched, has_nan, rest_ok, fallbacks in run_distributed(_powersgd_overflow, 4, nodes=2):
+        assert untouched and has_nan and rest_ok and fallbacks == 1

@@ -1,0 +1,343 @@
+"""The DDP hooks on real gloo processes: several buckets in flight, both execution modes, dtypes,
+overflow, exclusions, no_sync, static graphs, world size 1, a single node, state handling."""
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.dist_utils import run_distributed
+
+HOOKS = ["hierarchical_allreduce", "hierarchical_1bit", "hierarchical_powersgd", "onebit",
+         "powersgd"]
+
+
+class Net(torch.nn.Module):
+    """Odd sizes (uneven shards and chunks), a norm layer, an empty parameter (an empty slice)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(13, 61)
+        self.norm = torch.nn.LayerNorm(61)
+        self.hidden = torch.nn.Linear(61, 37)
+        self.out = torch.nn.Linear(37, 5)
+        self.nothing = torch.nn.Parameter(torch.zeros(0))
+        self.to(dtype)
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.inp(x)))
+        return self.out(torch.relu(self.hidden(h))) + self.nothing.sum()
+
+
+def _batch(rank, step, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 13, generator=g).to(dtype), torch.randint(0, 5, (8,), generator=g)
+
+
+def _step(ddp, optimizer, rank, step, dtype=torch.float32):
+    x, y = _batch(rank, step, dtype)
+    loss = torch.nn.functional.cross_entropy(ddp(x).float(), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def _flat_params(model):
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def _replicas_equal(tensor):
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return all(torch.equal(g, tensor) for g in gathered)
+
+
+def _train(hook, steps=8, dtype=torch.float32, bucket_cap_mb=0.0001, static_graph=False, **options):
+    import ciuicflow
+
+    model = Net(dtype)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, static_graph=static_graph)
+    state = ciuicflow.register(ddp, hook, **options) if hook else None
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        _step(ddp, optimizer, dist.get_rank(), step, dtype)
+    return model, state
+
+
+# -- every hook, several buckets in flight ------------------------------------------------------
+
+
+def _all_hooks(rank, world):
+    reference, _ = _train(None)  # DDP's own all-reduce
+    out = {}
+    for hook in HOOKS:
+        for overlap in (True, False):
+            options = {"overlap": overlap}
+            if hook != "hierarchical_allreduce":
+                options["warmup_steps"] = 2
+            model, state = _train(hook, **options)
+            params = _flat_params(model)
+            out[(hook, overlap)] = {
+                "replicas_equal": _replicas_equal(params),
+                "gap_to_exact": (params - _flat_params(reference)).abs().max().item(),
+                "finite": bool(torch.isfinite(params).all()),
+                "stats": state.stats(),
+            }
+    return out
+
+
+def test_every_hook_with_several_buckets_in_flight():
+    results = run_distributed(_all_hooks, 4, nodes=2, timeout=240)
+    for (hook, overlap), r in results[0].items():
+        stats = r["stats"]
+        assert r["finite"] and stats["steps"] == 8, (hook, overlap)
+        assert stats["buckets"] > 2 * stats["steps"], "expected several buckets per step"
+        assert all(rank[(hook, overlap)]["replicas_equal"] for rank in results), (hook, overlap)
+        if hook == "hierarchical_allreduce":
+            assert r["gap_to_exact"] < 1e-5, r["gap_to_exact"]
+            assert stats["inter_node_bytes"] == stats["exact_inter_node_bytes"]
+        else:
+            assert stats["compressed_steps"] == 6
+            assert stats["inter_node_bytes"] < stats["exact_inter_node_bytes"]
+            assert 0 < r["gap_to_exact"] < 1.0  # compressed, yet still training the same model
+        if hook.startswith("hierarchical"):  # hierarchical: a quarter of the flat share inter-node
+            assert stats["intra_node_bytes"] > 0
+    # the same algorithm in both execution modes gives the same numbers
+    for hook in HOOKS:
+        a, b = results[0][(hook, True)]["stats"], results[0][(hook, False)]["stats"]
+        assert a["inter_node_bytes"] == b["inter_node_bytes"]
+
+
+# -- modes of training --------------------------------------------------------------------------
+
+
+def _modes(rank, world):
+    import ciuicflow
+
+    out = {}
+    # no_sync: accumulate two micro-batches, synchronise on the second; only synced steps count
+    for hook in ("hierarchical_allreduce", "hierarchical_1bit"):
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=0.0001)
+        state = ciuicflow.register(ddp, hook) if hook != "hierarchical_allreduce" else \
+            ciuicflow.register(ddp, hook)
+        for step in range(3):
+            with ddp.no_sync():
+                x, y = _batch(rank, 2 * step)
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            x, y = _batch(rank, 2 * step + 1)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        # the exact answer: every rank's accumulated local gradients, averaged
+        local = Net()
+        for step in range(3):
+            for micro in (2 * step, 2 * step + 1):
+                x, y = _batch(rank, micro)
+                torch.nn.functional.cross_entropy(local(x), y).backward()
+        exact = torch.cat([p.grad.reshape(-1) for p in local.parameters()])
+        dist.all_reduce(exact)
+        exact /= world
+        out[("no_sync", hook)] = {"iter": state.iter,
+                                  "gap": (grads - exact).abs().max().item(),
+                                  "equal": _replicas_equal(grads)}
+    # static_graph=True
+    for hook in ("hierarchical_1bit", "hierarchical_powersgd"):
+        model, state = _train(hook, static_graph=True, warmup_steps=2)
+        out[("static", hook)] = {"equal": _replicas_equal(_flat_params(model)),
+                                 "compressed": state.stats()["compressed_steps"]}
+    # state=None: a default state is built on first use
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    ddp.register_comm_hook(None, ciuicflow.hierarchical_powersgd)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(12):
+        _step(ddp, optimizer, rank, step)
+    default = ciuicflow.hooks.default_state("hierarchical_powersgd")
+    out["default_state"] = {"iter": default.iter, "topology": default.topology.describe(),
+                            "equal": _replicas_equal(_flat_params(model)),
+                            "compressed": default.stats()["compressed_steps"]}
+    return out
+
+
+def test_no_sync_static_graph_and_default_state():
+    for r in run_distributed(_modes, 4, nodes=2, timeout=240):
+        for hook in ("hierarchical_allreduce", "hierarchical_1bit"):
+            result = r[("no_sync", hook)]
+            assert result["iter"] == 3 and result["equal"]
+        # exact hook: accumulated gradients are exactly averaged (warm-up covers 1-bit here too)
+        assert r[("no_sync", "hierarchical_allreduce")]["gap"] < 1e-6
+        assert r[("no_sync", "hierarchical_1bit")]["gap"] < 1e-6
+        for hook in ("hierarchical_1bit", "hierarchical_powersgd"):
+            assert r[("static", hook)]["equal"] and r[("static", hook)]["compressed"] == 6
+        default = r["default_state"]
+        assert default["iter"] == 12 and default["equal"] and default["compressed"] == 2
+        assert default["topology"].startswith("2 node(s) x 2 rank(s)")
+
+
+# -- dtypes, overflow, exclusions ------------------------------------------------------------------
+
+
+def _dtypes(rank, world):
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for hook in HOOKS:
+            options = {} if hook == "hierarchical_allreduce" else {"warmup_steps": 1}
+            model, state = _train(hook, steps=4, dtype=dtype, **options)
+            params = _flat_params(model)
+            out[(str(dtype), hook)] = (_replicas_equal(params), bool(torch.isfinite(params).all()),
+                                       state.stats()["steps"])
+    return out
+
+
+def test_half_precision_buckets():
+    for r in run_distributed(_dtypes, 4, nodes=2, timeout=240):
+        for key, (equal, finite, steps) in r.items():
+            assert equal and finite and steps == 4, key
+
+
+def _overflow(rank, world, hook):
+    import ciuicflow
+
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    state = ciuicflow.register(ddp, hook, warmup_steps=1)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(3):
+        _step(ddp, optimizer, rank, step)
+    before = copy.deepcopy(state.state_dict()["memory"])
+    x, y = _batch(rank, 99)
+    if rank == 1:
+        x[0, 0] = float("inf")  # an overflow on one rank only, as under AMP
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    grads_finite = [bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.numel()]
+    after = state.state_dict()["memory"]
+    untouched = sorted(before) == sorted(after) and all(
+        all(torch.equal(before[k]["tensors"][n], after[k]["tensors"][n])
+            for n in before[k]["tensors"])
+        for k in before)
+    return {"some_grad_nonfinite": not all(grads_finite), "untouched": untouched,
+            "fallbacks": state.stats()["nonfinite_fallbacks"], "buckets_per_step": len(before)}
+
+
+@pytest.mark.parametrize("hook", ["hierarchical_1bit", "hierarchical_powersgd", "onebit"])
+def test_overflow_bucket_is_reduced_exactly_and_memory_untouched(hook):
+    for r in run_distributed(_overflow, 4, nodes=2, args=(hook,)):
+        assert r["some_grad_nonfinite"], "every rank must see the overflow (GradScaler skips)"
+        assert r["untouched"]
+        assert r["fallbacks"] >= 1 and r["buckets_per_step"] > 1
+
+
+def _exclusions(rank, world):
+    import ciuicflow
+
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    ciuicflow.register(ddp, "hierarchical_1bit", warmup_steps=0, exclude=["*.bias", "norm.*"])
+    x, y = _batch(rank, 5)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    local = Net()
+    torch.nn.functional.cross_entropy(local(x), y).backward()
+    gaps = {}
+    for (name, p), q in zip(model.named_parameters(), local.parameters()):
+        if not p.numel():
+            continue
+        exact = q.grad.clone()
+        dist.all_reduce(exact)
+        exact /= world
+        gaps[name] = (p.grad - exact).abs().max().item()
+    return gaps
+
+
+def test_excluded_parameters_are_reduced_exactly():
+    for gaps in run_distributed(_exclusions, 4, nodes=2):
+        for name, gap in gaps.items():
+            if name.endswith(".bias") or name.startswith("norm."):
+                assert gap < 1e-6, (name, gap)
+            else:
+                assert gap > 1e-4, (name, gap)  # the weights really were compressed
+
+
+# -- world sizes and node layouts --------------------------------------------------------------
+
+
+def _small_worlds(rank, world):
+    out = {}
+    for hook in HOOKS:
+        options = {} if hook == "hierarchical_allreduce" else {"warmup_steps": 1}
+        model, state = _train(hook, steps=3, **options)
+        exact, _ = _train(None, steps=3)
+        stats = state.stats()
+        out[hook] = {"gap": (_flat_params(model) - _flat_params(exact)).abs().max().item(),
+                     "inter": stats["inter_node_bytes"], "steps": stats["steps"]}
+    return out
+
+
+def test_world_size_one():
+    for hook, r in run_distributed(_small_worlds, 1, nodes=1)[0].items():
+        assert r["gap"] == 0 and r["inter"] == 0 and r["steps"] == 3, hook
+
+
+def test_single_node_hierarchical_hooks_are_exact():
+    results = run_distributed(_small_worlds, 2, nodes=1)
+    for hook, r in results[0].items():
+        assert r["inter"] == 0, hook  # nothing leaves the node
+        if hook.startswith("hierarchical"):
+            assert r["gap"] < 1e-6, (hook, r["gap"])
+
+
+def test_uneven_nodes_fall_back_to_flat_hooks():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = run_distributed(_small_worlds, 3, node_sizes=[2, 1])
+    assert results[0]["hierarchical_allreduce"]["gap"] < 1e-6
+    assert all(r["steps"] == 3 for r in results[0].values())
+
+
+# -- state objects ------------------------------------------------------------------------------
+
+
+def test_states_validate_their_arguments():
+    import ciuicflow
+
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ciuicflow.OneBitState(chunk_size=100)
+    with pytest.raises(ValueError, match="rank"):
+        ciuicflow.PowerSGDState(rank=0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        ciuicflow.OneBitState(warmup_steps=-1)
+    with pytest.raises(TypeError, match="OneBitState"):
+        ciuicflow.hierarchical_1bit(ciuicflow.PowerSGDState(), None)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        ciuicflow.register(torch.nn.Linear(2, 2), "onebit")
+    one = ciuicflow.OneBitState(chunk_size=64)
+    with pytest.raises(ValueError, match="chunk_size"):
+        one.load_state_dict(ciuicflow.OneBitState(chunk_size=128).state_dict())
+    with pytest.raises(ValueError, match="powersgd"):
+        one.load_state_dict(ciuicflow.PowerSGDState().state_dict())
+    # pickling keeps the configuration, leaves the process group behind
+    state = ciuicflow.PowerSGDState(rank=3, warmup_steps=7, exclude=["*.bias"], seed=5)
+    clone = pickle.loads(pickle.dumps(state))
+    assert (clone.rank, clone.warmup_steps, clone.exclude, clone.seed) == (3, 7, ("*.bias",), 5)
+    assert clone.process_group is None and clone.topology is None
+
+
+def _unknown_hook(rank, world):
+    import ciuicflow
+
+    with pytest.raises(ValueError, match="unknown hook"):
+        ciuicflow.register(DDP(Net()), "threebit")
+    ddp = DDP(Net())
+    state = ciuicflow.OneBitState(warmup_steps=0, exclude=["*.bias"])
+    ddp.register_comm_hook(state, ciuicflow.hierarchical_1bit)
+    x, y = _batch(rank, 0)
+    with pytest.raises(RuntimeError, match="parameter names"):
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    return True
+
+
+def test_register_errors_are_clear():
+    assert run_distributed(_unknown_hook, 2, nodes=1) == [True, True]
