@@ -15,6 +15,8 @@ measured steps. Measured:
   inter_node_bytes_per_step  bytes that left every node on its inter-node link (the veth's tx counter, read by
                  each node's local rank 0 between barriers), summed over nodes, per measured step
   final_loss     MSE on the last measured step, averaged over ranks
+  cpu_seconds    CPU time of a rank's process (all threads: autograd, gloo, hook workers) per measured step,
+                 mean over ranks; unlike wall time, it barely changes when other work shares the cores
 """
 import argparse
 import json
@@ -38,6 +40,12 @@ RANKED = ("powerSGD_hook", "hierarchical_powersgd", "powersgd")  # methods that 
 
 POWERSGD_NOTE = ("torch powerSGD_hook on gloo: each bucket's future is waited for inside the hook before returning "
                  "(unmodified, its P/Q all-reduces from future callbacks interleave across buckets and crash/hang)")
+
+
+def say(line: str):
+    """One write() per line: the ranks of a node share torchrun's output pipe, and print() may write in pieces."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def parse_method(spec: str):
@@ -230,11 +238,13 @@ def run_method(spec, args, width, data):
     dist.barrier()
     step_total = comm_total = 0.0
     loss = float("nan")
+    cpu_start = time.process_time()
     for i in range(args.warmup, args.warmup + args.steps):
         seconds, comm, loss = step(i)
         step_total += seconds
         comm_total += comm
         first_loss = loss if first_loss is None else first_loss
+    cpu = time.process_time() - cpu_start
     dist.barrier()
     inter_bytes = node_link_delta(before)
     measured = read_node_link_bytes() is not None
@@ -244,6 +254,9 @@ def run_method(spec, args, width, data):
         "rank": rank,
         "step_seconds": reduce_scalar(step_total / args.steps, dist.ReduceOp.MAX),
         "comm_seconds": reduce_scalar(comm_total / args.steps, dist.ReduceOp.MAX),
+        # CPU time of this process (all its threads) per step, mean over ranks: what the step costs the
+        # machine's cores, whatever else runs on them
+        "cpu_seconds": reduce_scalar(cpu / args.steps, dist.ReduceOp.SUM) / world,
         "inter_node_bytes_per_step": inter_bytes / args.steps if measured else None,
         "first_loss": reduce_scalar(first_loss, dist.ReduceOp.SUM) / world,
         "final_loss": reduce_scalar(loss, dist.ReduceOp.SUM) / world,
@@ -357,12 +370,11 @@ def main(argv=None):
             why = ciuicflow_unavailable(name)
             if why is not None:
                 if rank == 0:
-                    print(f"[bench] SKIPPED {method_label(name, r)}: ciuicflow hook not available ({why})",
-                          flush=True)
+                    say(f"[bench] SKIPPED {method_label(name, r)}: ciuicflow hook not available ({why})")
                 emit({"method": method_label(name, r), "hook": name, "rank": r, "skipped": why})
                 continue
         if rank == 0:
-            print(f"[bench] {method_label(name, r)} ...", flush=True)
+            say(f"[bench] {method_label(name, r)} ...")
         try:
             record = run_method(spec, args, width, data)
         except Exception:
@@ -372,13 +384,13 @@ def main(argv=None):
             os._exit(3)
         if rank == 0:
             b = record["inter_node_bytes_per_step"]
-            print(f"[bench] {record['method']}: {record['step_seconds']:.3f} s/step, comm {record['comm_seconds']:.3f}"
-                  f" s, inter-node {'n/a' if b is None else f'{b / 1e6:.2f} MB'}/step, "
-                  f"final loss {record['final_loss']:.5f}", flush=True)
+            say(f"[bench] {record['method']}: {record['step_seconds']:.3f} s/step, comm {record['comm_seconds']:.3f}"
+                f" s, inter-node {'n/a' if b is None else f'{b / 1e6:.2f} MB'}/step, "
+                f"final loss {record['final_loss']:.5f}")
         emit(record)
     if args.probe_numel:
         if rank == 0:
-            print("[bench] measuring the machine for the planner ...", flush=True)
+            say("[bench] measuring the machine for the planner ...")
         machine = probe_machine([args.probe_numel])
         if rank == 0:
             with open(args.out, "a") as f:

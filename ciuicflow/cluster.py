@@ -118,7 +118,10 @@ class _Procs:
 
 
 def _run(cmd, check=True):
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({result.returncode}): {result.stderr.strip()}")
+    return result
 
 
 def _pid_alive(pid: int) -> bool:
@@ -225,16 +228,18 @@ class SimCluster:
 
     rate: inter-node rate per node and direction ("1gbit", bits/s, ...); None leaves the link unshaped
     (namespaces still used, bytes still counted). require_netns: raise instead of falling back to loopback.
+    loopback: use the loopback fallback even where namespaces work.
     """
 
     def __init__(self, nodes: int = 2, ranks_per_node: int = 2, rate="1gbit", *, require_netns: bool = False,
-                 prefix: str = NETNS_PREFIX, log=None):
+                 loopback: bool = False, prefix: str = NETNS_PREFIX, log=None):
         if int(nodes) < 1 or int(ranks_per_node) < 1:
             raise ValueError(f"need at least 1 node and 1 rank per node, got {nodes} x {ranks_per_node}")
         self.nodes = int(nodes)
         self.ranks_per_node = int(ranks_per_node)
         self.rate_bps = None if rate is None else parse_rate(rate)
         self.require_netns = require_netns
+        self.loopback = loopback
         self.prefix = prefix
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.tag = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -299,7 +304,7 @@ class SimCluster:
         if self._started:
             return self
         self._started = True
-        ok, reason = netns_available()
+        ok, reason = (False, "loopback requested") if self.loopback else netns_available()
         if not ok:
             if self.require_netns:
                 raise RuntimeError(f"network namespaces unavailable: {reason}")
@@ -353,10 +358,13 @@ class SimCluster:
         # every node resolves every node's host name to its address, as on a real cluster
         hosts = "127.0.0.1 localhost\n" + "".join(
             f"{self.node_addr(k)} {self.node_hostname(k)}\n" for k in range(self.nodes))
-        for k in range(self.nodes):
-            os.makedirs(os.path.join(NETNS_ETC, self.node_ns(k)), exist_ok=True)
-            with open(os.path.join(NETNS_ETC, self.node_ns(k), "hosts"), "w") as f:
-                f.write(hosts)
+        try:
+            for k in range(self.nodes):
+                os.makedirs(os.path.join(NETNS_ETC, self.node_ns(k)), exist_ok=True)
+                with open(os.path.join(NETNS_ETC, self.node_ns(k), "hosts"), "w") as f:
+                    f.write(hosts)
+        except OSError as exc:  # only name resolution suffers: ranks use addresses and GLOO_SOCKET_IFNAME
+            self._log(f"[cluster] note: cannot write {NETNS_ETC} ({exc}); node host names will not resolve")
 
     def _install_sigterm(self):
         # turn SIGTERM into an exception so `with` blocks and finally clauses tear the namespaces down
@@ -433,9 +441,9 @@ class SimCluster:
             raise ValueError(f"node {k} out of range 0..{self.nodes - 1}")
         argv = [str(a) for a in argv]
         if self.netns:
-            hostname = self.node_hostname(k)
-            argv = ["ip", "netns", "exec", self.node_ns(k), "unshare", "--uts", "sh", "-c",
-                    'hostname "$0" && exec "$@"', hostname, *argv]
+            if shutil.which("unshare"):  # a host name of its own per node, as on separate machines
+                argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.node_hostname(k), *argv]
+            argv = ["ip", "netns", "exec", self.node_ns(k), *argv]
         proc = subprocess.Popen(argv, env=self.node_env(k, env), start_new_session=True, **kwargs)
         with self._procs.lock:
             self._procs.procs.append(proc)

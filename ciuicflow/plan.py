@@ -427,8 +427,8 @@ def calibrate(records, machine: dict) -> list:
     floor = next((r for r in ran if r["method"] == "no_comm"), None)
     if floor is None:
         raise ValueError("calibration needs the run's no_comm record (the compute time)")
-    if not floor.get("rate_bps"):
-        raise ValueError("calibration needs a run with a shaped link (records with rate_bps)")
+    if not (floor.get("shaped") and floor.get("rate_bps")):
+        raise ValueError("calibration needs a run whose inter-node link was shaped (this one was not)")
     cluster = machine_cluster(machine, floor["rate_bps"])
     shapes = [(floor["width"], floor["width"])] * floor["layers"]
     local = 0.0

@@ -10,7 +10,8 @@ return values come back in rank order. Nodes are simulated with torchrun's varia
 the other ranks are killed; so does a run that outlasts ``timeout`` seconds.
 
 The rendezvous store lives in the calling process on a port the OS picks (no port race), gloo
-binds to the loopback interface, and children start from a forkserver that has torch imported.
+binds to the loopback interface, and children start from a forkserver that has torch (with
+the parts DDP imports lazily) already imported.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = multiprocessing.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.nn"])
+        # what every child would import anyway; DDP's constructor imports torch._dynamo
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel",
+                                         "torch._dynamo", "ciuicflow.hooks"])
     return _CONTEXT
 
 
@@ -61,7 +64,9 @@ def _child(rank, world_size, port, fn, args, env, timeout, results):
                               timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
+        dist.barrier()  # every pair connected before anyone can finish and hang up
         value = fn(rank, world_size, *args)
+        dist.barrier()
         dist.destroy_process_group()
         # as bytes: tensors sent through a queue would be shared memory owned by this process
         payload = io.BytesIO()

@@ -36,10 +36,12 @@ def _worker():
     dist.barrier()  # both ranks of this node are done sending
     after = cl.read_node_link_bytes()
     expected = world * (world + 1) / 2
-    print("RESULT " + json.dumps({
+    # one write() per line: two ranks share the node's output pipe, and print() may write in pieces
+    sys.stdout.write("RESULT " + json.dumps({
         "rank": rank, "host": socket.gethostname(), "group_rank": os.environ.get("GROUP_RANK"),
         "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "correct": bool((x == expected).all()),
-        "seconds": seconds, "tx": None if before is None else after[0] - before[0]}), flush=True)
+        "seconds": seconds, "tx": None if before is None else after[0] - before[0]}) + "\n")
+    sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ciuicflow import cli
 from ciuicflow.monitor import Monitor, find_hang_suspects, find_stragglers, load_run, traffic_matrix
 from ciuicflow.monitor.stragglers import HangWatchdog, Heartbeat
 from tests.dist_utils import run_distributed
@@ -96,6 +97,12 @@ def test_monitor_records_hook_traffic_and_serves_prometheus(tmp_path):
         assert scraped[("ciuicflow_compression_ratio", node_rank)] == pytest.approx(
             steps[-1]["compression_ratio"])
     assert not [a for a in run.alerts if a["kind"] == "hang"]  # (a loaded machine may straggle)
+    # and the report reads the same directory
+    summary_path = tmp_path / "summary.json"
+    assert cli.main(["report", run_dir, "--no-charts", "--json", str(summary_path)]) == 0
+    summary = json.loads(summary_path.read_text())
+    assert summary["bytes_per_step"]["inter_node"] == pytest.approx(
+        sum(r["stats"]["inter_node_bytes"] for r in results) / 24)
 
 
 # -- stragglers and hangs on real gloo processes ----------------------------------------------------
@@ -241,6 +248,13 @@ def test_misuse_raises_clear_errors(tmp_path):
         Monitor(None, [42])
     with pytest.raises(ValueError, match="traffic_model"):
         Monitor(None, [], traffic_model="ring")
+    import socket
+
+    with socket.socket() as taken:  # a busy port: a clear error, not a silent lack of metrics
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="cannot serve Prometheus metrics"):
+            Monitor(None, [], prometheus_port=taken.getsockname()[1])
     mon = Monitor(None, [])
     with pytest.raises(RuntimeError, match="without step_begin"):
         mon.step_end()
@@ -285,10 +299,13 @@ def test_find_stragglers_rule():
 def test_find_hang_suspects_picks_the_rank_behind():
     positions = {0: {"step": 9, "ordinal": 4}, 1: {"step": 9, "ordinal": 4},
                  2: {"step": 9, "ordinal": 1}, 3: {"step": 9, "ordinal": 4, "closed": True}}
-    assert find_hang_suspects(positions, {0, 1, 2}) == [2]
-    # a rank still moving is not blamed, even when behind: the stalled ones are reported
-    assert find_hang_suspects(positions, {0, 1}) == [0, 1]
-    assert find_hang_suspects(positions, set()) == []
+    assert find_hang_suspects(positions, {0: 11.0, 1: 11.0, 2: 11.0}, 10.0) == [2]
+    # rank 2, behind, still moves: ranks 0 and 1 may be waiting for it, not hung themselves...
+    assert find_hang_suspects(positions, {0: 11.0, 1: 11.0}, 10.0) == []
+    # ...unless they stay stalled for twice the timeout
+    assert find_hang_suspects(positions, {0: 20.0, 1: 11.0}, 10.0) == [0]
+    assert find_hang_suspects(positions, {}, 10.0) == []
+    assert find_hang_suspects(positions, {3: 50.0}, 10.0) == []  # closed
 
 
 def test_watchdog_on_a_store_with_a_fake_clock():
@@ -319,7 +336,7 @@ def test_watchdog_on_a_store_with_a_fake_clock():
     now[0] = 31.0
     assert watchdog.poll() == [] and len(alerts) == 1
     beats[2].close()  # a closed rank is never a suspect; the others stall again
-    now[0] = 100.0
+    now[0] = 42.0
     assert [a["rank"] for a in watchdog.poll()] == [0, 1]
 
 

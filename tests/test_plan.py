@@ -111,7 +111,8 @@ def _worker():
     torch.set_num_threads(1)
     machine = probe_machine([FIT_NUMEL, NUMEL])
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(machine), flush=True)
+        sys.stdout.write("RESULT " + json.dumps(machine) + "\n")  # one write: other ranks share the pipe
+        sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
 

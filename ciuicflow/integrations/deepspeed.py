@@ -30,7 +30,7 @@ and then ``attach``es the optimizer:
 | fp16 (`fp16.enabled`, dynamic or static loss scale) | yes: same wrapper as bf16, overflow agreed over all ranks (DeepSpeed refuses fp16 on CPU, so the tests run it only where an accelerator has fp16) |
 | gradient accumulation (`gradient_accumulation_steps`) | yes |
 | LR schedulers | yes |
-| gradient clipping | refused: it needs the global gradient norm, which no rank has once gradients stop being all-reduced |
+| gradient clipping (`gradient_clipping`, 1.0 by default) | yes, with a warning: after warm-up DeepSpeed clips each rank's *local* gradient, by the mean of the ranks' local norms (fp32) or by its own norm (bf16/fp16), not by the norm of the mean gradient, which no rank has once gradients stop being all-reduced (DeepSpeed's removed 1-bit Adam did the same). Set it to 0 for Adam's exact semantics |
 | `torch_autocast` | refused: its GradScaler decides to skip a step on each rank's local gradients |
 | pipeline, tensor, sequence or expert parallelism | refused: the optimizer averages over the whole world, not a data-parallel subgroup |
 | `gradient_allreduce_op` other than mean, DeepCompile, unmanaged gradient accumulation | refused |
@@ -124,10 +124,6 @@ def unsupported_features(engine, optimizer) -> list[str]:
         problems.append(f"ZeRO stage {stage}: {name} runs with ZeRO stage 0 only (stages 1-3 partition "
                         "optimizer state and reduce-scatter gradients themselves; 1-bit Adam needs the "
                         "whole momentum on every rank). Set zero_optimization.stage to 0.")
-    if engine.gradient_clipping() > 0:
-        problems.append(f"gradient_clipping={engine.gradient_clipping()}: clipping needs the global "
-                        "gradient norm, which no rank has once gradients stop being all-reduced. "
-                        "Remove gradient_clipping.")
     if engine.torch_autocast_enabled():
         problems.append("torch_autocast: its GradScaler skips steps on each rank's local gradients, "
                         "so ranks would disagree. Use bf16.enabled or fp16.enabled instead.")
@@ -157,12 +153,18 @@ def check_engine_config(engine, optimizer) -> None:
         raise UnsupportedDeepSpeedConfig(
             f"{type(optimizer).__name__} cannot run with this DeepSpeed config:\n"
             + "\n".join(f"  - {p}" for p in problems)
-            + "\nSupported: ZeRO stage 0 with fp32, bf16 or fp16, gradient accumulation, LR "
-              "schedulers (see ciuicflow.integrations.deepspeed).")
+            + "\nSupported: ZeRO stage 0 with fp32, bf16 or fp16, gradient accumulation, gradient "
+              "clipping, LR schedulers (see ciuicflow.integrations.deepspeed).")
 
 
 def attach(engine, optimizer) -> None:
     """Let ``engine`` average gradients during warm-up only, and checkpoint every rank's errors."""
+    if engine.gradient_clipping() > 0:
+        warnings.warn(
+            f"gradient_clipping={engine.gradient_clipping()} with {type(optimizer).__name__}: after "
+            "warm-up DeepSpeed clips each rank's local gradient (by the mean of the local norms in "
+            "fp32, by each rank's own norm in bf16/fp16), not the mean gradient. Set "
+            '"gradient_clipping": 0 for exact Adam semantics.', RuntimeWarning, stacklevel=2)
     optimizer.reduce_warmup_grads = False  # the engine's own all-reduce averages them
     optimizer.add_freeze_listener(functools.partial(_set_engine_allreduce, engine))
     engine.save_checkpoint = functools.partial(_save_checkpoint, engine, engine.save_checkpoint,
@@ -326,9 +328,9 @@ def deepspeed_config(params: float, cluster: ClusterSpec, *, gpu_memory: float,
         raise ValueError("headroom must be within (0, 1] and max_comm_share within (0, 1)")
     if gpu_memory <= 0:
         raise ValueError("gpu_memory must be positive (bytes)")
-    if onebit and (optimizer is not None or gradient_clipping):
-        raise ValueError("with onebit=True pass optimizer=OneBitAdam(...) to deepspeed.initialize; "
-                         "gradient clipping cannot combine with it")
+    if onebit and optimizer is not None:
+        raise ValueError("with onebit=True pass optimizer=OneBitAdam(...) to deepspeed.initialize, "
+                         "not an optimizer section")
     world, local = cluster.world, cluster.gpus_per_node
     notes = []
 
@@ -398,8 +400,8 @@ def deepspeed_config(params: float, cluster: ClusterSpec, *, gpu_memory: float,
         config["fp16"] = {"enabled": True, "loss_scale": 0}
     if optimizer is not None:
         config["optimizer"] = optimizer
-    if gradient_clipping:
-        config["gradient_clipping"] = gradient_clipping
+    # explicit, as DeepSpeed otherwise clips at 1.0 (which 1-bit Adam applies to local gradients)
+    config["gradient_clipping"] = float(gradient_clipping or 0.0)
     if onebit:
         notes.append("pass optimizer=ciuicflow.optim.OneBitAdam(model.parameters(), ...) to "
                      "deepspeed.initialize")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import queue
-import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, List, Optional, Union
 
@@ -326,7 +325,6 @@ class Client:
             ("grpc.max_send_message_length", 64 << 20),
         ])
         self._stub = pb_grpc.KVFlowStub(self._channel)
-        self._lock = threading.Lock()
 
     def _metadata(self, flow: Optional[bool]):
         md = []

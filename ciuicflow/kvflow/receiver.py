@@ -377,18 +377,18 @@ class PeerService:
             yield ack(pb.ACK_OK)
             return
         data = c.data
+        held = len(entry.chunks)
+        if c.seq > held:
+            yield ack(pb.ACK_OUT_OF_ORDER)        # an earlier chunk is missing; the sender goes back
+            return
+        if c.seq < held and entry.chunks[c.seq].crc == c.crc32c:
+            yield ack(pb.ACK_OK)                  # a duplicate of a chunk held already
+            return
         if crc32c.crc32c(data) != c.crc32c:
             self.sc.metrics.retransmits.labels(source, "checksum_in").inc()
             yield ack(pb.ACK_CORRUPT, message="checksum mismatch")
             return
-        held = len(entry.chunks)
-        if c.seq > held:
-            yield ack(pb.ACK_OUT_OF_ORDER)
-            return
         if c.seq < held:
-            if entry.chunks[c.seq].crc == c.crc32c:
-                yield ack(pb.ACK_OK)
-                return
             self.store.truncate(entry, c.seq)      # resumed with different content from here on
         part, offset, part_nbytes = entry.expected_next()
         error = None

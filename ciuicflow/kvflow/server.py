@@ -361,8 +361,8 @@ class Sidecar:
         return grpc.aio.insecure_channel(address, options=options)
 
     # ------------------------------------------------------------------ start / stop
-    def _new_server(self, service_name: str, handlers) -> grpc.aio.Server:
-        server = grpc.aio.server(options=self._options())
+    def _new_server(self, service_name: str, handlers, options=()) -> grpc.aio.Server:
+        server = grpc.aio.server(options=self._options() + list(options))
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
         hs = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -385,7 +385,7 @@ class Sidecar:
             "Stats": grpc.unary_unary_rpc_method_handler(
                 local.Stats, request_deserializer=_safe_deserializer(pb.StatsRequest),
                 response_serializer=pb.StatsReply.SerializeToString),
-        })
+        }, options=[("grpc.http2.bdp_probe", 0)])   # keep HTTP/2 windows small: the memory cap is the buffer
         api_host, api_port = parse_hostport(cfg.api)
         bound = api_server.add_insecure_port(format_hostport(api_host, api_port))
         if bound == 0:

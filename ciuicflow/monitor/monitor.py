@@ -58,7 +58,8 @@ class Monitor:
         prometheus_port: base port; rank's endpoint is ``base + local rank`` (0: OS-chosen).
         prometheus_addr: address the endpoints bind to (``"0.0.0.0"`` to be scraped remotely).
         prometheus_push: ``host:port`` of a Pushgateway to push to every ``push_every`` steps.
-        straggler_every: gather step times every N steps (0: never).
+        straggler_every: gather step times every N steps (0: never); the gather is read a step
+            later, so alerts come one step after the window.
         straggler_factor, straggler_min_excess_s: a straggler is busy > factor x median and
             > median + min_excess_s.
         hang_timeout_s: a rank whose position has not changed for this long is reported
@@ -115,11 +116,13 @@ class Monitor:
         if straggler_every and self.world_size > 1:
             self._stragglers = StragglerDetector(
                 self._group, int(straggler_every), float(straggler_factor),
-                float(straggler_min_excess_s), rank=self.rank, node=self.node, host=self.host)
+                float(straggler_min_excess_s), rank=self.rank, node_of_rank=self.node_of_rank,
+                hosts=self.hosts)
 
+        # collectives first (every rank reaches them), then what can fail locally, then threads
         self._heartbeat = self._watchdog = None
         if hang_timeout_s and self.world_size > 1:
-            self._start_hang_detection(store, float(hang_timeout_s), heartbeat_s)
+            self._prepare_hang_detection(store, float(hang_timeout_s), heartbeat_s)
 
         self._prometheus = None
         if prometheus_port is not None or prometheus_push is not None:
@@ -146,6 +149,10 @@ class Monitor:
         self._ordinal = 0
         self._metrics: dict = {}
         self._closed = False
+        if self._heartbeat is not None:
+            self._heartbeat.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     # -- construction ----------------------------------------------------------------------
 
@@ -189,7 +196,7 @@ class Monitor:
             else [0] * self.world_size
         self._topology_is_hierarchical = bool(topology is not None and topology.hierarchical)
 
-    def _start_hang_detection(self, store, timeout_s: float, heartbeat_s) -> None:
+    def _prepare_hang_detection(self, store, timeout_s: float, heartbeat_s) -> None:
         import torch.distributed as dist
 
         interval = float(heartbeat_s) if heartbeat_s else min(5.0, timeout_s / 10)
@@ -209,12 +216,10 @@ class Monitor:
 
         self._heartbeat = Heartbeat(own_connection(), self.rank, interval)
         dist.barrier(group=self._group)  # every heartbeat key exists before anyone reads
-        self._heartbeat.start()
         if self.rank == self.watchdog_rank:
             info = [{"node": n, "host": h} for n, h in zip(self.node_of_rank, self.hosts)]
             self._watchdog = HangWatchdog(own_connection(), self.world_size, timeout_s, interval,
                                           info, self._raise_alert)
-            self._watchdog.start()
 
     def _meta(self) -> dict:
         import ciuicflow
@@ -238,6 +243,11 @@ class Monitor:
     @property
     def local_rank(self) -> int:
         return [r for r, n in enumerate(self.node_of_rank) if n == self.node].index(self.rank)
+
+    @property
+    def gather_s(self) -> float:
+        """Time spent starting and reading the straggler gathers."""
+        return self._stragglers.gather_s if self._stragglers is not None else 0.0
 
     @property
     def prometheus_port(self) -> int | None:
@@ -320,11 +330,13 @@ class Monitor:
         self.steps += 1
         if self._heartbeat is not None:
             self._heartbeat.move(self.steps, BETWEEN_STEPS, -1)
-        check_due = self._stragglers is not None and self._stragglers.add(
-            record["step"], step_s, self._busy_s(record), record.get("phases"))
         self.overhead_s += time.perf_counter() - end
-        if check_due:
-            self._check_stragglers()
+        if self._stragglers is not None:
+            if self._stragglers.in_flight:  # started a step ago: everyone has sent by now
+                self._finish_straggler_check()
+            if self._stragglers.add(record["step"], step_s, self._busy_s(record),
+                                    record.get("phases")):
+                self._stragglers.start()
         return record
 
     def _make_record(self, index: int, step_s: float) -> dict:
@@ -386,10 +398,10 @@ class Monitor:
 
     # -- alerts ----------------------------------------------------------------------------
 
-    def _check_stragglers(self) -> None:
+    def _finish_straggler_check(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.move(self.steps, "straggler check", -1)
-        windows, alerts = self._stragglers.check()
+        windows, alerts = self._stragglers.finish()
         self.last_windows = windows
         if self._heartbeat is not None:
             self._heartbeat.move(self.steps, BETWEEN_STEPS, -1)
@@ -420,6 +432,8 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
+        if self._stragglers is not None and self._stragglers.in_flight:
+            self._finish_straggler_check()  # every rank started it: it completes
         if self._watchdog is not None:
             self._watchdog.close()
         if self._heartbeat is not None:
@@ -429,7 +443,7 @@ class Monitor:
         if self.recorder is not None:
             self.recorder.close({
                 "steps": self.steps, "overhead_s": self.overhead_s,
-                "gather_s": self._stragglers.gather_s if self._stragglers else 0.0,
+                "gather_s": self.gather_s,
                 "wall_s": time.time() - self.start_time, "time": time.time()})
 
     def __enter__(self) -> "Monitor":

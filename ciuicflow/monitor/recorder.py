@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 
 FORMAT_VERSION = 1
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps(separators=) builds one per call
 _RANK_FILE = re.compile(r"rank(\d+)\.jsonl$")
 
 
@@ -45,7 +46,7 @@ class RunRecorder:
 
     def _write(self, record: dict, flush: bool = False) -> None:
         # NaN/Infinity (a diverged loss) are written as Python's json reads them back
-        line = json.dumps(record, separators=(",", ":")) + "\n"
+        line = _ENCODER.encode(record) + "\n"
         with self._lock:
             if self._file is None:
                 return

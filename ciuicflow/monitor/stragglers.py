@@ -7,7 +7,8 @@ equal; the rank to blame is the one that is *busy* longest. Busy time is step ti
 the hooks (which includes waiting for peers); without hook statistics it is the step time. A rank
 is a straggler when its busy time exceeds ``factor`` x the median over ranks and the median by at
 least ``min_excess_s``; the phase reported is the one (``Monitor.phase``) exceeding its own median
-by the most. The gather is a collective: every rank must call ``check`` at the same step.
+by the most. The gather is a collective (every rank starts it at the same step) but asynchronous:
+its result is read one step later, when every rank has long contributed.
 
 Hangs. A collective cannot tell which rank is missing: it just blocks. So each rank publishes its
 position (step, phase, a counter bumped at every transition) to the rendezvous store from a
@@ -15,7 +16,7 @@ background thread, and a watchdog thread on one rank reads everyone's. A rank wh
 not changed for ``timeout_s`` (by the watchdog's clock, so node clocks need not agree) is stalled.
 When the others wait for it in a collective they stall too; the suspects are the stalled ranks
 furthest behind (lowest step, then fewest phase transitions within it), the others are reported
-as waiting.
+as waiting. While the ranks furthest behind still move, nobody is blamed before twice the timeout.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import logging
 import statistics
 import threading
 import time
+import zlib
 from typing import Callable
 
 log = logging.getLogger("ciuicflow.monitor")
@@ -80,48 +82,97 @@ def describe_straggler(alert: dict) -> str:
     return text
 
 
+PHASE_SLOTS = 8  # phases carried per rank and window; the rest are summed into "other"
+_HEAD = 5         # first_step, last_step, step_s, busy_s, number of phases
+
+
+def _phase_key(name: str) -> int:
+    """A number naming a phase, identical on every rank (exact in a float64)."""
+    return zlib.crc32(name.encode())
+
+
 class StragglerDetector:
-    """Collects this rank's steps and, every ``every`` steps, gathers and compares windows."""
+    """Collects this rank's steps and, every ``every`` steps, gathers and compares windows.
+
+    The gather is asynchronous: ``start`` sends this rank's window summary (a float64 tensor) on
+    the monitor's gloo group and returns; ``finish`` collects everyone's, normally one step later,
+    when every rank has long sent its own, so the training loop does not wait on it."""
 
     def __init__(self, group, every: int, factor: float, min_excess_s: float, *, rank: int,
-                 node: int, host: str):
+                 node_of_rank: list[int], hosts: list[str]):
+        import torch
+
         if every < 1:
             raise ValueError(f"straggler_every must be >= 1, got {every}")
         if factor <= 1.0:
             raise ValueError(f"straggler_factor must be > 1, got {factor}")
         self.group, self.every = group, every
         self.factor, self.min_excess_s = factor, min_excess_s
-        self._identity = {"rank": rank, "node": node, "host": host}
-        self._window: list[dict] = []
-        self.gather_s = 0.0  # time spent in the gathers (they also wait for the slowest rank)
+        self.rank, self.node_of_rank, self.hosts = rank, node_of_rank, hosts
+        self._window: list[tuple] = []
+        self._phase_names = {_phase_key("other"): "other"}
+        size = _HEAD + 2 * PHASE_SLOTS
+        self._outputs = [torch.zeros(size, dtype=torch.float64) for _ in node_of_rank]
+        self._input = torch.zeros(size, dtype=torch.float64)
+        self._work = None
+        self.gather_s = 0.0  # time spent starting and finishing gathers
+
+    @property
+    def in_flight(self) -> bool:
+        return self._work is not None
 
     def add(self, step: int, step_s: float, busy_s: float, phases: dict | None) -> bool:
-        """Record a step; True when a check is due (call ``check`` on every rank then)."""
-        self._window.append({"step": step, "step_s": step_s, "busy_s": busy_s,
-                             "phases": phases or {}})
+        """Record a step; True when a check is due (call ``start`` on every rank then)."""
+        self._window.append((step, step_s, busy_s, phases))
         return len(self._window) >= self.every
 
-    def summary(self) -> dict:
-        window = self._window
-        n = len(window)
+    def _encode(self) -> None:
+        window, n = self._window, len(self._window)
         phases: dict[str, float] = {}
-        for entry in window:
-            for name, seconds in entry["phases"].items():
+        for _, _, _, step_phases in window:
+            for name, seconds in (step_phases or {}).items():
                 phases[name] = phases.get(name, 0.0) + seconds / n
-        return dict(self._identity, first_step=window[0]["step"], last_step=window[-1]["step"],
-                    step_s=sum(e["step_s"] for e in window) / n,
-                    busy_s=sum(e["busy_s"] for e in window) / n, phases=phases)
+        ranked = sorted(phases.items(), key=lambda item: -item[1])
+        if len(ranked) > PHASE_SLOTS:
+            ranked = ranked[:PHASE_SLOTS - 1] + [("other", sum(t for _, t in ranked[PHASE_SLOTS - 1:]))]
+        values = [window[0][0], window[-1][0], sum(w[1] for w in window) / n,
+                  sum(w[2] for w in window) / n, len(ranked)]
+        for name, seconds in ranked:
+            key = _phase_key(name)
+            self._phase_names[key] = name
+            values += [key, seconds]
+        self._input.zero_()
+        self._input[:len(values)] = self._input.new_tensor(values)
 
-    def check(self) -> tuple[list[dict], list[dict]]:
-        """Gather every rank's window (collective); return (all windows, straggler alerts)."""
+    def start(self) -> None:
+        """Send this rank's window (collective, asynchronous)."""
         import torch.distributed as dist
 
-        start = time.perf_counter()
-        mine = self.summary()
+        if self._work is not None:
+            raise RuntimeError("a straggler check is already in flight: finish() it first")
+        began = time.perf_counter()
+        self._encode()
         self._window = []
-        windows = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(windows, mine, group=self.group)
-        self.gather_s += time.perf_counter() - start
+        self._work = dist.all_gather(self._outputs, self._input, group=self.group, async_op=True)
+        self.gather_s += time.perf_counter() - began
+
+    def finish(self) -> tuple[list[dict], list[dict]]:
+        """Wait for the gather started last; return (every rank's window, straggler alerts)."""
+        began = time.perf_counter()
+        self._work.wait()
+        self._work = None
+        windows = []
+        for rank, row in enumerate(self._outputs):
+            values = row.tolist()
+            phases = {}
+            for i in range(int(values[4])):
+                key, seconds = int(values[_HEAD + 2 * i]), values[_HEAD + 2 * i + 1]
+                phases[self._phase_names.get(key, f"phase#{key:08x}")] = seconds
+            windows.append({"rank": rank, "node": self.node_of_rank[rank],
+                            "host": self.hosts[rank], "first_step": int(values[0]),
+                            "last_step": int(values[1]), "step_s": values[2],
+                            "busy_s": values[3], "phases": phases})
+        self.gather_s += time.perf_counter() - began
         return windows, find_stragglers(windows, self.factor, self.min_excess_s)
 
 
@@ -129,22 +180,28 @@ class StragglerDetector:
 # Hangs
 
 
-def find_hang_suspects(positions: dict[int, dict], stalled: set[int]) -> list[int]:
-    """Among ``stalled`` ranks, those furthest behind: lowest step, then fewest transitions.
+def find_hang_suspects(positions: dict[int, dict], stalled_for: dict[int, float],
+                       timeout_s: float) -> list[int]:
+    """The stalled ranks to blame: those furthest behind (lowest step, then fewest transitions).
 
     ``positions``: rank -> heartbeat (``step``, ``ordinal``: phase transitions within the step,
-    ``closed``). Closed ranks are ignored."""
+    ``closed``); ``stalled_for``: rank -> seconds without progress, for the ranks past the timeout.
+    When the ranks furthest behind still move, the stalled ones may just be waiting for them:
+    they are blamed only after twice the timeout (a rank hung ahead of ranks that never catch up).
+    Closed ranks are ignored."""
     live = {r: p for r, p in positions.items() if not p.get("closed")}
-    candidates = [r for r in stalled if r in live]
-    if not candidates:
+    stalled = [r for r in stalled_for if r in live]
+    if not stalled:
         return []
 
     def behind(rank):
         return (live[rank]["step"], live[rank]["ordinal"])
 
     lowest = min(behind(r) for r in live)
-    suspects = sorted(r for r in candidates if behind(r) == lowest)
-    return suspects or sorted(candidates)
+    suspects = [r for r in stalled if behind(r) == lowest]
+    if not suspects:
+        suspects = [r for r in stalled if stalled_for[r] >= 2 * timeout_s]
+    return sorted(suspects)
 
 
 def describe_hang(alert: dict) -> str:
@@ -235,20 +292,20 @@ class HangWatchdog:
         """One look at the heartbeats; returns (and reports) new hang alerts."""
         now = self._clock()
         positions = {r: json.loads(v) for r, v in enumerate(self._store.multi_get(self._keys))}
-        stalled = set()
+        stalled_for = {}
         for rank, position in positions.items():
             if self._last_seq.get(rank) != position["seq"]:
                 self._last_seq[rank], self._since[rank] = position["seq"], now
                 self._alerted.pop(rank, None)
             elif not position["closed"] and now - self._since[rank] >= self._timeout:
-                stalled.add(rank)
+                stalled_for[rank] = now - self._since[rank]
         alerts = []
-        suspects = find_hang_suspects(positions, stalled)
+        suspects = find_hang_suspects(positions, stalled_for, self._timeout)
         fresh = [r for r in suspects if self._alerted.get(r) != positions[r]["seq"]]
         for rank in fresh:
             self._alerted[rank] = positions[rank]["seq"]
-            waiting = [dict(self._where(r, positions[r]), stalled_s=now - self._since[r])
-                       for r in sorted(stalled) if r not in suspects]
+            waiting = [dict(self._where(r, positions[r]), stalled_s=stalled_for[r])
+                       for r in sorted(stalled_for) if r not in suspects]
             alert = dict(self._where(rank, positions[rank]), type="alert", kind="hang",
                          stalled_s=now - self._since[rank], waiting=waiting, time=time.time())
             alerts.append(alert)
@@ -261,12 +318,18 @@ class HangWatchdog:
                 "step": position["step"], "phase": position["phase"]}
 
     def _loop(self) -> None:
+        failures = 0
         while not self._stop.wait(self._interval):
             try:
                 self.poll()
-            except Exception as exc:  # the store is gone (another rank shut it down)
-                log.debug("ciuicflow.monitor: hang watchdog stopped: %s", exc)
-                return
+                failures = 0
+            except Exception as exc:
+                # a store that is gone (its host rank exited) fails every time: give up then
+                failures += 1
+                log.debug("ciuicflow.monitor: hang watchdog poll failed: %s", exc)
+                if failures >= 3:
+                    log.debug("ciuicflow.monitor: hang watchdog stopped")
+                    return
 
     def close(self) -> None:
         self._stop.set()

@@ -57,6 +57,7 @@ class _FlatBucket:
     momentum: torch.Tensor
     exact_mask: torch.Tensor | None
     errors: OneBitErrors = field(default_factory=OneBitErrors)
+    has_variance: list | None = None  # per param, where the frozen variance is > 0
 
     def views(self, flat: torch.Tensor) -> list:
         out, offset = [], 0
@@ -303,6 +304,7 @@ class OneBitAdam(CompressedMomentumOptimizer):
                 grads = self._grads(bucket)
                 self._fold_into_momentum(bucket, grads)
                 self._average_momentum(bucket)
+                self._zero_momentum_without_variance(bucket)
             else:
                 grads = self._mean_grads(bucket)
                 self._fold_into_momentum(bucket, grads)
@@ -332,6 +334,14 @@ class OneBitAdam(CompressedMomentumOptimizer):
             torch._foreach_mul_(variances, beta2)
             torch._foreach_addcmul_(variances, [x for _, x in members], [x for _, x in members],
                                     value=1 - beta2)
+
+    def _zero_momentum_without_variance(self, bucket: _FlatBucket) -> None:
+        """Positions whose frozen variance is 0 never had a gradient in warm-up. A 1-bit value is
+        never 0, and divided by a zero variance its noise would blow up: keep their momentum at 0
+        (DeepSpeed's ``exp_avg_mask``, found here from the variance)."""
+        if bucket.has_variance is None:
+            bucket.has_variance = [self.state[p]["exp_avg_sq"] > 0 for p in bucket.params]
+        torch._foreach_mul_([self.state[p]["exp_avg"] for p in bucket.params], bucket.has_variance)
 
     def _update_params(self, bucket: _FlatBucket) -> None:
         t = self.steps_taken

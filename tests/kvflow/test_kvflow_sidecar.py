@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from ciuicflow.kvflow import Client, KVFlowError
+from ciuicflow.kvflow import KVFlowError
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
 
 CHUNK = 64 << 10          # small chunks: many chunks per transfer at small sizes
