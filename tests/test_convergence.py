@@ -92,12 +92,13 @@ def _train(ddp, optimizer, steps, rank, world, data, start=0):
         optimizer.step()
 
 
-def _convergence(rank, world, methods):
+def _convergence(rank, world, methods, steps=None):
+    steps = steps or STEPS
     data = _data()
     results = {}
     for method in methods:
         model, ddp, optimizer, state = _setup(method)
-        _train(ddp, optimizer, STEPS, rank, world, data)
+        _train(ddp, optimizer, steps, rank, world, data)
         params = _parameters(model)
         gathered = [torch.empty_like(params) for _ in range(world)]
         dist.all_gather(gathered, params)
