@@ -115,8 +115,9 @@ def _train(rank, world, args, run_dir):
 
     mon = Monitor(run_dir, [state], prometheus_port=0, straggler_every=args.straggler_every,
                   hang_timeout_s=120)
-    for i in range(args.warmup):
-        train_step(i)
+    for i in range(args.warmup):  # monitored: the monitor's first-use costs stay out of the blocks
+        with mon.step():
+            train_step(i)
     times = {"off": [], "on": []}
     cpu_times = {"off": [], "on": []}
     for block in range(args.blocks):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ciuicflow import cli
 from ciuicflow.monitor import Monitor, find_hang_suspects, find_stragglers, load_run, traffic_matrix
-from ciuicflow.monitor.stragglers import HangWatchdog, Heartbeat
+from ciuicflow.monitor.stragglers import HangWatchdog, Heartbeat, describe_hang
 from tests.dist_utils import run_distributed
 
 
@@ -146,7 +146,7 @@ def test_straggler_and_hang_are_reported_with_rank_node_and_phase(tmp_path, capl
     hang = hangs[0]
     assert (hang["rank"], hang["node"], hang["step"], hang["phase"]) == (2, 1, 9, "data")
     assert hang["stalled_s"] >= 1.5
-    assert sorted((w["rank"], w["phase"], w["step"]) for w in hang["waiting"]) == \
+    assert [(o["rank"], o["phase"], o["step"]) for o in hang["others"]] == \
         [(0, "sync", 9), (1, "sync", 9)]
     # only the watchdog rank speaks; the others still saw the gathered windows
     assert results[1]["alerts"] == [] and results[2]["alerts"] == []
@@ -327,7 +327,10 @@ def test_watchdog_on_a_store_with_a_fake_clock():
     now[0] = 16.0  # rank 2 silent since t=5, ranks 0 and 1 since t=16
     new = watchdog.poll()
     assert [(a["rank"], a["node"], a["phase"]) for a in new] == [(2, 1, "forward")]
-    assert new[0]["stalled_s"] == pytest.approx(11.0) and new[0]["waiting"] == []
+    assert new[0]["stalled_s"] == pytest.approx(11.0)
+    assert [(o["rank"], o["phase"], o["since_s"]) for o in new[0]["others"]] == \
+        [(0, "sync", 0.0), (1, "sync", 0.0)]
+    assert "others: ranks 0, 1 at step 0, phase 'sync'" in describe_hang(new[0])
     now[0] = 30.0  # same stall: no second alert; the others now wait too
     assert watchdog.poll() == []
     for beat in beats:  # the stall ends

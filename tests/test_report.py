@@ -139,3 +139,22 @@ def test_report_of_a_live_single_process_run(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path)]) == 0
     assert "1 of 1 ranks recorded" in capsys.readouterr().out
     assert all(os.path.exists(os.path.join(tmp_path, "report", name)) for name in CHARTS)
+
+
+@pytest.mark.parametrize("world, nodes, steps_of_rank", [
+    (4, 2, lambda rank: 1 if rank == 3 else 150),        # a rank that died early: few points
+    (20, 5, lambda rank: 60 + rank),                     # more ranks than lines: median and range
+])
+def test_uneven_and_large_runs_still_draw(tmp_path, world, nodes, steps_of_rank):
+    run_dir = str(tmp_path / "run")
+    node_of_rank = [r * nodes // world for r in range(world)]
+    for rank in range(world):
+        meta = {"run_id": "r", "rank": rank, "world_size": world, "node_of_rank": node_of_rank,
+                "host": "h", "traffic_model": "flat", "start_time": 1.0}
+        recorder = RunRecorder(run_dir, rank, meta)
+        for step in range(steps_of_rank(rank)):
+            recorder.step(dict(_step(rank % 4, step), inter_node_bytes=10.0 * rank))
+        recorder.close()
+    assert cli.main(["report", run_dir]) == 0
+    for name in CHARTS:
+        assert os.path.getsize(os.path.join(run_dir, "report", name)) > 10_000

@@ -217,6 +217,7 @@ def prefill_worker(spec: dict, api: str, dest: str) -> dict:
     model, config = build_model(spec)
     client = Client(api, flow=bool(spec["flow"]))
     client.wait_ready(30)
+    _wait_for_file(spec["decode_ready_file"], spec["timeout_s"])   # as in serving: decode is up first
     results = []
     handles = []
     for i, prompt in enumerate(make_prompts(spec)):
@@ -246,6 +247,14 @@ def prefill_worker(spec: dict, api: str, dest: str) -> dict:
         r["flow"] = res.flow
     client.close()
     return {"role": "prefill", "model": model_fingerprint(model), "prompts": results}
+
+
+def _wait_for_file(path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} did not appear within {timeout_s:g}s")
+        time.sleep(0.02)
 
 
 _SLOW_HOOKS: list = []
@@ -285,6 +294,8 @@ def decode_worker(spec: dict, api: str) -> dict:
     results = []
     with ThreadPoolExecutor(max_workers=min(n, 16), thread_name_prefix="recv") as pool:
         futures = [pool.submit(receive, i) for i in range(n)]
+        with open(spec["decode_ready_file"], "w") as fh:
+            fh.write("ready\n")
         for i, future in enumerate(futures):
             received, got = future.result()
             meta = received.meta or {}
@@ -352,6 +363,10 @@ def _spec_from_args(args, run_id: str) -> dict:
             "layer_delay_s": args.layer_delay_ms / 1000.0, "deadline_s": None}
 
 
+def _decode_ready_file(workdir: str) -> str:
+    return os.path.join(workdir, "decode.ready")
+
+
 def _start_worker(role: str, spec_path: str, api: str, workdir: str):
     out = os.path.join(workdir, f"{role}.json")
     log = open(os.path.join(workdir, f"{role}.log"), "wb")
@@ -376,6 +391,9 @@ def run_demo(args, log=print) -> dict:
     spec = _spec_from_args(args, run_id)
     workdir = args.workdir or tempfile.mkdtemp(prefix="ciuicflow-kvdemo-")
     os.makedirs(workdir, exist_ok=True)
+    spec["decode_ready_file"] = _decode_ready_file(workdir)
+    if os.path.exists(spec["decode_ready_file"]):
+        os.remove(spec["decode_ready_file"])
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as fh:
         json.dump(spec, fh)

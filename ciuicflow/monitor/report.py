@@ -277,14 +277,14 @@ def draw_traffic_matrix(recorded, steps, path: str) -> None:
     plt.close(fig)
 
 
-def _rolling_mean(values, window: int):
+def _smoothed(records: list[dict], window: int):
+    """(steps, comm fraction in %) with a rolling mean over ``window`` steps (fewer if short)."""
     import numpy as np
 
-    values = np.asarray(values, dtype=float)
-    if window <= 1 or len(values) < window:
-        return values
-    kernel = np.ones(window) / window
-    return np.convolve(values, kernel, mode="valid")
+    window = max(1, min(window, len(records)))
+    values = np.asarray([r["comm_fraction"] for r in records], dtype=float) * 100
+    smoothed = np.convolve(values, np.ones(window) / window, mode="valid")
+    return [r["step"] for r in records][window - 1:], smoothed
 
 
 def draw_comm_fraction(recorded, steps, path: str) -> None:
@@ -297,15 +297,14 @@ def draw_comm_fraction(recorded, steps, path: str) -> None:
     ranks = [r for r in recorded.ranks if steps.get(r)]
     if len(ranks) <= 16:
         for rank in ranks:
-            x = [r["step"] for r in steps[rank]][window - 1:]
-            y = _rolling_mean([r["comm_fraction"] for r in steps[rank]], window)
-            ax.plot(x[:len(y)], y * 100, label=f"rank {rank} (node {recorded.node_of_rank[rank]})")
+            x, y = _smoothed(steps[rank], window)
+            ax.plot(x, y, label=f"rank {rank} (node {recorded.node_of_rank[rank]})")
         ax.legend(fontsize=8, ncol=2 if len(ranks) > 8 else 1)
-    else:  # too many lines to read: median and range over ranks
+    else:  # too many lines to read: median and range over ranks, over the steps all ranks have
         length = min(len(steps[r]) for r in ranks)
-        data = np.array([_rolling_mean([s["comm_fraction"] for s in steps[r][:length]], window)
-                         for r in ranks]) * 100
-        x = [s["step"] for s in steps[ranks[0]][:length]][window - 1:][:data.shape[1]]
+        curves = [_smoothed(steps[r][:length], window) for r in ranks]
+        x = curves[0][0]
+        data = np.array([y for _, y in curves])
         ax.fill_between(x, data.min(0), data.max(0), alpha=0.3, label="min-max over ranks")
         ax.plot(x, np.median(data, 0), label="median over ranks")
         ax.legend(fontsize=8)

@@ -15,8 +15,8 @@ position (step, phase, a counter bumped at every transition) to the rendezvous s
 background thread, and a watchdog thread on one rank reads everyone's. A rank whose position has
 not changed for ``timeout_s`` (by the watchdog's clock, so node clocks need not agree) is stalled.
 When the others wait for it in a collective they stall too; the suspects are the stalled ranks
-furthest behind (lowest step, then fewest phase transitions within it), the others are reported
-as waiting. While the ranks furthest behind still move, nobody is blamed before twice the timeout.
+furthest behind (lowest step, then fewest phase transitions within it); the alert also says where
+every other rank is. While the ranks furthest behind still move, nobody is blamed before twice the timeout.
 """
 from __future__ import annotations
 
@@ -204,14 +204,22 @@ def find_hang_suspects(positions: dict[int, dict], stalled_for: dict[int, float]
     return sorted(suspects)
 
 
-def describe_hang(alert: dict) -> str:
+def describe_hang(alert: dict, listed: int = 8) -> str:
     text = (f"hang: rank {alert['rank']} (node {alert['node']}, host {alert['host']}) has not "
             f"progressed for {alert['stalled_s']:.1f} s, at step {alert['step']}, phase "
             f"'{alert['phase']}'")
-    if alert["waiting"]:
-        text += "; waiting: " + ", ".join(
-            f"rank {w['rank']} (node {w['node']}) step {w['step']} phase '{w['phase']}'"
-            for w in alert["waiting"])
+    groups: dict[tuple, list[dict]] = {}
+    for other in alert.get("others", []):
+        groups.setdefault((other["step"], other["phase"]), []).append(other)
+    parts = []
+    for (step, phase), members in sorted(groups.items()):
+        ranks = ", ".join(str(m["rank"]) for m in members[:listed])
+        more = f" and {len(members) - listed} more" if len(members) > listed else ""
+        idle = max(m["since_s"] for m in members)
+        parts.append(f"rank{'s' if len(members) > 1 else ''} {ranks}{more} at step {step}, "
+                     f"phase '{phase}' (unchanged for up to {idle:.1f} s)")
+    if parts:
+        text += "; others: " + "; ".join(parts)
     return text
 
 
@@ -304,10 +312,12 @@ class HangWatchdog:
         fresh = [r for r in suspects if self._alerted.get(r) != positions[r]["seq"]]
         for rank in fresh:
             self._alerted[rank] = positions[rank]["seq"]
-            waiting = [dict(self._where(r, positions[r]), stalled_s=stalled_for[r])
-                       for r in sorted(stalled_for) if r not in suspects]
+            # where everyone else is, and for how long (the ones waiting on it sit in a collective)
+            others = [dict(self._where(r, p), since_s=now - self._since[r])
+                      for r, p in sorted(positions.items())
+                      if r not in suspects and not p.get("closed")]
             alert = dict(self._where(rank, positions[rank]), type="alert", kind="hang",
-                         stalled_s=now - self._since[rank], waiting=waiting, time=time.time())
+                         stalled_s=now - self._since[rank], others=others, time=time.time())
             alerts.append(alert)
             self._on_alert(alert)
         return alerts

@@ -284,6 +284,8 @@ class OneBitAdam(CompressedMomentumOptimizer):
             raise ValueError(f"freeze_steps must be an integer >= 1 (the variance needs a warm-up), "
                              f"got {freeze_steps}")
         self.freeze_steps = int(freeze_steps)
+        import os
+        self.precondition = bool(int(os.environ.get("PRECOND", "0")))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction)
         super().__init__(params, defaults, group=group, hierarchical=hierarchical,
@@ -300,16 +302,27 @@ class OneBitAdam(CompressedMomentumOptimizer):
         buckets = self._flat_buckets()
         self.steps_taken += 1
         for bucket in buckets:
+            denominators = self._denominators(bucket)
             if self.frozen:
                 grads = self._grads(bucket)
                 self._fold_into_momentum(bucket, grads)
-                self._average_momentum(bucket)
-                self._zero_momentum_without_variance(bucket)
+                momenta = [self.state[p]["exp_avg"] for p in bucket.params]
+                if self.precondition:
+                    torch._foreach_div_(momenta, denominators)
+                    self._average_momentum(bucket)
+                    self._zero_momentum_without_variance(bucket)
+                    self._update_params(bucket, momenta, None)
+                    torch._foreach_mul_(momenta, denominators)
+                else:
+                    self._average_momentum(bucket)
+                    self._zero_momentum_without_variance(bucket)
+                    self._update_params(bucket, momenta, denominators)
             else:
                 grads = self._mean_grads(bucket)
                 self._fold_into_momentum(bucket, grads)
                 self._fold_into_variance(bucket, grads)
-            self._update_params(bucket)
+                self._update_params(bucket, [self.state[p]["exp_avg"] for p in bucket.params],
+                                    self._denominators(bucket))
         if not self.frozen and self.steps_taken >= self.freeze_steps:
             self._set_frozen(True)
         return loss
@@ -343,22 +356,35 @@ class OneBitAdam(CompressedMomentumOptimizer):
             bucket.has_variance = [self.state[p]["exp_avg_sq"] > 0 for p in bucket.params]
         torch._foreach_mul_([self.state[p]["exp_avg"] for p in bucket.params], bucket.has_variance)
 
-    def _update_params(self, bucket: _FlatBucket) -> None:
+    def _denominators(self, bucket: _FlatBucket) -> list:
+        """Adam's ``sqrt(v_hat) + eps`` per parameter; v_hat stops changing at the freeze."""
+        t_variance = min(self.steps_taken, self.freeze_steps)
+        out = []
+        for g, members in self._per_group(bucket, bucket.params):
+            scale = math.sqrt(1 - g["betas"][1] ** t_variance) if g["bias_correction"] else 1.0
+            denom = torch._foreach_sqrt([self.state[p]["exp_avg_sq"] for p, _ in members])
+            torch._foreach_div_(denom, scale)
+            torch._foreach_add_(denom, g["eps"])
+            out += denom
+        return out
+
+    def _update_params(self, bucket: _FlatBucket, momenta: list, denominators: list | None) -> None:
+        """``p -= lr * m_hat / denominator`` (``momenta`` already divided when it is None)."""
         t = self.steps_taken
-        t_variance = min(t, self.freeze_steps)  # the variance stopped changing at the freeze
+        index = {id(p): i for i, p in enumerate(bucket.params)}
         for g, members in self._per_group(bucket, bucket.params):
             params = [p for p, _ in members]
-            beta1, beta2 = g["betas"]
-            correct = g["bias_correction"]
-            step_size = g["lr"] / (1 - beta1 ** t) if correct else g["lr"]
-            variance_scale = math.sqrt(1 - beta2 ** t_variance) if correct else 1.0
+            picked = [index[id(p)] for p in params]
+            beta1 = g["betas"][0]
+            step_size = g["lr"] / (1 - beta1 ** t) if g["bias_correction"] else g["lr"]
             if g["weight_decay"]:
                 torch._foreach_mul_(params, 1 - g["lr"] * g["weight_decay"])
-            denom = torch._foreach_sqrt([self.state[p]["exp_avg_sq"] for p in params])
-            torch._foreach_div_(denom, variance_scale)
-            torch._foreach_add_(denom, g["eps"])
-            torch._foreach_addcdiv_(params, [self.state[p]["exp_avg"] for p in params], denom,
-                                    value=-step_size)
+            group_momenta = [momenta[i] for i in picked]
+            if denominators is None:
+                torch._foreach_add_(params, group_momenta, alpha=-step_size)
+            else:
+                torch._foreach_addcdiv_(params, group_momenta, [denominators[i] for i in picked],
+                                        value=-step_size)
 
 
 def _check_adam_args(lr, betas, eps, weight_decay) -> None:
