@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -274,41 +275,45 @@ def run_method(spec, args, width, data):
 
 # --------------------------------------------------------------------------- machine probe (for the planner)
 
-def _median_seconds(fn, repeat):
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    # a collective lasts as long as its slowest rank
-    t = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
+def _timed(fn):
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _slowest(seconds):
+    """A collective lasts as long as its slowest rank."""
+    t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
-def probe_machine(numels, repeat=3):
+def probe_machine(numels, repeat=5):
     """What the planner needs to know about this machine, measured with every rank busy at once:
     latency (a one-element all-reduce), intra-node bandwidth (all-reduces inside each node at the same time),
     float32 matmul rate (PowerSGD-shaped), and the time of a flat, a hierarchical and a hierarchical 1-bit
-    all-reduce of each size in ``numels`` (the last two need ciuicflow). Collective; returns a dict."""
+    all-reduce of each size in ``numels`` (the last two need ciuicflow). The measurements take turns, round
+    after round, and each is the median of its rounds, so a change of load on a shared machine affects all of
+    them alike. Collective; returns a dict."""
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes = world // local
     groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)]
     mine = groups[dist.get_rank() // local]
-    out = {"nodes": nodes, "ranks_per_node": local}
+    out = {"nodes": nodes, "ranks_per_node": local, "sizes": {}}
     small = torch.zeros(1)
     for _ in range(3):
         dist.all_reduce(small)
-    out["alpha"] = _median_seconds(lambda: dist.all_reduce(small), 15) / (2 * (world - 1))
+    out["alpha"] = _slowest(statistics.median(_timed(lambda: dist.all_reduce(small)) for _ in range(15))) \
+        / (2 * (world - 1))
+
+    tasks = {}  # name -> what to time
     x = torch.randn(max(numels))
     if local > 1:
-        t = _median_seconds(lambda: dist.all_reduce(x, group=mine), repeat)
-        out["intra_bw"] = 2 * (local - 1) / local * x.numel() * 4 / max(t - 2 * (local - 1) * out["alpha"], 1e-9)
+        tasks["intra"] = lambda: dist.all_reduce(x, group=mine)
     a, q = torch.randn(1024, 1024), torch.randn(1024, 4)
-    out["matmul_flops"] = 2 * 1024 * 1024 * 4 * 20 / _median_seconds(lambda: [a @ q for _ in range(20)], 3)
-    out["sizes"] = {}
+    tasks["matmul"] = lambda: [a @ q for _ in range(20)]
     try:
         import ciuicflow
         from ciuicflow.collectives.onebit import OneBitErrors
@@ -318,13 +323,26 @@ def probe_machine(numels, repeat=3):
         topology = None
     for n in numels:
         y = torch.randn(n)
-        sizes = out["sizes"][str(n)] = {"flat_ring": _median_seconds(lambda: dist.all_reduce(y), repeat)}
+        tasks[(n, "flat_ring")] = lambda y=y: dist.all_reduce(y)
         if topology is not None:
-            sizes["hierarchical"] = _median_seconds(lambda: ciuicflow.hierarchical_all_reduce(y, topology), repeat)
             errors = OneBitErrors()
             ciuicflow.onebit_all_reduce(y, errors, topology, hierarchical=True)  # allocates its buffers
-            sizes["hierarchical_1bit"] = _median_seconds(
-                lambda: ciuicflow.onebit_all_reduce(y, errors, topology, hierarchical=True), repeat)
+            tasks[(n, "hierarchical")] = lambda y=y: ciuicflow.hierarchical_all_reduce(y, topology)
+            tasks[(n, "hierarchical_1bit")] = lambda y=y, e=errors: ciuicflow.onebit_all_reduce(
+                y, e, topology, hierarchical=True)
+    times = {name: [] for name in tasks}
+    for _ in range(repeat):
+        for name, fn in tasks.items():
+            times[name].append(_timed(fn))
+    seconds = {name: _slowest(statistics.median(ts)) for name, ts in times.items()}
+
+    if "intra" in seconds:
+        out["intra_bw"] = 2 * (local - 1) / local * x.numel() * 4 / max(seconds["intra"] - 2 * (local - 1)
+                                                                       * out["alpha"], 1e-9)
+    out["matmul_flops"] = 2 * 1024 * 1024 * 4 * 20 / seconds["matmul"]
+    for name, value in seconds.items():
+        if isinstance(name, tuple):
+            out["sizes"].setdefault(str(name[0]), {})[name[1]] = value
     return out
 
 

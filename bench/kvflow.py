@@ -17,9 +17,9 @@
 
 Writes a list of records as JSON (--json), a markdown table and a PNG latency chart next to it.
 
-    python bench/kvflow.py                                  # 200 Mbit/s link, 30 s of arrivals per mode
+    python bench/kvflow.py                                  # 100 Mbit/s link, 40 s of arrivals per mode
     python bench/kvflow.py --smoke --json out/kvflow.json   # CI: well under a minute
-    python bench/kvflow.py --rate 500mbit --duration 60 --load 0.8 --check-targets
+    python bench/kvflow.py --rate 400mbit --duration 60 --load 0.8 --check-targets
 
 Needs root for namespaces and tc; without them the link is emulated on loopback by the receiving sidecar's
 --link-rate, and every output says so (NOT tc-shaped).
@@ -31,7 +31,7 @@ import json
 import math
 import os
 import random
-import statistics
+import shlex
 import struct
 import subprocess
 import sys
@@ -48,8 +48,8 @@ BYTES_PER_TOKEN = LAYERS * (LATENT + ROPE) * ELEM      # 70,272
 BUFFER_BYTES = 48 << 20           # payload parts are slices of one seeded random buffer (both sides have it)
 PEER_PORT = 50152
 
-SMOKE = dict(rate="200mbit", duration=5.0, high_tokens="8:40", low_tokens="96:256", saturation_s=2.5,
-             raw_requests=4, raw_tokens=256, raw_reps=1, timeout=170.0)
+SMOKE = dict(rate="100mbit", duration=6.0, high_tokens="8:32", low_tokens="128:384", saturation_s=2.5,
+             raw_requests=4, raw_tokens=128, raw_reps=1, timeout=120.0)
 
 
 # ---------------------------------------------------------------------- workload
@@ -184,6 +184,10 @@ def sender_worker(plan: dict, api: str, sync: str) -> None:
             waiters.append(th)
         for th in waiters:
             th.join()
+        try:    # the sending sidecar's view of the link (controller state, memory peaks) for the record
+            out["__sidecar__"] = client.stats()["peers"].get(plan["dest"], {})
+        except KVFlowError as exc:
+            out["__sidecar__"] = {"error": str(exc)}
         _write(os.path.join(sync, f"{name}.sender.json"), json.dumps(out))
 
 
@@ -361,9 +365,10 @@ class Testbed:
         link = None
         if before is not None and after is not None:
             link = after[0][0] - before[0][0]      # bytes out of node 0 onto its veth
-        return {"t0": t0, "sent": sent, "received": received, "link_tx_bytes": link}
+        return {"t0": t0, "sent": sent, "received": received, "link_tx_bytes": link,
+                "sidecar": sent.pop("__sidecar__", None)}
 
-    def stop(self):
+    def stop_workers(self):
         for role, proc, fh in self.workers:
             if proc.poll() is None:
                 proc.kill()
@@ -372,8 +377,7 @@ class Testbed:
                 except subprocess.TimeoutExpired:
                     pass
             fh.close()
-        for sc in self.sidecars:
-            sc.stop()
+        self.workers = []
 
 
 def _tail(path: str, n: int = 2500) -> str:
@@ -436,6 +440,7 @@ def phase_records(phase: dict, result: dict, base: dict) -> list:
             "max_submit_lag_s": max((x["submit_lag"] for x in group if x["submit_lag"] is not None), default=None),
             "latencies_s": sorted(lat),
             "errors": sorted({x["error"] for x in group if x["error"]})[:5],
+            "sender_sidecar": result.get("sidecar"),
         })
         rate = rec.get("link_rate_bytes_per_s")
         rec["link_utilisation"] = (rec["link_bytes_per_s"] / rate) if rate and rec["link_bytes_per_s"] else None
@@ -448,18 +453,19 @@ def phase_records(phase: dict, result: dict, base: dict) -> list:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--rate", default="200mbit", help="link rate between the two nodes (tc tbf), e.g. 200mbit")
+    p.add_argument("--rate", default="100mbit", help="link rate between the two nodes (tc tbf), e.g. 100mbit")
     p.add_argument("--load", type=float, default=0.8, help="offered load as a fraction of the link rate (0.8)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of open-loop arrivals per mode (30)")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of open-loop arrivals per mode (40)")
     p.add_argument("--high-share", type=float, default=0.25, help="fraction of offered bytes that is high priority")
     p.add_argument("--high-tokens", default="8:64", help="prompt tokens of a high-priority request, LO:HI")
     p.add_argument("--low-tokens", default="128:512", help="prompt tokens of a low-priority request, LO:HI")
     p.add_argument("--saturation-s", type=float, default=6.0,
                    help="backlogged phase: this many seconds of link time queued at t=0 (0: skip)")
     p.add_argument("--raw-requests", type=int, default=8, help="loopback throughput: requests sent at once")
-    p.add_argument("--raw-tokens", type=int, default=512, help="loopback throughput: tokens per request")
+    p.add_argument("--raw-tokens", type=int, default=256, help="loopback throughput: tokens per request")
     p.add_argument("--raw-reps", type=int, default=3, help="loopback throughput: repetitions (best counts)")
     p.add_argument("--chunk-size", default="256KiB", help="sidecar chunk size")
+    p.add_argument("--sidecar-args", default="", help="extra flags for both sidecars, e.g. \"--min-cwnd 1MiB\"")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="short configuration for CI (well under a minute)")
     p.add_argument("--json", metavar="PATH", help="records as JSON (default OUT_DIR/kvflow.json)")
@@ -517,35 +523,39 @@ def raw_phases(args) -> list:
     return phases
 
 
-def run_plain(args, workdir: str, requests, log) -> list:
-    """Plain gRPC streams of the same bytes, sender and receiver processes on 127.0.0.1."""
-    d = os.path.join(workdir, "plain")
-    os.makedirs(d, exist_ok=True)
-    plan = os.path.join(d, "plan.json")
-    with open(plan, "w") as fh:
-        json.dump({"seed": args.seed, "phases": [{"requests": requests}]}, fh)
-    port_file = os.path.join(d, "port")
-    server_log = open(os.path.join(d, "server.log"), "wb")
-    server = _host_launch([sys.executable, os.path.abspath(__file__), "--worker", "plain-server",
-                           "--port-file", port_file], stdout=server_log, stderr=subprocess.STDOUT)
-    results = []
-    try:
-        port = int(_wait_file(port_file, 120))
-        for rep in range(args.raw_reps):
-            out = os.path.join(d, f"client-{rep}.json")
-            with open(os.path.join(d, f"client-{rep}.log"), "wb") as fh:
-                rc = _host_launch([sys.executable, os.path.abspath(__file__), "--worker", "plain-client",
-                                   "--plan", plan, "--address", f"127.0.0.1:{port}", "--out", out],
-                                  stdout=fh, stderr=subprocess.STDOUT).wait(args.timeout)
-            if rc != 0:
-                raise RuntimeError(f"plain gRPC client failed ({rc}):\n{_tail(os.path.join(d, f'client-{rep}.log'))}")
-            with open(out) as fh:
-                results.append(json.load(fh))
-    finally:
-        server.kill()
-        server.wait(10)
-        server_log.close()
-    return results
+class PlainServer:
+    """The plain gRPC receiving process (started early: it imports grpc while the sidecars start)."""
+
+    def __init__(self, workdir: str):
+        self.dir = os.path.join(workdir, "plain")
+        os.makedirs(self.dir, exist_ok=True)
+        self.port_file = os.path.join(self.dir, "port")
+        self._log = open(os.path.join(self.dir, "server.log"), "wb")
+        self.proc = _host_launch([sys.executable, os.path.abspath(__file__), "--worker", "plain-server",
+                                  "--port-file", self.port_file], stdout=self._log, stderr=subprocess.STDOUT)
+
+    def run_once(self, args, requests, rep: int) -> dict:
+        """The plain client process sends the same bytes once; its measurement."""
+        plan = os.path.join(self.dir, "plan.json")
+        with open(plan, "w") as fh:
+            json.dump({"seed": args.seed, "phases": [{"requests": requests}]}, fh)
+        port = int(_wait_file(self.port_file, 120))
+        out = os.path.join(self.dir, f"client-{rep}.json")
+        log_path = os.path.join(self.dir, f"client-{rep}.log")
+        with open(log_path, "wb") as fh:
+            rc = _host_launch([sys.executable, os.path.abspath(__file__), "--worker", "plain-client",
+                               "--plan", plan, "--address", f"127.0.0.1:{port}", "--out", out],
+                              stdout=fh, stderr=subprocess.STDOUT).wait(args.timeout)
+        if rc != 0:
+            raise RuntimeError(f"plain gRPC client failed ({rc}):\n{_tail(log_path)}")
+        with open(out) as fh:
+            return json.load(fh)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
 
 
 def main(argv=None) -> int:
@@ -567,9 +577,10 @@ def main(argv=None) -> int:
     cluster = SimCluster(nodes=2, ranks_per_node=1, rate=f"{int(args.rate_bps)}bit", require_netns=args.require_netns,
                          loopback=args.loopback, log=log)
     testbeds = []
+    plain_server = None
     try:
         cluster.start()
-        chunk = ["--chunk-size", str(args.chunk_size)]
+        chunk = ["--chunk-size", str(args.chunk_size)] + shlex.split(args.sidecar_args)
         if cluster.netns:
             shaped = Testbed("shaped", workdir,
                              (lambda argv, **kw: cluster.popen(0, argv, **kw),
@@ -594,6 +605,8 @@ def main(argv=None) -> int:
         log(testbed_line)
         for tb in testbeds:
             tb.start_sidecars()
+        if raw is not None:
+            plain_server = PlainServer(workdir)
         phases = shaped_phases(args, rate_Bps)
         plan = {"seed": args.seed, "dest": "decode0", "timeout": args.timeout, "phases": phases}
         shaped.start_workers(plan, 120)
@@ -616,13 +629,14 @@ def main(argv=None) -> int:
         if raw is not None:
             raw_base = {"shaped": False, "testbed": "loopback 127.0.0.1, unshaped", "link_rate_bytes_per_s": None,
                         "bytes_per_token": BYTES_PER_TOKEN}
-            raw_recs = []
-            for phase in raw_plan["phases"]:
+            raw_recs, plain = [], []
+            requests = raw_plan["phases"][0]["requests"]
+            for phase in raw_plan["phases"]:       # flow, fifo, plain gRPC, then again: they share the noise
                 result = raw.run_phase(phase, args.timeout)
                 raw_recs += phase_records(phase, result, dict(raw_base, phase="raw_loopback", mode=phase["mode"],
                                                               rep=phase["rep"]))
-            requests = raw_plan["phases"][0]["requests"]
-            plain = run_plain(args, workdir, requests, log)
+                if phase["mode"] == "fifo":
+                    plain.append(plain_server.run_once(args, requests, phase["rep"]))
             for mode in ("flow", "fifo"):
                 reps = [r for r in raw_recs if r["mode"] == mode]
                 best = max(reps, key=lambda r: r["goodput_bytes_per_s"])
@@ -640,8 +654,16 @@ def main(argv=None) -> int:
             log(f"raw loopback plain gRPC: {[round(r / 1e6, 1) for r in rates]} MB/s")
     finally:
         for tb in testbeds:
-            tb.stop()
+            tb.stop_workers()
+        sidecars = [sc for tb in testbeds for sc in tb.sidecars]
+        for sc in sidecars:         # all at once: each drains for a moment
+            sc.terminate()
+        for sc in sidecars:
+            sc.stop()
+        if plain_server is not None:
+            plain_server.stop()
         cluster.close()
+        log("sidecars stopped, namespaces removed")
     summary = evaluate(records)
     write_outputs(args, records, summary, testbed_line)
     lost = sum(r["lost"] for r in records if not r.get("aggregate"))
@@ -707,7 +729,7 @@ def markdown(records, summary, testbed_line, args) -> str:
         return "-" if x is None else f"{x:.0%}"
 
     lines = [
-        f"# KV-flow benchmark",
+        "# KV-flow benchmark",
         "",
         f"Testbed: {testbed_line}. Load: {args.load:.0%} of {args.rate_bps / 1e6:g} Mbit/s "
         f"({args.rate_bps / 8e6:.2f} MB/s), {args.duration:g} s of open-loop arrivals per mode; high priority "
@@ -734,7 +756,7 @@ def markdown(records, summary, testbed_line, args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(records, path: str, testbed_line: str) -> None:
+def chart(records, path: str, testbed_line: str, load: float) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -772,8 +794,8 @@ def chart(records, path: str, testbed_line: str) -> None:
     ax2.set_title("open loop: latency per class")
     ax2.legend()
     ax2.grid(alpha=0.3, axis="y")
-    fig.suptitle(("" if "NOT" not in testbed_line else "NOT tc-shaped - ") + "KV-flow: DeepSeek-V3 KV transfers "
-                 "at 80% load", fontsize=11)
+    fig.suptitle(("NOT tc-shaped - " if "NOT" in testbed_line else "") + "KV-flow: DeepSeek-V3 KV transfers at "
+                 f"{load:.0%} load - {testbed_line[:90]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -792,7 +814,7 @@ def write_outputs(args, records, summary, testbed_line) -> None:
         fh.write(table)
     print(table)
     if not args.no_png:
-        chart(records, os.path.join(args.out_dir, f"{stem}.png"), testbed_line)
+        chart(records, os.path.join(args.out_dir, f"{stem}.png"), testbed_line, args.load)
 
 
 if __name__ == "__main__":

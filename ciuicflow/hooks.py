@@ -563,20 +563,24 @@ class PowerSGDState(_CompressingState):
 # Hooks
 
 
-_DEFAULT_STATES: dict[str, AllReduceState] = {}
+# hook name -> (default process group it was built in, state)
+_DEFAULT_STATES: dict[str, tuple[object, AllReduceState]] = {}
 
 
 def default_state(hook_name: str) -> AllReduceState | None:
-    """The state that a hook registered with ``state=None`` built on first use (per process)."""
-    return _DEFAULT_STATES.get(hook_name)
+    """The state that a hook registered with ``state=None`` built on first use (per process;
+    one per hook, so two models using the same hook with ``state=None`` would share it)."""
+    entry = _DEFAULT_STATES.get(hook_name)
+    return entry[1] if entry else None
 
 
 def _state_for(state, cls, hook_name: str):
     if state is None:
-        state = _DEFAULT_STATES.get(hook_name)
-        if state is None:
-            state = _DEFAULT_STATES[hook_name] = cls()
-        return state
+        world = dist.distributed_c10d._get_default_group()
+        entry = _DEFAULT_STATES.get(hook_name)
+        if entry is None or entry[0] is not world:  # a new init_process_group: a new state
+            entry = _DEFAULT_STATES[hook_name] = (world, cls())
+        return entry[1]
     if not isinstance(state, cls):
         raise TypeError(f"{hook_name} needs a {cls.__name__} (or None), got {type(state).__name__}")
     return state

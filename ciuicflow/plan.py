@@ -266,7 +266,7 @@ def _flat_ring(c: ClusterSpec, nbytes: float) -> tuple:
     return seconds, (sent if n > 1 else 0.0), (sent * (g - 1) / g if n > 1 else sent)
 
 
-def _hierarchical(c: ClusterSpec, nbytes: float, inter_nbytes: float | None = None, parts=None, tag="") -> tuple:
+def _hierarchical(c: ClusterSpec, nbytes: float, parts=None, tag="") -> tuple:
     """Intra reduce-scatter, inter all-reduce of the shards (G groups sharing each node's link), intra
     all-gather. Returns (seconds, inter bytes per node, intra bytes per GPU)."""
     g, n = c.gpus_per_node, c.nodes

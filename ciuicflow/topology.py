@@ -24,10 +24,20 @@ import torch.distributed as dist
 LOCAL_WORLD_SIZE_ENV = "CIUICFLOW_LOCAL_WORLD_SIZE"
 _TORCHRUN_ENV = ("LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK")
 
-# parent group -> its Topology; subgroup rank tuple -> its process group (never built twice)
+# parent group -> its Topology; subgroup rank tuple -> its process group (never built twice).
+# Both belong to one default process group: a new init_process_group starts them afresh.
 _TOPOLOGIES: dict[int, tuple[object, "Topology"]] = {}
 _SUBGROUPS: dict[tuple[int, ...], object] = {}
+_CACHE_WORLD: list = [None]
 _WARNED: set[str] = set()
+
+
+def _current_caches():
+    world = dist.distributed_c10d._get_default_group()
+    if _CACHE_WORLD[0] is not world:
+        _TOPOLOGIES.clear()
+        _SUBGROUPS.clear()
+        _CACHE_WORLD[0] = world
 
 
 def _warn_once(message: str) -> None:
@@ -65,6 +75,7 @@ class Topology:
             raise RuntimeError(
                 "Topology.detect needs torch.distributed to be initialised: call "
                 "torch.distributed.init_process_group() first")
+        _current_caches()
         group = group if group is not None else dist.group.WORLD
         cached = _TOPOLOGIES.get(id(group))
         if cached is not None and cached[0] is group:
@@ -89,25 +100,6 @@ class Topology:
             _warn_once(
                 f"ciuicflow: nodes of uneven sizes {sizes} ({source}); hierarchical collectives "
                 "fall back to flat ones over the whole group")
-            return draft
-        return draft._with_subgroups()
-
-    @classmethod
-    def from_nodes(cls, node_of_rank, group=None) -> "Topology":
-        """A topology with an explicit node per group rank (collective: builds the subgroups).
-
-        For tests and for launchers that know the layout better than the environment does."""
-        if not dist.is_initialized():
-            raise RuntimeError("Topology.from_nodes needs torch.distributed to be initialised")
-        group = group if group is not None else dist.group.WORLD
-        world_size = dist.get_world_size(group)
-        if len(node_of_rank) != world_size:
-            raise ValueError(f"node_of_rank has {len(node_of_rank)} entries for a group of "
-                             f"{world_size} ranks")
-        node_of_rank, _ = _assign_nodes([{"node": str(n)} for n in node_of_rank])
-        draft = cls(group, dist.get_rank(group), world_size, node_of_rank, "explicit",
-                    tuple(dist.get_process_group_ranks(group)))
-        if world_size == 1 or not draft.uniform:
             return draft
         return draft._with_subgroups()
 

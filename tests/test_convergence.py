@@ -21,12 +21,18 @@ LR, MOMENTUM = 0.05, 0.9
 BUCKET_CAP_MB = 0.02  # several buckets in flight (26k parameters)
 
 
-def _data():
+def _digits():
+    """The raw arrays, loaded once in the test process (children skip importing scikit-learn)."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.int64)
+    return digits.data, digits.target
+
+
+def _data(digits):
+    """Standardised train (1297) and test (500) splits."""
+    x = torch.tensor(digits[0], dtype=torch.float32)
+    y = torch.tensor(digits[1], dtype=torch.int64)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     x, y = x[order], y[order]
     train, test = slice(0, 1297), slice(1297, None)
@@ -96,9 +102,9 @@ def _train(ddp, optimizer, steps, rank, world, data, start=0, total=None):
         optimizer.step()
 
 
-def _convergence(rank, world, methods, steps=None):
+def _convergence(rank, world, digits, methods, steps=None):
     steps = steps or STEPS
-    data = _data()
+    data = _data(digits)
     results = {}
     for method in methods:
         model, ddp, optimizer, state = _setup(method)
@@ -116,7 +122,8 @@ def _convergence(rank, world, methods, steps=None):
 
 def test_compressed_hooks_reach_exact_accuracy_and_beat_torch_powersgd():
     methods = ["exact", "hierarchical_1bit", "hierarchical_powersgd", "torch_powerSGD"]
-    results = run_distributed(_convergence, 4, nodes=2, args=(methods,), timeout=300)[0]
+    results = run_distributed(_convergence, 4, nodes=2, args=(_digits(), methods),
+                              timeout=300)[0]
     accuracy = {m: r["accuracy"] for m, r in results.items()}
     print("test accuracy after", STEPS, "steps:", accuracy)
     # ours leave bit-identical replicas (PyTorch's PowerSGD need not, so it is not checked)
@@ -133,8 +140,8 @@ def test_compressed_hooks_reach_exact_accuracy_and_beat_torch_powersgd():
     assert accuracy["hierarchical_powersgd"] >= accuracy["torch_powerSGD"] - 0.5, accuracy
 
 
-def _resume(rank, world, methods, steps, split):
-    data = _data()
+def _resume(rank, world, digits, methods, steps, split):
+    data = _data(digits)
     out = {}
     for method in methods:
         # uninterrupted
@@ -177,7 +184,8 @@ def test_resume_from_checkpoint_reproduces_uninterrupted_run():
     uses one bucket for all parameters, then rebuilds them)."""
     steps, split = 60, 25
     methods = ["hierarchical_1bit", "hierarchical_powersgd"]
-    for result in run_distributed(_resume, 4, nodes=2, args=(methods, steps, split), timeout=300):
+    for result in run_distributed(_resume, 4, nodes=2, args=(_digits(), methods, steps, split),
+                                  timeout=300):
         for method in methods:
             r = result[method]
             assert r["equal"], (method, r["gap"])

@@ -97,7 +97,7 @@ def test_cli(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------ measured
 
-FIT_NUMEL = NUMEL // 4  # the 1-bit local work per element is fitted here and predicted at NUMEL
+FIT_NUMEL = NUMEL // 2  # the 1-bit local work per element is fitted here and predicted at NUMEL
 
 
 def _worker():
@@ -132,7 +132,7 @@ def _measure():
 @pytest.mark.timeout(400)
 def test_prediction_within_25_percent_of_the_simulated_cluster():
     """Exact strategies: predicted from the shaped rate, the probed latency and intra-node bandwidth alone.
-    1-bit: its local work per element is fitted on a 4x smaller tensor, then the full size is predicted."""
+    1-bit: its local work per element is fitted on a tensor half the size, then the full size is predicted."""
     m = _measure()
     cluster = pl.machine_cluster(m, RATE_BPS)
     measured = m["sizes"][str(NUMEL)]

@@ -118,9 +118,14 @@ class SidecarProcess:
             time.sleep(0.05)
         raise RuntimeError(f"sidecar {self.name} not ready after {timeout:g}s:\n{self.log()[-3000:]}")
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def terminate(self) -> None:
+        """Ask it to shut down (graceful: SIGTERM) without waiting; ``stop()`` waits."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -165,7 +170,6 @@ def build_model(spec: dict):
 
 def model_fingerprint(model) -> str:
     import hashlib
-    import torch
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
@@ -447,6 +451,8 @@ def run_demo(args, log=print) -> dict:
                 proc.kill()
                 proc.wait(10)
             fh.close()
+        for sc in sidecars:
+            sc.terminate()
         for sc in sidecars:
             sc.stop()
     return _compare(spec, outputs["prefill"], outputs["decode"], reference, ref_model,

@@ -24,7 +24,7 @@ compression and communication, from their ``time_s``), ``compute_s`` (``step_s -
 least 0), ``comm_fraction``, bytes sent per link class and what exact all-reduces would have
 sent (``intra_node_bytes``, ``inter_node_bytes``, ``exact_*``), ``compression_ratio`` (exact /
 actual, all links) and ``inter_node_compression_ratio``, ``error_feedback_norm`` (every
-``error_norm_every`` steps, else null), ``phases`` (seconds per ``phase``) and ``metrics``
+``error_norm_every`` steps, default 50, else null), ``phases`` (seconds per ``phase``) and ``metrics``
 (``add_metrics``). With overlapping hooks (``overlap=True``) communication runs beside the
 backward pass, so ``comm_fraction`` bounds the exposed share from above.
 """
@@ -67,7 +67,8 @@ class Monitor:
         heartbeat_s: how often heartbeats are published and read (default: timeout / 10, <= 5 s).
         store: a torch.distributed Store shared by the ranks (default: the rendezvous store).
         watchdog_rank: the rank that logs alerts and runs the hang watchdog.
-        error_norm_every: compute the error-feedback norm every N steps (0: only when reported).
+        error_norm_every: compute the error-feedback norm every N steps (0: only when reported);
+            a pass over gradient-sized buffers, so not every step.
         traffic_model: ``"hierarchical"``, ``"flat"`` or ``"auto"`` (hierarchical when the
             topology is); pass ``"flat"`` with the flat hooks (``onebit``, ``powersgd``).
         flush_every: flush the record file every N steps.
@@ -81,7 +82,7 @@ class Monitor:
                  straggler_every: int = 50, straggler_factor: float = 1.5,
                  straggler_min_excess_s: float = 0.005, hang_timeout_s: float | None = 300.0,
                  heartbeat_s: float | None = None, store=None, watchdog_rank: int = 0,
-                 error_norm_every: int = 10, traffic_model: str = "auto", flush_every: int = 10,
+                 error_norm_every: int = 50, traffic_model: str = "auto", flush_every: int = 10,
                  sync_cuda: bool = False, on_alert=None):
         if traffic_model not in TRAFFIC_MODELS + ("auto",):
             raise ValueError(f"traffic_model must be auto, hierarchical or flat, got "

@@ -56,6 +56,7 @@ class _FlatBucket:
     params: list
     momentum: torch.Tensor
     exact_mask: torch.Tensor | None
+    group_indices: list  # (param group, indices into params of its members)
     errors: OneBitErrors = field(default_factory=OneBitErrors)
     has_variance: list | None = None  # per param, where the frozen variance is > 0
 
@@ -134,17 +135,18 @@ class CompressedMomentumOptimizer(Optimizer):
         by_key: dict = {}
         for g in self.param_groups:
             for p in g["params"]:
-                by_key.setdefault((p.device, p.dtype), []).append((p, g["compress"]))
+                by_key.setdefault((p.device, p.dtype), []).append((p, g))
         buckets = []
         for (device, dtype), members in by_key.items():
             params = [p for p, _ in members]
-            numel = sum(p.numel() for p in params)
-            momentum = torch.zeros(numel, device=device, dtype=dtype)
+            momentum = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
             exact = None
-            if not all(compress for _, compress in members):
-                exact = torch.cat([torch.full((p.numel(),), not compress, dtype=torch.bool,
-                                              device=device) for p, compress in members])
-            bucket = _FlatBucket(params, momentum, exact)
+            if not all(g["compress"] for _, g in members):
+                exact = torch.cat([torch.full((p.numel(),), not g["compress"], dtype=torch.bool,
+                                              device=device) for p, g in members])
+            group_indices = [(g, [i for i, (_, owner) in enumerate(members) if owner is g])
+                             for g in self.param_groups]
+            bucket = _FlatBucket(params, momentum, exact, [(g, i) for g, i in group_indices if i])
             for p, view in zip(params, bucket.views(momentum)):
                 state = self.state[p]
                 if "exp_avg" in state:
@@ -210,8 +212,11 @@ class CompressedMomentumOptimizer(Optimizer):
         else:
             errors = self._loaded_errors or []
         return {"version": _STATE_VERSION, "steps_taken": self.steps_taken, "frozen": self.frozen,
-                "rank": rank, "world_size": world, "hierarchical": self.hierarchical,
-                "chunk_size": self.chunk_size, "errors": errors}
+                "rank": rank, "world_size": world, "layout": self._error_layout(), "errors": errors}
+
+    def _error_layout(self) -> dict:
+        """What the meaning of the error buffers depends on, besides the rank."""
+        return {"hierarchical": self.hierarchical, "chunk_size": self.chunk_size}
 
     def state_dict(self) -> dict:
         state = super().state_dict()
@@ -241,18 +246,17 @@ class CompressedMomentumOptimizer(Optimizer):
     def _usable_errors(self, extra: dict, quiet: bool | None = None) -> list:
         quiet = self.quiet_foreign_errors if quiet is None else quiet
         rank, world = self._rank_identity()
-        same_layout = (extra.get("hierarchical") == self.hierarchical
-                       and extra.get("chunk_size") == self.chunk_size)
-        if extra["errors"] and (extra["rank"], extra["world_size"]) == (rank, world) and same_layout:
+        saved = (extra["rank"], extra["world_size"], extra.get("layout"))
+        here = (rank, world, self._error_layout())
+        if extra["errors"] and saved == here:
             return extra["errors"]
         if extra["errors"] and not quiet:
             warnings.warn(
                 f"{type(self).__name__}: the loaded error-feedback buffers belong to rank "
-                f"{extra['rank']} of {extra['world_size']} (hierarchical={extra.get('hierarchical')}, "
-                f"chunk_size={extra.get('chunk_size')}); this is rank {rank} of {world} "
-                f"(hierarchical={self.hierarchical}, chunk_size={self.chunk_size}). They are reset "
-                "to zero: training continues, but not bit for bit. Save and load each rank's own "
-                "state_dict to resume exactly.", RuntimeWarning, stacklevel=3)
+                f"{saved[0]} of {saved[1]} with {saved[2]}; this is rank {rank} of {world} with "
+                f"{here[2]}. They are reset to zero: training continues, but not bit for bit. "
+                "Save and load each rank's own state_dict to resume exactly.",
+                RuntimeWarning, stacklevel=3)
         return []
 
 
@@ -267,6 +271,12 @@ class OneBitAdam(CompressedMomentumOptimizer):
         weight_decay: decoupled, as in AdamW (``p -= lr * weight_decay * p``).
         freeze_steps: warm-up steps with exact communication (>= 1); the variance is frozen after.
         bias_correction: Adam's bias correction (the paper's algorithm has none: pass False).
+        scale_momentum_before_compress: compress ``m / (sqrt(v_hat) + eps)``, the update
+            direction, instead of ``m``. The frozen variance is the same on every rank, so the
+            average is the same in exact arithmetic; but 1-bit keeps one scale per chunk, and
+            the update's elements are all of Adam's unit size where the momentum's differ by
+            orders of magnitude, so the compression noise no longer lands, divided by a tiny
+            variance, on rarely-updated elements (the paper compresses ``m``: pass False).
         group: the process group (default: the world).
         hierarchical: compress only inter-node traffic, after an exact intra-node reduce-scatter
             (True), or all traffic (False).
@@ -277,15 +287,14 @@ class OneBitAdam(CompressedMomentumOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, freeze_steps: int = 100, bias_correction: bool = True,
-                 group=None, hierarchical: bool = True, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 reduce_warmup_grads: bool = True):
+                 scale_momentum_before_compress: bool = True, group=None, hierarchical: bool = True,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, reduce_warmup_grads: bool = True):
         _check_adam_args(lr, betas, eps, weight_decay)
         if int(freeze_steps) != freeze_steps or freeze_steps < 1:
             raise ValueError(f"freeze_steps must be an integer >= 1 (the variance needs a warm-up), "
                              f"got {freeze_steps}")
         self.freeze_steps = int(freeze_steps)
-        import os
-        self.precondition = bool(int(os.environ.get("PRECOND", "0")))
+        self.scale_momentum_before_compress = bool(scale_momentum_before_compress)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction)
         super().__init__(params, defaults, group=group, hierarchical=hierarchical,
@@ -302,38 +311,41 @@ class OneBitAdam(CompressedMomentumOptimizer):
         buckets = self._flat_buckets()
         self.steps_taken += 1
         for bucket in buckets:
-            denominators = self._denominators(bucket)
             if self.frozen:
-                grads = self._grads(bucket)
-                self._fold_into_momentum(bucket, grads)
-                momenta = [self.state[p]["exp_avg"] for p in bucket.params]
-                if self.precondition:
-                    torch._foreach_div_(momenta, denominators)
-                    self._average_momentum(bucket)
-                    self._zero_momentum_without_variance(bucket)
-                    self._update_params(bucket, momenta, None)
-                    torch._foreach_mul_(momenta, denominators)
-                else:
-                    self._average_momentum(bucket)
-                    self._zero_momentum_without_variance(bucket)
-                    self._update_params(bucket, momenta, denominators)
+                self._compressed_step(bucket)
             else:
-                grads = self._mean_grads(bucket)
-                self._fold_into_momentum(bucket, grads)
-                self._fold_into_variance(bucket, grads)
-                self._update_params(bucket, [self.state[p]["exp_avg"] for p in bucket.params],
-                                    self._denominators(bucket))
+                self._warmup_step(bucket)
         if not self.frozen and self.steps_taken >= self.freeze_steps:
             self._set_frozen(True)
         return loss
 
+    def _warmup_step(self, bucket: _FlatBucket) -> None:
+        grads = self._mean_grads(bucket)
+        self._fold_into_momentum(bucket, grads)
+        self._fold_into_variance(bucket, grads)
+        self._update_params(bucket, self._momenta(bucket), self._denominators(bucket))
+
+    def _compressed_step(self, bucket: _FlatBucket) -> None:
+        self._fold_into_momentum(bucket, self._grads(bucket))
+        momenta, denominators = self._momenta(bucket), self._denominators(bucket)
+        if not self.scale_momentum_before_compress:
+            self._average_momentum(bucket)
+            self._zero_momentum_without_variance(bucket)
+            self._update_params(bucket, momenta, denominators)
+            return
+        torch._foreach_div_(momenta, denominators)  # now the update direction, of unit scale
+        self._average_momentum(bucket)
+        self._zero_momentum_without_variance(bucket)
+        self._update_params(bucket, momenta, None)
+        torch._foreach_mul_(momenta, denominators)
+
+    def _momenta(self, bucket: _FlatBucket) -> list:
+        return [self.state[p]["exp_avg"] for p in bucket.params]
+
     def _per_group(self, bucket: _FlatBucket, values: list):
         """(group, [(param, value)]) for the bucket's params, group by group."""
-        index = {id(p): i for i, p in enumerate(bucket.params)}
-        for g in self.param_groups:
-            members = [(p, values[index[id(p)]]) for p in g["params"] if id(p) in index]
-            if members:
-                yield g, members
+        for g, indices in bucket.group_indices:
+            yield g, [(bucket.params[i], values[i]) for i in indices]
 
     def _fold_into_momentum(self, bucket: _FlatBucket, grads: list) -> None:
         for g, members in self._per_group(bucket, grads):
@@ -347,6 +359,9 @@ class OneBitAdam(CompressedMomentumOptimizer):
             torch._foreach_mul_(variances, beta2)
             torch._foreach_addcmul_(variances, [x for _, x in members], [x for _, x in members],
                                     value=1 - beta2)
+
+    def _error_layout(self) -> dict:
+        return dict(super()._error_layout(), scaled=self.scale_momentum_before_compress)
 
     def _zero_momentum_without_variance(self, bucket: _FlatBucket) -> None:
         """Positions whose frozen variance is 0 never had a gradient in warm-up. A 1-bit value is
@@ -371,19 +386,16 @@ class OneBitAdam(CompressedMomentumOptimizer):
     def _update_params(self, bucket: _FlatBucket, momenta: list, denominators: list | None) -> None:
         """``p -= lr * m_hat / denominator`` (``momenta`` already divided when it is None)."""
         t = self.steps_taken
-        index = {id(p): i for i, p in enumerate(bucket.params)}
-        for g, members in self._per_group(bucket, bucket.params):
-            params = [p for p, _ in members]
-            picked = [index[id(p)] for p in params]
-            beta1 = g["betas"][0]
-            step_size = g["lr"] / (1 - beta1 ** t) if g["bias_correction"] else g["lr"]
+        for g, indices in bucket.group_indices:
+            params = [bucket.params[i] for i in indices]
+            step_size = g["lr"] / (1 - g["betas"][0] ** t) if g["bias_correction"] else g["lr"]
             if g["weight_decay"]:
                 torch._foreach_mul_(params, 1 - g["lr"] * g["weight_decay"])
-            group_momenta = [momenta[i] for i in picked]
+            group_momenta = [momenta[i] for i in indices]
             if denominators is None:
                 torch._foreach_add_(params, group_momenta, alpha=-step_size)
             else:
-                torch._foreach_addcdiv_(params, group_momenta, [denominators[i] for i in picked],
+                torch._foreach_addcdiv_(params, group_momenta, [denominators[i] for i in indices],
                                         value=-step_size)
 
 

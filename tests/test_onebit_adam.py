@@ -1,0 +1,357 @@
+"""OneBitAdam on real gloo processes: 4 ranks as 2 simulated nodes x 2 (torchrun's variables).
+
+Communication is measured by ``CollectiveBytes``, which wraps the torch.distributed collectives
+(the real calls still run) and adds up the bytes of the tensors each rank hands to them.
+"""
+import inspect
+import io
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+
+WORLD, NODES = 4, 2
+
+
+class CollectiveBytes:
+    """Bytes each call to a torch.distributed collective was given, with its group.
+
+    ``with CollectiveBytes() as log: ...`` wraps the collectives of torch.distributed (and the two
+    aliases ciuicflow.collectives took at import); the wrapped call runs unchanged."""
+
+    # collective -> the argument holding what this rank contributes
+    SENT = {"all_reduce": "tensor", "all_to_all_single": "input", "broadcast": "tensor",
+            "reduce_scatter_tensor": "input", "reduce_scatter_single": "input",
+            "all_gather_into_tensor": "input_tensor", "all_gather_single": "input",
+            "all_gather": "tensor", "all_reduce_coalesced": "tensors", "reduce_scatter": "input_list"}
+
+    def __init__(self):
+        self.records = []  # (collective, group, bytes)
+        self._undo = []
+
+    def __enter__(self):
+        import ciuicflow.collectives as collectives
+
+        originals = {name: getattr(dist, name) for name in self.SENT if hasattr(dist, name)}
+        for name, original in originals.items():
+            wrapped = self._wrap(name, original)
+            self._patch(dist, name, wrapped)
+            for alias in ("_reduce_scatter_single", "_all_gather_single"):
+                if getattr(collectives, alias, None) is original:
+                    self._patch(collectives, alias, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, value in reversed(self._undo):
+            setattr(owner, name, value)
+        self._undo.clear()
+
+    def _patch(self, owner, name, value):
+        self._undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def _wrap(self, name, original):
+        signature = inspect.signature(original)
+        argument = self.SENT[name]
+        if argument not in signature.parameters:  # older spellings (all_gather_into_tensor)
+            argument = [p for p in signature.parameters if "input" in p or p == "tensor"][0]
+
+        def counted(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            sent = bound.arguments[argument]
+            tensors = sent if isinstance(sent, (list, tuple)) else [sent]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.records.append((name, bound.arguments.get("group"), nbytes))
+            return original(*args, **kwargs)
+        return counted
+
+    def total(self, since: int = 0, group=None) -> int:
+        return sum(b for _, g, b in self.records[since:] if group is None or g is group)
+
+
+def _average_grads_exactly(model, world):
+    """What DDP does: one all-reduce of all gradients, then divide."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]),
+                                                               grads)])
+
+
+def _mlp(seed, sizes=(16, 32, 4)):
+    torch.manual_seed(seed)
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        layers += [torch.nn.Linear(a, b)] + ([torch.nn.Tanh()] if i < len(sizes) - 2 else [])
+    return torch.nn.Sequential(*layers)
+
+
+def _batch(rank, step, inputs=16, classes=4, n=8):
+    g = torch.Generator().manual_seed(rank * 10_000 + step)
+    return torch.randn(n, inputs, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def _loss(model, batch):
+    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def _same_on_every_rank(tensors) -> bool:
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(flat, other) for other in gathered)
+
+
+# -- warm-up is Adam; afterwards every rank holds the same parameters ------------------------------
+
+
+def _warmup_then_compressed(rank, world):
+    from ciuicflow.optim import OneBitAdam
+
+    report = {}
+    freeze, steps = 5, 12
+    for hierarchical in (True, False):
+        model, reference = _mlp(0), _mlp(0)
+        unused = torch.nn.Parameter(torch.ones(3))  # never gets a gradient: must never move
+        optimizer = OneBitAdam(list(model.parameters()) + [unused], lr=1e-2, freeze_steps=freeze,
+                               hierarchical=hierarchical)
+        adam = torch.optim.Adam(reference.parameters(), lr=1e-2)
+        warmup_gap, frozen_flags = 0.0, []
+        for step in range(steps):
+            batch = _batch(rank, step)
+            optimizer.zero_grad()
+            _loss(model, batch).backward()
+            optimizer.step()
+            frozen_flags.append(optimizer.frozen)
+            if step < freeze:
+                adam.zero_grad()
+                _loss(reference, batch).backward()
+                _average_grads_exactly(reference, world)
+                adam.step()
+                warmup_gap = max(warmup_gap, max((a - b).abs().max().item() for a, b in
+                                                 zip(model.parameters(), reference.parameters())))
+        report[hierarchical] = {
+            "warmup_gap": warmup_gap, "frozen_flags": frozen_flags,
+            "in_sync": _same_on_every_rank(list(model.parameters())),
+            "moved_after_freeze": max((a - b).abs().max().item() for a, b in
+                                      zip(model.parameters(), reference.parameters())),
+            "unused_unchanged": torch.equal(unused.detach(), torch.ones(3)),
+            "compressed_bytes": optimizer.traffic.inter_bytes,
+            "exact_bytes": optimizer.traffic.exact_inter_bytes}
+    return report
+
+
+def test_warmup_is_exact_adam_then_ranks_stay_in_sync():
+    report = run_distributed(_warmup_then_compressed, WORLD, nodes=NODES)[0]
+    for hierarchical, r in report.items():
+        assert r["warmup_gap"] < 1e-6, (hierarchical, r["warmup_gap"])  # Adam, up to rounding
+        assert r["frozen_flags"] == [False] * 4 + [True] * 8  # frozen after step freeze_steps
+        assert r["in_sync"], f"ranks hold different parameters (hierarchical={hierarchical})"
+        assert r["moved_after_freeze"] > 1e-4  # the compressed phase did train
+        assert r["unused_unchanged"]  # zero frozen variance: momentum kept at 0, no 1-bit noise
+        assert r["compressed_bytes"] < r["exact_bytes"]
+
+
+# -- communication after warm-up: <= 1/16 of exact Adam's ------------------------------------------
+
+
+def _bytes_per_step(rank, world):
+    from ciuicflow.optim import OneBitAdam
+    from ciuicflow.topology import Topology
+
+    sizes = (256, 256, 64)  # 82,240 parameters
+    inter = Topology.detect().inter_group
+    out = {}
+    with CollectiveBytes() as log:
+        model = _mlp(1, sizes)
+        adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+        start = len(log.records)
+        adam.zero_grad()
+        _loss(model, _batch(rank, 0, 256, 64)).backward()
+        _average_grads_exactly(model, world)
+        adam.step()
+        out["exact_adam"] = log.total(start)
+        out["params"] = sum(p.numel() for p in model.parameters())
+
+        for hierarchical in (False, True):
+            model = _mlp(1, sizes)
+            optimizer = OneBitAdam(model.parameters(), lr=1e-3, freeze_steps=2,
+                                   hierarchical=hierarchical)
+            per_step = []
+            for step in range(4):
+                start = len(log.records)
+                optimizer.zero_grad()
+                _loss(model, _batch(rank, step, 256, 64)).backward()
+                optimizer.step()
+                per_step.append((log.total(start), log.total(start, inter)))
+            out[hierarchical] = per_step
+    return out
+
+
+def test_bytes_after_warmup_are_at_most_a_sixteenth_of_exact_adam():
+    results = run_distributed(_bytes_per_step, WORLD, nodes=NODES)
+    for r in results:
+        exact = r["exact_adam"]
+        assert exact == 4 * r["params"]  # one float32 all-reduce of every gradient
+        flat = r[False]
+        assert flat[0][0] == exact  # warm-up: the same exact all-reduce
+        for total, _ in flat[2:]:  # compressed: all traffic, counted over every collective
+            assert total <= exact / 16, (total, exact)
+        hierarchical = r[True]
+        exact_inter = hierarchical[0][1]  # warm-up: exact hierarchical all-reduce across nodes
+        assert exact_inter > 0
+        for _, inter in hierarchical[2:]:  # compressed: what crosses the node boundary
+            assert inter <= exact_inter / 16, (inter, exact_inter)
+    print(f"\nbytes handed to collectives per step, rank 0, {results[0]['params']} parameters: "
+          f"exact Adam {results[0]['exact_adam']}, 1-bit flat {results[0][False][-1][0]}; "
+          f"inter-node exact {results[0][True][0][1]}, 1-bit hierarchical {results[0][True][-1][1]}")
+
+
+# -- convergence on a real data set ------------------------------------------------------------------
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32)
+    x = x[:, x.std(0) > 0]  # 3 pixels are blank in every image
+    return (x - x.mean(0)) / x.std(0), torch.tensor(y)
+
+
+def _objective(model, x, y, l2):
+    return torch.nn.functional.cross_entropy(model(x), y) + l2 * sum(
+        (p ** 2).sum() for p in model.parameters())
+
+
+def _train_digits(rank, world, make_optimizer, exact_average, steps, batch, l2):
+    from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
+
+    x, y = _digits()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(x.shape[1], 10)  # softmax regression with an L2 penalty
+    optimizer = make_optimizer(model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / steps)
+    shard = torch.arange(rank, x.shape[0], world)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        idx = shard[torch.randint(0, shard.numel(), (batch,), generator=g)]
+        optimizer.zero_grad()
+        _objective(model, x[idx], y[idx], l2).backward()
+        if exact_average:  # exact mean of the gradients (hierarchical: same sum, faster here)
+            grads = [p.grad for p in model.parameters()]
+            flat = hierarchical_all_reduce(torch.cat([g.reshape(-1) for g in grads]))
+            torch._foreach_copy_(grads, [v.view_as(t) for v, t in
+                                         zip(flat.split([t.numel() for t in grads]), grads)])
+        optimizer.step()
+        schedule.step()
+    with torch.no_grad():
+        return _objective(model, x, y, l2).item()
+
+
+def _convergence(rank, world, steps, batch, lr, freeze, l2):
+    from ciuicflow.optim import OneBitAdam
+
+    started = time.perf_counter()
+    adam = _train_digits(rank, world, lambda p: torch.optim.Adam(p, lr=lr), True, steps, batch, l2)
+    onebit = _train_digits(rank, world, lambda p: OneBitAdam(p, lr=lr, freeze_steps=freeze),
+                           False, steps, batch, l2)
+    return adam, onebit, time.perf_counter() - started
+
+
+def test_digits_final_loss_within_2_percent_of_exact_adam():
+    """Softmax regression of sklearn's digits with an L2 penalty, 4 ranks on 2 nodes, 600 steps of
+    8 samples per rank, lr 0.03 decaying linearly to 0, 1-bit after 120 steps (20%)."""
+    steps, batch, lr, freeze, l2 = 600, 8, 3e-2, 120, 1e-3
+    adam, onebit, seconds = run_distributed(_convergence, WORLD, nodes=NODES,
+                                            args=(steps, batch, lr, freeze, l2), timeout=300)[0]
+    print(f"\ndigits, {steps} steps: exact Adam {adam:.5f}, OneBitAdam {onebit:.5f} "
+          f"({onebit / adam - 1:+.2%}), {seconds:.1f} s")
+    assert adam < 0.2  # it did learn (from log(10) = 2.3)
+    assert abs(onebit - adam) <= 0.02 * adam
+
+
+# -- checkpoints --------------------------------------------------------------------------------------
+
+
+def _checkpoint(rank, world):
+    from ciuicflow.optim import OneBitAdam
+
+    def build():
+        model = _mlp(3)
+        return model, OneBitAdam(model.parameters(), lr=1e-2, freeze_steps=3)
+
+    def train(model, optimizer, steps):
+        for step in steps:
+            optimizer.zero_grad()
+            _loss(model, _batch(rank, step)).backward()
+            optimizer.step()
+
+    model, optimizer = build()
+    train(model, optimizer, range(10))
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model, optimizer = build()
+    train(model, optimizer, range(6))
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=False)
+    extra = checkpoint["optimizer"]["onebit"]
+    model, optimizer = build()
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    train(model, optimizer, range(6, 10))
+    resumed_exactly = all(torch.equal(a, b) for a, b in zip(model.parameters(), straight))
+
+    # rank 0's state on every rank: momentum and step kept, errors (rank 0's) dropped, loudly
+    everyone = [None] * world
+    dist.all_gather_object(everyone, checkpoint["optimizer"])
+    model, optimizer = build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.load_state_dict(everyone[0])
+    foreign_warned = any("belong to rank 0" in str(w.message) for w in caught)
+    return {"resumed_exactly": resumed_exactly, "rank": extra["rank"], "frozen": extra["frozen"],
+            "worker_error_norm": extra["errors"][0]["worker"].norm().item(),
+            "foreign_warned": foreign_warned, "foreign_steps": optimizer.steps_taken}
+
+
+def test_checkpoint_resume_continues_the_run_exactly():
+    results = run_distributed(_checkpoint, WORLD, nodes=NODES)
+    for rank, r in enumerate(results):
+        assert r["resumed_exactly"], f"rank {rank} diverged after resuming"
+        assert r["rank"] == rank and r["frozen"]
+        assert r["worker_error_norm"] > 0  # every rank's state dict carries its own errors
+        assert r["foreign_warned"] == (rank != 0)
+        assert r["foreign_steps"] == 6
+
+
+# -- arguments ----------------------------------------------------------------------------------------
+
+
+def test_bad_arguments_raise_clear_errors():
+    from ciuicflow.optim import OneBitAdam
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match="freeze_steps"):
+        OneBitAdam(params, freeze_steps=0)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        OneBitAdam(params, chunk_size=12)
+    with pytest.raises(ValueError, match="betas"):
+        OneBitAdam(params, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="learning rate"):
+        OneBitAdam(params, lr=-1.0)
+    with pytest.raises(TypeError, match="floating-point"):
+        OneBitAdam([torch.zeros(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="no 'onebit' entry"):
+        OneBitAdam(params).load_state_dict(torch.optim.Adam(params).state_dict())
+    if not dist.is_initialized():
+        params[0].grad = torch.ones(4)
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            OneBitAdam(params).step()
