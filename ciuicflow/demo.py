@@ -145,10 +145,12 @@ def _table(results, args) -> str:
         "",
         f"{args.nodes} simulated nodes x {args.ranks_per_node} ranks, gloo on loopback; MLP "
         f"64-{args.hidden}-{args.hidden}-10 ({params:,} parameters), {args.steps} steps of "
-        f"momentum SGD, global batch {args.batch}; compressed after {args.warmup_steps} exact steps.",
+        f"momentum SGD, global batch {args.batch}; compressed after {args.warmup_steps} exact "
+        "steps.",
         "Bytes: modelled bytes one rank sends to other nodes per step after warm-up "
         "(bandwidth-optimal collectives); 'exact' is DDP's flat all-reduce without a hook.",
-        "Step time: on loopback and shared CPU cores it shows compression cost, not network savings.",
+        "Step time: on loopback and shared CPU cores it shows compression cost, not network "
+        "savings.",
     ]
     return "\n".join(lines + notes)
 

@@ -63,7 +63,7 @@ class _Bucket:
         return cls(bucket.index(), buffer, bucket.is_last(), segments, bucket.parameters())
 
     def key(self, hierarchical: bool) -> str:
-        """Names this bucket's memory: same layout -> same key, in every process and after resume."""
+        """Names this bucket's memory: same layout, same key (in every process, after resume)."""
         layout = repr((str(self.buffer.dtype), self.segments)).encode()
         digest = hashlib.sha1(layout).hexdigest()[:12]
         return f"{'h' if hierarchical else 'f'}{self.index}:{self.buffer.numel()}:{digest}"
@@ -175,7 +175,8 @@ class _Memories:
                     or layout["dtype"] != str(bucket.buffer.dtype) \
                     or not all(p in where for p in params):
                 continue
-            if any(tuple(shape) != where[p][1] for p, (_, shape) in zip(params, layout["segments"])):
+            shapes = [tuple(shape) for _, shape in layout["segments"]]
+            if any(shape != where[p][1] for p, shape in zip(params, shapes)):
                 continue
             pieces.append((key, layout, memory))
             covered.update(params)

@@ -3,14 +3,16 @@
 ``Topology.detect(group)`` is collective: every rank of ``group`` calls it, in the same order as its
 other collectives. It finds each rank's node from, in order of precedence:
 
-1. ``CIUICFLOW_LOCAL_WORLD_SIZE=L`` (every rank): ranks ``[0, L)`` of the group form node 0, and so on;
+1. ``CIUICFLOW_LOCAL_WORLD_SIZE=L`` (every rank): ranks ``[0, L)`` of the group form node 0, and
+   so on;
 2. torchrun's ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` and ``LOCAL_RANK`` (every rank): one node per
    ``GROUP_RANK``, so two ``torchrun --nnodes 2 --node_rank K`` on one host form two nodes;
 3. otherwise the host name, gathered over the group.
 
 A rank's local rank is its position among the ranks of its node, in global-rank order (torchrun's
-``LOCAL_RANK`` for a torchrun launch); it is also its rank in the intra-node group. Nodes of different sizes cannot be split evenly: ``detect``
-warns once and the topology falls back to flat collectives.
+``LOCAL_RANK`` for a torchrun launch); it is also its rank in the intra-node group. Nodes of
+different sizes cannot be split evenly: ``detect`` warns once and the topology falls back to flat
+collectives.
 """
 from __future__ import annotations
 
@@ -210,7 +212,8 @@ def _assign_nodes(descriptions: list[dict]) -> tuple[tuple[int, ...], str]:
     elif any("override" in d for d in descriptions):
         values = {d.get("override") for d in descriptions}
         if len(values) != 1:
-            raise ValueError(f"{LOCAL_WORLD_SIZE_ENV} differs across ranks: {sorted(map(str, values))}")
+            raise ValueError(f"{LOCAL_WORLD_SIZE_ENV} differs across ranks: "
+                             f"{sorted(map(str, values))}")
         local_world_size = _positive_int(values.pop(), LOCAL_WORLD_SIZE_ENV)
         keys = [r // local_world_size for r in range(len(descriptions))]
         source = f"{LOCAL_WORLD_SIZE_ENV}={local_world_size}"

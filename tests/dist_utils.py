@@ -116,7 +116,8 @@ def run_distributed(fn, world_size: int = 4, *, nodes: int | None = 2,
                     time.sleep(0.5)  # a result may still be in the pipe
                     if results.empty():
                         for r in dead:
-                            failures[r] = f"exited with code {processes[r].exitcode} without a result"
+                            failures[r] = (f"exited with code {processes[r].exitcode} "
+                                           "without a result")
                 if failures:
                     break
                 if time.monotonic() > deadline:

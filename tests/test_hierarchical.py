@@ -78,7 +78,6 @@ def test_world_size_one_is_identity():
 
 
 def _identity_check(rank, world):
-    from ciuicflow import collectives  # noqa: F401
     from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
     from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
     from ciuicflow.collectives.powersgd import PowerSGDMemory, powersgd_all_reduce
@@ -274,7 +273,8 @@ def _powersgd_overflow(rank, world):
     untouched = torch.equal(before[0], memory.error) and torch.equal(before[1], memory.q)
     exact = _exact_mean(world, 2, 400).float().view(20, 20)
     return (untouched, bool(torch.isnan(x[0, 0])),
-            torch.allclose(x.view(-1)[1:], exact.view(-1)[1:], atol=1e-6), traffic.nonfinite_fallbacks)
+            torch.allclose(x.view(-1)[1:], exact.view(-1)[1:], atol=1e-6),
+            traffic.nonfinite_fallbacks)
 
 
 def test_powersgd_nonfinite_step_is_exact_and_keeps_memory():

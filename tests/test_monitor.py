@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ciuicflow import cli
+from ciuicflow.hooks import AllReduceState
 from ciuicflow.monitor import Monitor, find_hang_suspects, find_stragglers, load_run, traffic_matrix
 from ciuicflow.monitor.stragglers import HangWatchdog, Heartbeat, describe_hang
 from tests.dist_utils import run_distributed
@@ -194,12 +195,13 @@ def test_pushes_to_a_gateway(tmp_path):
 # -- single process: the record, error handling ------------------------------------------------------
 
 
-class _CountingState:
-    """Cumulative counters like a hook state's, with an error buffer in its state_dict."""
+class _CountingState(AllReduceState):
+    """A hook state with scripted counters and an error buffer in its state_dict."""
 
     algorithm = "fake"
 
     def __init__(self):
+        super().__init__()
         self.calls = 0
         self.error = torch.full((4,), 0.5)
 
@@ -228,6 +230,20 @@ def test_step_record_differences_and_error_norm(tmp_path):
     assert all(s["compute_s"] == pytest.approx(s["step_s"] - 0.002) for s in steps)
     # the norm of the error buffer (not of warm-start q), every 2nd step
     assert [s["error_feedback_norm"] for s in steps] == [pytest.approx(1.0), None, pytest.approx(1.0)]
+
+
+def test_other_sources_report_their_own_error_norm(tmp_path):
+    class Optimizer:  # an optimizer's state_dict may copy every buffer: never read for the norm
+        def stats(self):
+            return {"inter_node_bytes": 10.0, "error_feedback_norm": 0.25}
+
+        def state_dict(self):
+            raise AssertionError("the monitor must not call an optimizer's state_dict")
+
+    mon = Monitor(None, [Optimizer()], error_norm_every=1)
+    mon.step_begin()
+    assert mon.step_end()["error_feedback_norm"] == 0.25
+    mon.close()
 
 
 def test_counter_reset_counts_from_zero(tmp_path):

@@ -27,7 +27,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 @dataclass(frozen=True)
 class Link:
-    """A process group seen from this rank: its size, and the share of traffic that leaves the node."""
+    """A process group seen from this rank: its size, and the share of its traffic that leaves
+    the node."""
 
     group: object
     size: int

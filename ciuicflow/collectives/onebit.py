@@ -75,7 +75,7 @@ class OneBitErrors:
 
 @dataclass(frozen=True)
 class _Layout:
-    """How a tensor of ``numel`` compressed and ``exact`` exact elements is cut over ``world`` ranks."""
+    """How ``numel`` compressed and ``exact`` exact elements are cut over ``world`` ranks."""
 
     numel: int
     exact: int
@@ -170,7 +170,7 @@ class OneBitStep:
             flag = (~torch.isfinite(x)).any()
         flag = flag.to(torch.float32).reshape(1, 1)
 
-        # Phase 1 (worker): compress into the spare buffer, so a fallback leaves the error as it was.
+        # Phase 1 (worker): compress into the spare buffer; a fallback leaves the error as it was.
         worker_error = errors._spare
         worker_error.copy_(errors.worker)
         if layout.segment:
@@ -253,7 +253,7 @@ def _as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _rows(rows: int, packed, scales, flags, raw) -> torch.Tensor:
-    """[rows, bytes]: per row, packed signs | float32 scales | float32 flag | float32 exact values."""
+    """[rows, bytes]; a row: packed signs | float32 scales | float32 flag | float32 exact values."""
     parts = [packed.view(rows, -1) if packed.numel() else packed.new_empty(rows, 0),
              _as_bytes(scales, rows)]
     if flags is not None:

@@ -10,9 +10,10 @@ keeps the difference. Recognised keys, all optional:
 - ``time_s``: seconds spent compressing and communicating;
 - ``error_feedback_norm``: the current L2 norm of the error-feedback memory (not a counter).
 
-When a state does not report ``error_feedback_norm``, it is computed from the error buffers in
-its ``state_dict()["memory"]`` (tensors named ``worker``/``server`` for 1-bit, ``error`` for
-PowerSGD): a pass over gradient-sized buffers, so the monitor does it only every few steps.
+When a ciuicflow hook state does not report ``error_feedback_norm``, it is computed from the error
+buffers in its ``state_dict()["memory"]`` (tensors named ``worker``/``server`` for 1-bit, ``error``
+for PowerSGD): a pass over gradient-sized buffers, so the monitor does it only every few steps.
+Other sources (optimizers) report the norm themselves or not at all.
 """
 from __future__ import annotations
 
@@ -60,7 +61,13 @@ class StatsSource:
         return delta, (float(norm) if norm is not None else None)
 
     def can_compute_error_norm(self) -> bool:
-        return self.owner is not None and callable(getattr(self.owner, "state_dict", None))
+        """Only for ciuicflow's hook states, whose state_dict is known to be cheap and to hold
+        the memory (an optimizer's state_dict may copy every buffer)."""
+        if self.owner is None:
+            return False
+        from ciuicflow.hooks import AllReduceState
+
+        return isinstance(self.owner, AllReduceState)
 
     def compute_error_norm(self) -> float | None:
         """L2 norm over the error buffers in the owner's ``state_dict()["memory"]``, or None."""
