@@ -22,6 +22,9 @@ _EXPORTS = {
     "onebit": "ciuicflow.hooks",
     "powersgd": "ciuicflow.hooks",
     "register": "ciuicflow.hooks",
+    "monitor": "ciuicflow.monitor",
+    "Monitor": "ciuicflow.monitor.monitor",
+    "optim": "ciuicflow.optim",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
