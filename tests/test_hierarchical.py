@@ -147,15 +147,27 @@ def _compressed_index(numel, mask, start, length):
     return positions
 
 
-@pytest.mark.parametrize("hierarchical,chunk_size,numel,exclude_every", [
+ONEBIT_CASES = [  # hierarchical, chunk_size, numel, every n-th element excluded (0: none)
     (True, 2048, 10007, 0), (True, 64, 999, 0), (False, 2048, 5000, 0), (True, 16, 777, 7),
     (False, 8, 123, 5),
-])
-def test_onebit_error_feedback_invariant(hierarchical, chunk_size, numel, exclude_every):
+]
+
+
+def _onebit_cases(rank, world, steps):
+    return [_onebit_invariant(rank, world, *case[:3], steps, case[3]) for case in ONEBIT_CASES]
+
+
+def test_onebit_error_feedback_invariant():
     """sum_t out_t + mean(worker errors) + server errors == sum_t exact mean_t, per element."""
     world, nodes, steps = 4, 2, 6
-    results = run_distributed(_onebit_invariant, world, nodes=nodes,
-                              args=(hierarchical, chunk_size, numel, steps, exclude_every))
+    per_rank = run_distributed(_onebit_cases, world, nodes=nodes, args=(steps,))
+    for index, case in enumerate(ONEBIT_CASES):
+        _check_onebit_invariant([r[index] for r in per_rank], world, nodes, steps, *case)
+
+
+def _check_onebit_invariant(results, world, nodes, steps, hierarchical, chunk_size, numel,
+                            exclude_every):
+    case = (hierarchical, chunk_size, numel, exclude_every)
     sent = results[0]["outputs"].double().sum(0)
     exact = sum(_exact_mean(world, step, numel) for step in range(steps))
     mask = results[0]["mask"]
@@ -178,17 +190,17 @@ def test_onebit_error_feedback_invariant(hierarchical, chunk_size, numel, exclud
         server = torch.cat([r["server"].double() for r in results])
         held[positions] += worker[:positions.numel()] + server[:positions.numel()]
     gap = (sent + held - exact).abs().max().item()
-    assert gap < 1e-4 * steps, gap
+    assert gap < 1e-4 * steps, (case, gap)
     # the error buffers are not trivially zero: compression dropped something
-    assert held.abs().max().item() > 0.1
+    assert held.abs().max().item() > 0.1, case
     if mask is not None:  # excluded positions are exact every step
         assert (results[0]["outputs"][:, mask].double()
                 - torch.stack([_exact_mean(world, s, numel)[mask] for s in range(steps)])
-                ).abs().max().item() < 1e-5
+                ).abs().max().item() < 1e-5, case
     # bytes: the compressed step carries about 1/32 of float32 bytes (plus scales and padding)
     traffic = results[0]["traffic"]
     if not exclude_every and numel > 4000:
-        assert traffic["exact_inter_bytes"] / traffic["inter_bytes"] > 15
+        assert traffic["exact_inter_bytes"] / traffic["inter_bytes"] > 15, (case, traffic)
 
 
 def _onebit_overflow(rank, world):
@@ -244,19 +256,31 @@ def _powersgd_checks(rank, world, hierarchical):
             "error": memory.error.double(), "traffic": traffic.as_dict(), "numel": numel}
 
 
-@pytest.mark.parametrize("hierarchical", [True, False], ids=["hierarchical", "flat"])
-def test_powersgd_exact_at_full_rank_and_error_feedback_invariant(hierarchical):
+def _powersgd_all_checks(rank, world):
+    return {"hierarchical": _powersgd_checks(rank, world, True),
+            "flat": _powersgd_checks(rank, world, False),
+            "overflow": _powersgd_overflow(rank, world)}
+
+
+def test_powersgd_exact_at_full_rank_error_feedback_invariant_and_overflow():
     world = 4
-    results = run_distributed(_powersgd_checks, world, nodes=2, args=(hierarchical,))
-    assert all(r["full_rank_err"] < 1e-4 for r in results), [r["full_rank_err"] for r in results]
-    numel = results[0]["numel"]
-    exact = sum(_exact_mean(world, 10 + s, numel) for s in range(5))
-    mean_error = torch.stack([r["error"] for r in results]).mean(0)
-    gap = (results[0]["sum"] + mean_error - exact).abs().max().item()
-    assert gap < 1e-4, gap
-    assert mean_error.abs().max().item() > 0.1  # rank 1 does drop something
-    traffic = results[0]["traffic"]
-    assert traffic["inter_bytes"] < traffic["exact_inter_bytes"]
+    per_rank = run_distributed(_powersgd_all_checks, world, nodes=2)
+    for mode in ("hierarchical", "flat"):
+        results = [r[mode] for r in per_rank]
+        assert all(r["full_rank_err"] < 1e-4 for r in results), \
+            (mode, [r["full_rank_err"] for r in results])
+        numel = results[0]["numel"]
+        exact = sum(_exact_mean(world, 10 + s, numel) for s in range(5))
+        mean_error = torch.stack([r["error"] for r in results]).mean(0)
+        gap = (results[0]["sum"] + mean_error - exact).abs().max().item()
+        assert gap < 1e-4, (mode, gap)
+        assert mean_error.abs().max().item() > 0.1, mode  # rank 1 does drop something
+        traffic = results[0]["traffic"]
+        assert traffic["inter_bytes"] < traffic["exact_inter_bytes"], mode
+    # a NaN on one rank: the step is exact, the memory untouched
+    for r in per_rank:
+        untouched, has_nan, rest_ok, fallbacks = r["overflow"]
+        assert untouched and has_nan and rest_ok and fallbacks == 1
 
 
 def _powersgd_overflow(rank, world):
@@ -275,8 +299,3 @@ def _powersgd_overflow(rank, world):
     return (untouched, bool(torch.isnan(x[0, 0])),
             torch.allclose(x.view(-1)[1:], exact.view(-1)[1:], atol=1e-6),
             traffic.nonfinite_fallbacks)
-
-
-def test_powersgd_nonfinite_step_is_exact_and_keeps_memory():
-    for untouched, has_nan, rest_ok, fallbacks in run_distributed(_powersgd_overflow, 4, nodes=2):
-        assert untouched and has_nan and rest_ok and fallbacks == 1

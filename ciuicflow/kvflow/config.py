@@ -25,7 +25,9 @@ class SidecarConfig:
     metrics_host: str = "127.0.0.1"
     # chunking and flow control
     chunk_size: int = 256 << 10
-    min_cwnd: int = 0                         # bytes; 0 = 2 chunks
+    ingest_readahead: int = 4 << 20           # normal/low flow transfers: unsent bytes buffered ahead of the link
+    whole_part_bytes: int = 1 << 20           # a part up to this size goes as one chunk (no short tails)
+    min_cwnd: int = 0                         # bytes; 0 = max(2 chunks, 2MiB)
     quantum_normal: int = 3 << 20             # DRR quantum per turn, bytes
     quantum_low: int = 1 << 20
     max_wait_s: float = 0.5                   # aging: a normal/low chunk waits at most this long behind high
@@ -67,6 +69,10 @@ class SidecarConfig:
             raise ValueError("--chunk-size must be between 4KiB and 4MiB (256KiB..1MiB recommended)")
         if self.chunk_size + (64 << 10) > self.max_message_bytes:
             raise ValueError("--max-message-bytes must exceed --chunk-size by at least 64KiB")
+        if self.whole_part_bytes < 0:
+            raise ValueError("--whole-part-bytes must be >= 0")
+        # Whole parts never make a chunk the receiver's message limit refuses.
+        self.whole_part_bytes = min(self.whole_part_bytes, self.max_message_bytes - (64 << 10))
         if self.max_peer_bytes <= 0 or self.max_total_bytes <= 0:
             raise ValueError("memory caps must be positive")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -83,7 +89,7 @@ class SidecarConfig:
         return self
 
 
-_SIZE_FIELDS = {"chunk_size", "min_cwnd", "quantum_normal", "quantum_low", "link_rate", "max_total_bytes",
+_SIZE_FIELDS = {"chunk_size", "ingest_readahead", "whole_part_bytes", "min_cwnd", "quantum_normal", "quantum_low", "link_rate", "max_total_bytes",
                 "max_peer_bytes", "max_message_bytes"}
 _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
 
@@ -154,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--metrics-port", type=int, default=S, help="Prometheus metrics port (0: off)")
     a("--metrics-host", default=S, help="metrics address (default 127.0.0.1)")
     a("--chunk-size", default=S, help="chunk size, e.g. 256KiB (256KiB..1MiB recommended)")
-    a("--min-cwnd", default=S, help="smallest congestion window in bytes (default 2 chunks)")
+    a("--ingest-readahead", default=S, help="normal/low flow transfers: read at most this many unsent bytes "
+                                          "ahead from the local client (default 4MiB; 0: no limit)")
+    a("--whole-part-bytes", default=S, help="a part (layer) up to this size goes as one chunk instead of being "
+                                          "cut at --chunk-size (default 1MiB; 0: always cut)")
+    a("--min-cwnd", default=S, help="smallest congestion window in bytes (default max(2 chunks, 2MiB))")
     a("--quantum-normal", default=S, help="DRR quantum of class normal per turn (default 3MiB)")
     a("--quantum-low", default=S, help="DRR quantum of class low per turn (default 1MiB)")
     a("--max-wait-s", type=float, default=S, help="aging: longest wait of normal/low behind high (default 0.5)")

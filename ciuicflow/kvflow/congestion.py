@@ -11,6 +11,10 @@ The model is BBR's (Cardwell et al., "BBR: Congestion-Based Congestion Control",
     STARTUP built), PROBE_BW (gain cycle 1.25, 0.75, 1 x 6, one phase per min RTT), PROBE_RTT (every
     ``min_rtt_window_s`` without a new minimum: shrink to ``min_cwnd`` for ``probe_rtt_s`` to re-measure).
   * samples taken while the sender had nothing to send (app-limited) only ever raise the estimate.
+  * ack aggregation (as Linux BBR's ``extra_acked``): when acknowledgements arrive in bursts after a
+    pause (a busy host, a batching receiver), more is acknowledged in an epoch than ``btl_bw`` explains;
+    the windowed maximum of that excess is added to the window, so the sender keeps the pipe full across
+    the pause instead of idling on a BDP computed from one quiet, low RTT sample.
 
 The owner calls ``on_send(sn, nbytes)`` when a chunk goes out, ``on_ack(sn)`` when its acknowledgement
 (positive or not: the bytes crossed the link either way) comes back, ``on_app_limited()`` when it has
@@ -60,6 +64,7 @@ class CongestionController:
         min_rtt_window_s: float = 10.0,
         probe_rtt_s: float = 0.2,
         pacing_slack_s: float = 0.0005,
+        ack_aggregation_max_s: float = 0.1,
     ):
         self.clock = clock
         self.chunk_bytes = int(chunk_bytes)
@@ -70,6 +75,7 @@ class CongestionController:
         self.min_rtt_window_s = float(min_rtt_window_s)
         self.probe_rtt_s = float(probe_rtt_s)
         self.pacing_slack_s = float(pacing_slack_s)
+        self.extra_acked_max_s = float(ack_aggregation_max_s)   # aggregation term <= btl_bw x this; 0 = off
         self.reset(full=True)
 
     # ------------------------------------------------------------------ state
@@ -101,6 +107,11 @@ class CongestionController:
             self.probe_rtt_round_done = False
             self.app_limited_until = 0
             self.samples = 0
+            self.extra_acked = [0, 0]          # windowed max over two 10-round slots
+            self.extra_acked_slot = 0
+            self.extra_acked_slot_start = 0
+        self.ack_epoch_start = now
+        self.ack_epoch_acked = 0
 
     # ------------------------------------------------------------------ derived quantities
     @property
@@ -115,10 +126,17 @@ class CongestionController:
             return self.min_cwnd
         if self.btl_bw <= 0 or not math.isfinite(self.min_rtt):
             return max(self.initial_cwnd, self.min_cwnd)
-        target = self.cwnd_gain * self.bdp
+        target = self.cwnd_gain * self.bdp + self.aggregation
         if self.mode == STARTUP:
             target = max(target, self.initial_cwnd)
         return int(max(target, self.min_cwnd))
+
+    @property
+    def aggregation(self) -> float:
+        """Bytes the window carries on top of the BDP to cover bursty acknowledgements."""
+        if self.btl_bw <= 0 or not self.filled_pipe:
+            return 0.0
+        return min(max(self.extra_acked), self.btl_bw * self.extra_acked_max_s)
 
     @property
     def pacing_rate(self) -> float:
@@ -162,7 +180,9 @@ class CongestionController:
             # One chunk's gap never exceeds two round trips (a round trip includes sending a chunk): a
             # stale, low estimate slows the sender, it does not stop it.
             gap = min(gap, 2 * max(self.min_rtt, 1e-3))
-        self.next_send_time = max(self.next_send_time, now) + gap
+        # A sender woken late (timer slack on a busy host) may catch up by up to one gap, so oversleeping
+        # does not lower the rate below the pacing rate; the burst stays bounded to two chunks.
+        self.next_send_time = max(self.next_send_time, now - gap) + gap
 
     def on_ack(self, sn: int) -> Optional[RateSample]:
         """An acknowledgement (of any kind) for send number ``sn``; returns the sample it gave."""
@@ -187,6 +207,7 @@ class CongestionController:
         sample = RateSample(rate, rtt, p.app_limited)
         self.samples += 1
         self._update_bw(sample)
+        self._update_ack_aggregation(p.nbytes, now, round_start)
         self._update_min_rtt(sample, now)
         if round_start:
             self._check_full_pipe(sample)
@@ -204,6 +225,24 @@ class CongestionController:
         while self._bw_samples and self._bw_samples[0][0] < horizon:
             self._bw_samples.popleft()
         self.btl_bw = max(r for _, r in self._bw_samples)
+
+    def _update_ack_aggregation(self, nbytes: int, now: float, round_start: bool) -> None:
+        if round_start and self.round_count - self.extra_acked_slot_start >= self.bw_window_rounds:
+            self.extra_acked_slot ^= 1
+            self.extra_acked_slot_start = self.round_count
+            self.extra_acked[self.extra_acked_slot] = 0
+        if self.btl_bw <= 0:
+            return
+        expected = self.btl_bw * (now - self.ack_epoch_start)
+        if self.ack_epoch_acked <= expected:
+            # Acks are no faster than the model: start a new epoch.
+            self.ack_epoch_start = now
+            self.ack_epoch_acked = 0
+        self.ack_epoch_acked += nbytes
+        extra = self.ack_epoch_acked - self.btl_bw * (now - self.ack_epoch_start)
+        slot = self.extra_acked_slot
+        if extra > self.extra_acked[slot]:
+            self.extra_acked[slot] = extra
 
     def _update_min_rtt(self, s: RateSample, now: float) -> None:
         if s.rtt <= self.min_rtt:
@@ -277,4 +316,5 @@ class CongestionController:
             "inflight_bytes": self.inflight,
             "delivered_bytes": self.delivered,
             "rounds": self.round_count,
+            "aggregation_bytes": self.aggregation,
         }

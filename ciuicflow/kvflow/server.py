@@ -45,8 +45,13 @@ class _Cutter:
     """Cuts the local client's messages of one transfer into chunks of at most ``chunk_size`` bytes,
     checking that parts come in order and match their description."""
 
-    def __init__(self, chunk_size: int):
+    def __init__(self, chunk_size: int, whole_part_bytes: int = 0):
+        self.base_chunk = chunk_size
         self.chunk_size = chunk_size
+        # A part no larger than this goes as one chunk (no short tail chunk with its own ack): KV layers
+        # are often a little over a chunk (e.g. 288 KiB), and cutting them in 256 KiB + 32 KiB doubles the
+        # per-chunk cost for no gain in preemption.
+        self.whole_part_bytes = max(int(whole_part_bytes), chunk_size)
         self.part = 0                 # the part being filled
         self.offset = 0               # bytes of it received
         self.nbytes: Optional[int] = None
@@ -68,6 +73,7 @@ class _Cutter:
                 raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, err)
             self.nbytes = d.info.nbytes
             self.info = d.info
+            self.chunk_size = self.nbytes if 0 < self.nbytes <= self.whole_part_bytes else self.base_chunk
         elif d.part != self.part or d.offset != self.offset:
             raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"chunk out of order: got part {d.part} offset {d.offset}, "
@@ -196,7 +202,7 @@ class LocalService:
 
     async def _ingest(self, link: PeerLink, t, iterator) -> None:
         sc = self.sc
-        cutter = _Cutter(sc.cfg.chunk_size)
+        cutter = _Cutter(sc.cfg.chunk_size, sc.cfg.whole_part_bytes)
         async for req in iterator:
             if t.finished:
                 return
@@ -205,6 +211,9 @@ class LocalService:
             kind = req.WhichOneof("msg")
             if kind == "data":
                 for chunk in cutter.feed(req.data):
+                    await link.wait_readahead(t, sc.cfg.ingest_readahead)
+                    if t.finished:
+                        return
                     n = len(chunk.data)
                     too_big = t.buffered + n > min(sc.budget.peer_cap, sc.budget.total_cap)
                     if too_big and link.durable is None:
@@ -342,6 +351,10 @@ class Sidecar:
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # Start each stream with a window of several chunks instead of 64 KiB: one long-lived Link
+            # stream carries all chunks to a peer, and its window (not the congestion controller)
+            # otherwise limits bytes in flight until HTTP/2's BDP probing catches up.
+            ("grpc.http2.lookahead_bytes", max(4 * n, 8 << 20)),
         ]
 
     def make_channel(self, address: str) -> grpc.aio.Channel:
