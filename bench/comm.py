@@ -124,10 +124,9 @@ def run_methods(cluster, args, log):
             if not todo:
                 log(f"[bench] launch ended badly after all methods ran ({error})")
                 break
-            failed = todo.pop(0)
-            log(f"[bench] FAILED {failed} ({error}); output tail:\n{tail[-3000:]}")
             from comm_worker import method_label, parse_method
-            name, r = parse_method(failed)
+            name, r = parse_method(todo.pop(0))
+            log(f"[bench] FAILED {method_label(name, r)} ({error}); output tail:\n{tail[-3000:]}")
             records.append({"method": method_label(name, r), "hook": name, "rank": r,
                             "failed": f"{error}: {_last_error_line(tail)}"})
             if error == "timed out":
@@ -303,6 +302,10 @@ def main(argv=None) -> int:
     with open(stem + ".md", "w") as f:
         f.write(table)
     outputs = [json_path, stem + ".md"]
+    if machine:  # what the planner comparison used, to redo it: plan.calibrate(records, probe)
+        with open(stem + ".probe.json", "w") as f:
+            json.dump(machine, f, indent=1)
+        outputs.append(stem + ".probe.json")
     if not args.no_png and chart(records, stem + ".png", f"{cluster_line}\n{config_line}"):
         outputs.append(stem + ".png")
     print(table)

@@ -341,16 +341,19 @@ def _onebit(c: ClusterSpec, w: Workload, hierarchical: bool, parts: dict) -> tup
         comm, inter, intra = _flat_ring(c, elems * w.grad_bytes)
         parts["ring"] = comm
         return comm, inter, intra, 0.0
-    # flat over all p ranks: each rank sends (p-1)/p of the compressed tensor per phase, G-per-node of it
-    # (the off-node share (p-G)/(p-1)) over the node's link, the rest over NVLink
+    # flat over all p ranks. Phase 1, pairwise all-to-all: each rank sends (p-1)/p of the compressed tensor,
+    # the off-node share (p-G)/(p-1) of it over its node's link (G ranks' worth per node), the rest over NVLink.
     dc = elems * per_elem
-    hop_inter = g * (p - g) / p * dc / c.inter_goodput if n > 1 else 0.0
-    hop_intra = (g - 1) / p * dc / c.intra_bw
+    a2a_inter = g * (p - g) / p * dc
     lat = (p - 1) * (c.inter_latency if n > 1 else c.intra_latency)
-    phase = lat + max(hop_inter, hop_intra)
+    a2a = lat + max(a2a_inter / c.inter_goodput if n > 1 else 0.0, (g - 1) / p * dc / c.intra_bw)
+    # phase 2, ring all-gather of the served segments (as gloo and NCCL run it): one edge per node crosses
+    ag = _scatter_or_gather(p, dc, min(c.inter_goodput, c.intra_bw) if n > 1 else c.intra_bw,
+                            c.inter_latency if n > 1 else c.intra_latency)
     compress = elems * w.local_seconds_per_element
-    parts.update(all_to_all=phase, all_gather=phase, compress=compress)
-    return 2 * phase, (2 * g * (p - g) / p * dc if n > 1 else 0.0), 2 * (g - 1) / p * dc, compress
+    parts.update(all_to_all=a2a, all_gather=ag, compress=compress)
+    ag_inter = (p - 1) / p * dc if n > 1 else 0.0
+    return a2a + ag, a2a_inter + ag_inter, (g - 1) / p * dc + (p - 1) / p * dc * (g - 1) / g, compress
 
 
 def _powersgd(c: ClusterSpec, w: Workload, rank: int, elements, hierarchical: bool, parts: dict) -> tuple:

@@ -119,7 +119,7 @@ def _convergence(rank, world, digits, methods, steps=None):
     return results
 
 
-def test_compressed_hooks_reach_exact_accuracy_and_beat_torch_powersgd():
+def test_compressed_hooks_reach_exact_accuracy_and_match_torch_powersgd():
     methods = ["exact", "hierarchical_1bit", "hierarchical_powersgd", "torch_powerSGD"]
     results = run_distributed(_convergence, 4, nodes=2, args=(_digits(), methods),
                               timeout=300)[0]
@@ -191,3 +191,25 @@ def test_resume_from_checkpoint_reproduces_uninterrupted_run():
             assert r["iter"] == steps and r["unpickled_iter"] == split, method
             assert r["compressed_steps"] == steps - WARMUP, method
             assert r["unpickled_group"] is None and r["unpickled_memory"], method
+
+
+def test_demo_command_prints_the_table(tmp_path, capsys):
+    """`ciuicflow demo`, shortened: 2 simulated nodes x 2 ranks, three methods."""
+    import json
+
+    from ciuicflow import cli
+
+    out = tmp_path / "demo.json"
+    assert cli.main(["demo", "--steps", "20", "--warmup-steps", "4", "--hidden", "64",
+                     "--no-progress",
+                     "--methods", "exact,hierarchical_1bit,hierarchical_powersgd",
+                     "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "hierarchical_1bit" in table and "inter-node B/step" in table
+    results = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert results["exact"]["accuracy"] > 50  # 20 steps learn something (chance: 10%)
+    assert results["exact"]["compression_ratio"] is None
+    for method in ("hierarchical_1bit", "hierarchical_powersgd"):
+        assert results[method]["compression_ratio"] > 10
+        assert results[method]["inter_node_bytes_per_step"] \
+            < results["exact"]["inter_node_bytes_per_step"] / 10

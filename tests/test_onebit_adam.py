@@ -115,12 +115,13 @@ def _warmup_then_compressed(rank, world):
 
     report = {}
     freeze, steps = 5, 12
-    for hierarchical in (True, False):
+    # (hierarchical, weight decay): decoupled weight decay is AdamW's
+    for hierarchical, decay in ((True, 0.0), (False, 0.0), (True, 0.1)):
         model, reference = _mlp(0), _mlp(0)
         unused = torch.nn.Parameter(torch.ones(3))  # never gets a gradient: must never move
         optimizer = OneBitAdam(list(model.parameters()) + [unused], lr=1e-2, freeze_steps=freeze,
-                               hierarchical=hierarchical)
-        adam = torch.optim.Adam(reference.parameters(), lr=1e-2)
+                               hierarchical=hierarchical, weight_decay=decay)
+        adam = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=decay)
         warmup_gap, frozen_flags = 0.0, []
         for step in range(steps):
             batch = _batch(rank, step)
@@ -135,12 +136,13 @@ def _warmup_then_compressed(rank, world):
                 adam.step()
                 warmup_gap = max(warmup_gap, max((a - b).abs().max().item() for a, b in
                                                  zip(model.parameters(), reference.parameters())))
-        report[hierarchical] = {
+        report[(hierarchical, decay)] = {
             "warmup_gap": warmup_gap, "frozen_flags": frozen_flags,
             "in_sync": _same_on_every_rank(list(model.parameters())),
             "moved_after_freeze": max((a - b).abs().max().item() for a, b in
                                       zip(model.parameters(), reference.parameters())),
-            "unused_unchanged": torch.equal(unused.detach(), torch.ones(3)),
+            "unused_unchanged": torch.allclose(unused.detach(), torch.full((3,), (1 - 1e-2 * decay) ** steps),
+                                               rtol=1e-6, atol=0),  # moved by weight decay only
             "compressed_bytes": optimizer.traffic.inter_bytes,
             "exact_bytes": optimizer.traffic.exact_inter_bytes}
     return report
@@ -148,10 +150,10 @@ def _warmup_then_compressed(rank, world):
 
 def test_warmup_is_exact_adam_then_ranks_stay_in_sync():
     report = run_distributed(_warmup_then_compressed, WORLD, nodes=NODES)[0]
-    for hierarchical, r in report.items():
-        assert r["warmup_gap"] < 1e-6, (hierarchical, r["warmup_gap"])  # Adam, up to rounding
+    for variant, r in report.items():
+        assert r["warmup_gap"] < 1e-6, (variant, r["warmup_gap"])  # Adam(W), up to rounding
         assert r["frozen_flags"] == [False] * 4 + [True] * 8  # frozen after step freeze_steps
-        assert r["in_sync"], f"ranks hold different parameters (hierarchical={hierarchical})"
+        assert r["in_sync"], f"ranks hold different parameters ({variant})"
         assert r["moved_after_freeze"] > 1e-4  # the compressed phase did train
         assert r["unused_unchanged"]  # zero frozen variance: momentum kept at 0, no 1-bit noise
         assert r["compressed_bytes"] < r["exact_bytes"]

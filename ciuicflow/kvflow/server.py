@@ -351,10 +351,6 @@ class Sidecar:
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
-            # Start each stream with a window of several chunks instead of 64 KiB: one long-lived Link
-            # stream carries all chunks to a peer, and its window (not the congestion controller)
-            # otherwise limits bytes in flight until HTTP/2's BDP probing catches up.
-            ("grpc.http2.lookahead_bytes", max(4 * n, 8 << 20)),
         ]
 
     def make_channel(self, address: str) -> grpc.aio.Channel:
