@@ -207,7 +207,7 @@ def test_demo_command_prints_the_table(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "hierarchical_1bit" in table and "inter-node B/step" in table
     results = {r["method"]: r for r in json.loads(out.read_text())["results"]}
-    assert results["exact"]["accuracy"] > 50  # 20 steps learn something (chance: 10%)
+    assert results["exact"]["accuracy"] > 30  # 20 steps learn something (chance: 10%)
     assert results["exact"]["compression_ratio"] is None
     for method in ("hierarchical_1bit", "hierarchical_powersgd"):
         assert results[method]["compression_ratio"] > 10
