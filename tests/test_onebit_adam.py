@@ -145,11 +145,43 @@ def _warmup_then_compressed(rank, world):
                                                rtol=1e-6, atol=0),  # moved by weight decay only
             "compressed_bytes": optimizer.traffic.inter_bytes,
             "exact_bytes": optimizer.traffic.exact_inter_bytes}
+    report["exact_momentum_gap"] = _frozen_variance_reference_gap(rank, world)
     return report
+
+
+def _frozen_variance_reference_gap(rank, world, freeze=3, steps=8, lr=1e-2, betas=(0.9, 0.999)):
+    """A group with ``compress=False`` against 1-bit Adam's update written out: after the freeze,
+    m = b1 m + (1 - b1) mean(g), p -= lr / (1 - b1^t) * m / (sqrt(v_T / (1 - b2^T)) + eps)."""
+    from ciuicflow.optim import OneBitAdam
+
+    model, reference = _mlp(2), _mlp(2)
+    optimizer = OneBitAdam([{"params": list(model.parameters()), "compress": False}], lr=lr,
+                           betas=betas, freeze_steps=freeze)
+    params = list(reference.parameters())
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for t in range(1, steps + 1):
+        batch = _batch(rank, 100 + t)
+        optimizer.zero_grad()
+        _loss(model, batch).backward()
+        optimizer.step()
+        reference.zero_grad()
+        _loss(reference, batch).backward()
+        _average_grads_exactly(reference, world)
+        with torch.no_grad():
+            for p, m_, v_ in zip(params, m, v):
+                m_.mul_(betas[0]).add_(p.grad, alpha=1 - betas[0])
+                if t <= freeze:
+                    v_.mul_(betas[1]).addcmul_(p.grad, p.grad, value=1 - betas[1])
+                denom = (v_ / (1 - betas[1] ** min(t, freeze))).sqrt() + 1e-8
+                p.sub_(lr / (1 - betas[0] ** t) * m_ / denom)
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), params))
 
 
 def test_warmup_is_exact_adam_then_ranks_stay_in_sync():
     report = run_distributed(_warmup_then_compressed, WORLD, nodes=NODES)[0]
+    # exact momentum averaging (compress=False) is 1-bit Adam's update with nothing dropped
+    assert report.pop("exact_momentum_gap") < 1e-5
     for variant, r in report.items():
         assert r["warmup_gap"] < 1e-6, (variant, r["warmup_gap"])  # Adam(W), up to rounding
         assert r["frozen_flags"] == [False] * 4 + [True] * 8  # frozen after step freeze_steps

@@ -165,15 +165,15 @@ def attach(engine, optimizer) -> None:
             "warm-up DeepSpeed clips each rank's local gradient (by the mean of the local norms in "
             "fp32, by each rank's own norm in bf16/fp16), not the mean gradient. Set "
             '"gradient_clipping": 0 for exact Adam semantics.', RuntimeWarning, stacklevel=2)
-    optimizer.reduce_warmup_grads = False  # the engine's own all-reduce averages them
-    optimizer.add_freeze_listener(functools.partial(_set_engine_allreduce, engine))
+    optimizer.caller_averages_grads = True  # the engine's own all-reduce, when the optimizer asks
+    optimizer.add_exact_step_listener(functools.partial(_set_engine_allreduce, engine))
     engine.save_checkpoint = functools.partial(_save_checkpoint, engine, engine.save_checkpoint,
                                                optimizer)
     engine.load_checkpoint = functools.partial(_load_checkpoint, engine.load_checkpoint, optimizer)
 
 
-def _set_engine_allreduce(engine, frozen: bool) -> None:
-    engine.enable_backward_allreduce = not frozen
+def _set_engine_allreduce(engine, exact: bool) -> None:
+    engine.enable_backward_allreduce = exact
 
 
 def _errors_path(directory: str, rank: int) -> str:

@@ -14,8 +14,8 @@ bit for bit on every rank, so parameters stay in sync without sending gradients.
         optimizer.zero_grad()
 
 Every rank must call ``step`` together (it is collective) and start from the same parameters.
-During warm-up ``step`` averages the gradients itself (``reduce_warmup_grads=True``); inside
-DeepSpeed's engine the engine does that, and stops after warm-up (see
+During warm-up ``step`` averages the gradients itself; inside DeepSpeed's engine the engine does
+that (``caller_averages_grads``), and stops after warm-up (see
 ``ciuicflow.integrations.deepspeed``, installed automatically when deepspeed is imported).
 
 State: ``exp_avg`` / ``exp_avg_sq`` per parameter (``exp_avg`` is a view into one flat buffer per
@@ -58,7 +58,10 @@ class _FlatBucket:
     exact_mask: torch.Tensor | None
     group_indices: list  # (param group, indices into params of its members)
     errors: OneBitErrors = field(default_factory=OneBitErrors)
-    has_variance: list | None = None  # per param, where the frozen variance is > 0
+    # after the freeze: (param index, 0/1 mask) where some frozen variance is 0, and the constant
+    # denominators sqrt(v_hat) + eps; rebuilt with the bucket after a load
+    has_variance: list | None = None
+    frozen_denominators: list | None = None
 
     def views(self, flat: torch.Tensor) -> list:
         out, offset = [], 0
@@ -76,7 +79,7 @@ class CompressedMomentumOptimizer(Optimizer):
     quiet_foreign_errors = False  # set while an engine loads rank 0's state dict on every rank
 
     def __init__(self, params, defaults: dict, *, group=None, hierarchical: bool = True,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, reduce_warmup_grads: bool = True):
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, caller_averages_grads: bool = False):
         if chunk_size <= 0 or chunk_size % 8:
             raise ValueError(f"chunk_size must be a positive multiple of 8, got {chunk_size}")
         super().__init__(params, dict(defaults, compress=True))
@@ -88,14 +91,14 @@ class CompressedMomentumOptimizer(Optimizer):
         self.group = group
         self.hierarchical = bool(hierarchical)
         self.chunk_size = int(chunk_size)
-        self.reduce_warmup_grads = bool(reduce_warmup_grads)
+        self.caller_averages_grads = bool(caller_averages_grads)
         self.traffic = Traffic()  # modelled bytes sent by this rank, warm-up and compressed
         self.steps_taken = 0
         self.frozen = False
         self._buckets: list[_FlatBucket] | None = None
         self._topology: Topology | None = None
         self._loaded_errors: list | None = None
-        self._freeze_listeners: list = []
+        self._exact_step_listeners: list = []
         self._skip_next_steps = 0  # DeepSpeed's state-allocating step (see integrations.deepspeed)
         if "deepspeed" in sys.modules:  # deepspeed.initialize must know how to drive us
             from ciuicflow.integrations.deepspeed import install
@@ -109,16 +112,20 @@ class CompressedMomentumOptimizer(Optimizer):
 
     # -- what subclasses use ---------------------------------------------------------------
 
-    def add_freeze_listener(self, listener) -> None:
-        """``listener(frozen: bool)`` is called now and whenever the warm-up ends or a loaded
-        state changes it (an engine switches its own gradient all-reduce off and on with it)."""
-        self._freeze_listeners.append(listener)
-        listener(self.frozen)
+    def add_exact_step_listener(self, listener) -> None:
+        """``listener(exact: bool)``: whether the next step needs exactly averaged gradients. Called
+        now and whenever that changes (the warm-up ends, a state is loaded): an engine that averages
+        gradients for us (``caller_averages_grads``) switches its all-reduce on and off with it."""
+        self._exact_step_listeners.append(listener)
+        listener(self._next_step_exact())
+
+    def _next_step_exact(self) -> bool:
+        return not self.frozen
 
     def _set_frozen(self, frozen: bool) -> None:
         self.frozen = frozen
-        for listener in self._freeze_listeners:
-            listener(frozen)
+        for listener in self._exact_step_listeners:
+            listener(self._next_step_exact())
 
     def _topo(self) -> Topology:
         if self._topology is None:
@@ -174,10 +181,10 @@ class CompressedMomentumOptimizer(Optimizer):
         return grads
 
     def _mean_grads(self, bucket: _FlatBucket) -> list:
-        """The gradients to use in a warm-up step: averaged exactly over the group here, or as they
+        """The gradients of a step that needs them exact: averaged over the group here, or as they
         are when the caller (DeepSpeed's engine) has averaged them already."""
         grads = self._grads(bucket)
-        if not self.reduce_warmup_grads:
+        if self.caller_averages_grads:
             return grads
         flat = torch.cat([g.reshape(-1) for g in grads]).to(bucket.momentum.dtype)
         reduce = hierarchical_all_reduce if self.hierarchical else flat_all_reduce
@@ -281,14 +288,14 @@ class OneBitAdam(CompressedMomentumOptimizer):
         hierarchical: compress only inter-node traffic, after an exact intra-node reduce-scatter
             (True), or all traffic (False).
         chunk_size: elements per 1-bit scale (a multiple of 8).
-        reduce_warmup_grads: average the gradients during warm-up (False when a wrapper, such as
-            DeepSpeed's engine, already does).
+        caller_averages_grads: during warm-up the gradients arrive averaged (True when a wrapper,
+            such as DeepSpeed's engine, averages them; the DeepSpeed integration sets it).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, freeze_steps: int = 100, bias_correction: bool = True,
                  scale_momentum_before_compress: bool = True, group=None, hierarchical: bool = True,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, reduce_warmup_grads: bool = True):
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, caller_averages_grads: bool = False):
         _check_adam_args(lr, betas, eps, weight_decay)
         if int(freeze_steps) != freeze_steps or freeze_steps < 1:
             raise ValueError(f"freeze_steps must be an integer >= 1 (the variance needs a warm-up), "
@@ -298,7 +305,7 @@ class OneBitAdam(CompressedMomentumOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction)
         super().__init__(params, defaults, group=group, hierarchical=hierarchical,
-                         chunk_size=chunk_size, reduce_warmup_grads=reduce_warmup_grads)
+                         chunk_size=chunk_size, caller_averages_grads=caller_averages_grads)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -327,7 +334,9 @@ class OneBitAdam(CompressedMomentumOptimizer):
 
     def _compressed_step(self, bucket: _FlatBucket) -> None:
         self._fold_into_momentum(bucket, self._grads(bucket))
-        momenta, denominators = self._momenta(bucket), self._denominators(bucket)
+        if bucket.frozen_denominators is None:  # constant from here on: computed once
+            bucket.frozen_denominators = self._denominators(bucket)
+        momenta, denominators = self._momenta(bucket), bucket.frozen_denominators
         if not self.scale_momentum_before_compress:
             self._average_momentum(bucket)
             self._zero_momentum_without_variance(bucket)
@@ -368,19 +377,25 @@ class OneBitAdam(CompressedMomentumOptimizer):
         never 0, and divided by a zero variance its noise would blow up: keep their momentum at 0
         (DeepSpeed's ``exp_avg_mask``, found here from the variance)."""
         if bucket.has_variance is None:
-            bucket.has_variance = [self.state[p]["exp_avg_sq"] > 0 for p in bucket.params]
-        torch._foreach_mul_([self.state[p]["exp_avg"] for p in bucket.params], bucket.has_variance)
+            masks = [(self.state[p]["exp_avg_sq"] > 0).to(p.dtype) for p in bucket.params]
+            bucket.has_variance = [(i, m) for i, m in enumerate(masks) if not bool(m.all())]
+        if bucket.has_variance:
+            momenta = self._momenta(bucket)
+            torch._foreach_mul_([momenta[i] for i, _ in bucket.has_variance],
+                                [m for _, m in bucket.has_variance])
 
     def _denominators(self, bucket: _FlatBucket) -> list:
-        """Adam's ``sqrt(v_hat) + eps`` per parameter; v_hat stops changing at the freeze."""
+        """Adam's ``sqrt(v_hat) + eps`` per parameter; v_hat stops changing at the freeze (and so do
+        these: a group's eps or betas changed after the freeze are not seen)."""
         t_variance = min(self.steps_taken, self.freeze_steps)
-        out = []
-        for g, members in self._per_group(bucket, bucket.params):
+        out = [None] * len(bucket.params)
+        for g, indices in bucket.group_indices:
             scale = math.sqrt(1 - g["betas"][1] ** t_variance) if g["bias_correction"] else 1.0
-            denom = torch._foreach_sqrt([self.state[p]["exp_avg_sq"] for p, _ in members])
+            denom = torch._foreach_sqrt([self.state[bucket.params[i]]["exp_avg_sq"] for i in indices])
             torch._foreach_div_(denom, scale)
             torch._foreach_add_(denom, g["eps"])
-            out += denom
+            for i, d in zip(indices, denom):
+                out[i] = d
         return out
 
     def _update_params(self, bucket: _FlatBucket, momenta: list, denominators: list | None) -> None:
