@@ -13,7 +13,7 @@ fi
 python -m pip install --quiet --upgrade pip setuptools wheel
 if ! python -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0 (CPU)"
-  python -m pip install --quiet torch==2.13.0
+  python -m pip install --quiet torch==2.13.0 numpy
 fi
 echo "[setup] installing ciuicflow and its dependencies, building the extension (a minute or two)"
 python -m pip install --quiet --no-build-isolation -e ".[test${CIUICFLOW_EXTRAS:+,$CIUICFLOW_EXTRAS}]"
