@@ -16,5 +16,5 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install --quiet torch==2.13.0 numpy
 fi
 echo "[setup] installing ciuicflow and its dependencies, building the extension (a minute or two)"
-python -m pip install --quiet --no-build-isolation -e ".[test${CIUICFLOW_EXTRAS:+,$CIUICFLOW_EXTRAS}]"
+DS_BUILD_OPS=${DS_BUILD_OPS:-0} python -m pip install --quiet --no-build-isolation -e ".[test${CIUICFLOW_EXTRAS:+,$CIUICFLOW_EXTRAS}]"
 python -c "import ciuicflow.ops, torch; print('[setup] ready: torch', torch.__version__, '| CUDA kernels:', ciuicflow.ops.has_cuda_kernels())"
