@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
     p.add_argument("--methods", default=DEFAULT_METHODS)
     p.add_argument("--smoke", action="store_true",
-                   help="tiny model, few steps, 2x2, several buckets: CI (overrides size, steps, topology)")
+                   help="tiny model, few steps, 2x2, several buckets: CI (options given explicitly still apply)")
     p.add_argument("--json", metavar="PATH", help="JSON output (default OUT_DIR/comm.json)")
     p.add_argument("--out-dir", default="out/comm", help="where the JSON, markdown and PNG go")
     p.add_argument("--no-png", action="store_true")
@@ -62,10 +62,10 @@ def parse_args(argv=None):
     p.add_argument("--loopback", action="store_true", help="run on plain loopback even as root (nothing shaped)")
     p.add_argument("--check-targets", action="store_true", help="exit 1 if a target of issue 4 is missed")
     args = p.parse_args(argv)
-    if args.smoke:
+    if args.smoke:  # the smoke configuration, except what was given on the command line
         for key, value in SMOKE.items():
-            setattr(args, key, value)
-        args.timeout = min(args.timeout, SMOKE["timeout"])
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
     try:
         args.params = int(float(args.params))
         args.rate_bps = None if str(args.rate).lower() == "none" else parse_rate(args.rate)

@@ -24,7 +24,8 @@ def main(argv=None) -> int:
         try:
             import_module(module_name).add_arguments(sub_parser)
         except ModuleNotFoundError as exc:
-            if exc.name != module_name:
+            # only this subcommand's own module (or a package above it) may be missing
+            if not (exc.name == module_name or module_name.startswith(f"{exc.name}.")):
                 raise
             sub_parser.set_defaults(_missing=True)
     args = parser.parse_args(argv)

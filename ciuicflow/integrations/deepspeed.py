@@ -186,8 +186,7 @@ def _save_checkpoint(engine, save, optimizer, save_dir, tag=None, *args, **kwarg
 
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)  # DeepSpeed's default
     result = save(save_dir, tag, *args, **kwargs)
-    torch.save(optimizer.state_dict()["onebit"], _errors_path(os.path.join(save_dir, tag),
-                                                              dist.get_rank()))
+    torch.save(optimizer.rank_state_dict(), _errors_path(os.path.join(save_dir, tag), dist.get_rank()))
     dist.barrier()  # every rank's file is written before anyone reads the checkpoint
     return result
 
@@ -208,7 +207,7 @@ def _load_checkpoint(load, optimizer, load_dir, *args, **kwargs):
         else:
             warnings.warn(f"{path} is missing (a checkpoint saved without ciuicflow's integration?): "
                           "this rank's 1-bit error feedback restarts from zero", RuntimeWarning)
-            optimizer.load_rank_state({**optimizer.state_dict()["onebit"], "errors": []})
+            optimizer.load_rank_state({**optimizer.rank_state_dict(), "errors": []})
     return load_path, client_state
 
 

@@ -50,18 +50,15 @@ _STATE_VERSION = 1
 
 @dataclass
 class _FlatBucket:
-    """The parameters of one device and dtype, laid end to end: one flat momentum buffer whose views
-    are the parameters' ``exp_avg``, and the positions that are averaged exactly."""
+    """The parameters of one device and dtype, laid end to end: flat buffers (by state key) whose
+    views are the parameters' state (``exp_avg``, ...), and the positions averaged exactly."""
 
     params: list
-    momentum: torch.Tensor
+    flats: dict  # state key -> flat buffer
     exact_mask: torch.Tensor | None
     group_indices: list  # (param group, indices into params of its members)
     errors: OneBitErrors = field(default_factory=OneBitErrors)
-    # after the freeze: (param index, 0/1 mask) where some frozen variance is 0, and the constant
-    # denominators sqrt(v_hat) + eps; rebuilt with the bucket after a load
-    has_variance: list | None = None
-    frozen_denominators: list | None = None
+    cache: dict = field(default_factory=dict)  # derived from the state; rebuilt after a load
 
     def views(self, flat: torch.Tensor) -> list:
         out, offset = [], 0
@@ -77,6 +74,7 @@ class CompressedMomentumOptimizer(Optimizer):
     an engine listens to, and the rank-local part of the state dict. Subclasses write ``step``."""
 
     quiet_foreign_errors = False  # set while an engine loads rank 0's state dict on every rank
+    flat_state_keys = ("exp_avg",)  # per-parameter state kept as views of one flat buffer
 
     def __init__(self, params, defaults: dict, *, group=None, hierarchical: bool = True,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, caller_averages_grads: bool = False):
@@ -124,8 +122,7 @@ class CompressedMomentumOptimizer(Optimizer):
 
     def _set_frozen(self, frozen: bool) -> None:
         self.frozen = frozen
-        for listener in self._exact_step_listeners:
-            listener(self._next_step_exact())
+        self._notify_exact_step()
 
     def _topo(self) -> Topology:
         if self._topology is None:
@@ -146,24 +143,26 @@ class CompressedMomentumOptimizer(Optimizer):
         buckets = []
         for (device, dtype), members in by_key.items():
             params = [p for p, _ in members]
-            momentum = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
+            numel = sum(p.numel() for p in params)
+            flats = {key: torch.zeros(numel, device=device, dtype=dtype) for key in self.flat_state_keys}
             exact = None
             if not all(g["compress"] for _, g in members):
                 exact = torch.cat([torch.full((p.numel(),), not g["compress"], dtype=torch.bool,
                                               device=device) for p, g in members])
             group_indices = [(g, [i for i, (_, owner) in enumerate(members) if owner is g])
                              for g in self.param_groups]
-            bucket = _FlatBucket(params, momentum, exact, [(g, i) for g, i in group_indices if i])
-            for p, view in zip(params, bucket.views(momentum)):
-                state = self.state[p]
-                if "exp_avg" in state:
-                    view.copy_(state["exp_avg"])
-                state["exp_avg"] = view
-                state.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
+            bucket = _FlatBucket(params, flats, exact, [(g, i) for g, i in group_indices if i])
+            for key, flat in flats.items():
+                for p, view in zip(params, bucket.views(flat)):
+                    if key in self.state[p]:
+                        view.copy_(self.state[p][key])
+                    self.state[p][key] = view
+            for p in params:
+                self.state[p].setdefault("exp_avg_sq", torch.zeros_like(p))
             buckets.append(bucket)
         if self._loaded_errors is not None:
             for bucket, saved in zip(buckets, self._loaded_errors):
-                bucket.errors.load_state_dict({k: v.to(bucket.momentum.device).clone()
+                bucket.errors.load_state_dict({k: v.to(bucket.params[0].device).clone()
                                                for k, v in saved.items()})
             self._loaded_errors = None
         self._buckets = buckets
@@ -186,15 +185,20 @@ class CompressedMomentumOptimizer(Optimizer):
         grads = self._grads(bucket)
         if self.caller_averages_grads:
             return grads
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(bucket.momentum.dtype)
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(bucket.params[0].dtype)
         reduce = hierarchical_all_reduce if self.hierarchical else flat_all_reduce
         reduce(flat, self._topo(), op="mean", traffic=self.traffic)
         return bucket.views(flat)
 
-    def _average_momentum(self, bucket: _FlatBucket) -> None:
-        onebit_all_reduce(bucket.momentum, bucket.errors, self._topo(),
-                          hierarchical=self.hierarchical, chunk_size=self.chunk_size,
-                          exact_mask=bucket.exact_mask, traffic=self.traffic)
+    def _compressed_average(self, bucket: _FlatBucket, flat: torch.Tensor) -> None:
+        """Average ``flat`` (laid out as the bucket) in place: 1-bit with the bucket's errors."""
+        onebit_all_reduce(flat, bucket.errors, self._topo(), hierarchical=self.hierarchical,
+                          chunk_size=self.chunk_size, exact_mask=bucket.exact_mask,
+                          traffic=self.traffic)
+
+    def _notify_exact_step(self) -> None:
+        for listener in self._exact_step_listeners:
+            listener(self._next_step_exact())
 
     def _skip_step(self) -> bool:
         if self._skip_next_steps:
@@ -209,8 +213,9 @@ class CompressedMomentumOptimizer(Optimizer):
             return dist.get_rank(self.group), dist.get_world_size(self.group)
         return None, None
 
-    def _extra_state(self) -> dict:
-        """The rank-local part: step count, freeze flag, error-feedback buffers."""
+    def rank_state_dict(self) -> dict:
+        """The rank-local part of the state (``state_dict()["onebit"]``): step count, freeze flag,
+        this rank's error-feedback buffers (copies), and whose they are."""
         rank, world = self._rank_identity()
         if self._buckets is not None:
             errors = [{k: v.clone() for k, v in b.errors.state_dict().items()}
@@ -219,7 +224,15 @@ class CompressedMomentumOptimizer(Optimizer):
         else:
             errors = self._loaded_errors or []
         return {"version": _STATE_VERSION, "steps_taken": self.steps_taken, "frozen": self.frozen,
-                "rank": rank, "world_size": world, "layout": self._error_layout(), "errors": errors}
+                "rank": rank, "world_size": world, "layout": self._error_layout(), "errors": errors,
+                "schedule": self._schedule_state()}
+
+    def _schedule_state(self) -> dict:
+        """Subclasses' step-dependent scalars (intervals, counters) to save with the state."""
+        return {}
+
+    def _load_schedule_state(self, schedule: dict) -> None:
+        pass
 
     def _error_layout(self) -> dict:
         """What the meaning of the error buffers depends on, besides the rank."""
@@ -227,7 +240,7 @@ class CompressedMomentumOptimizer(Optimizer):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state[_STATE_KEY] = self._extra_state()
+        state[_STATE_KEY] = self.rank_state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -238,13 +251,15 @@ class CompressedMomentumOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         self._buckets = None  # rebuilt from the loaded exp_avg at the next step
         self.steps_taken = int(extra["steps_taken"])
+        self._load_schedule_state(extra.get("schedule", {}))
         self._loaded_errors = self._usable_errors(extra) or None
         self._set_frozen(bool(extra["frozen"]))
 
     def load_rank_state(self, extra: dict) -> None:
-        """Load only the rank-local part (``state_dict()["onebit"]``), e.g. after an engine loaded
-        rank 0's state dict on every rank."""
+        """Load only the rank-local part (``rank_state_dict()``), e.g. after an engine loaded rank
+        0's state dict on every rank."""
         self.steps_taken = int(extra["steps_taken"])
+        self._load_schedule_state(extra.get("schedule", {}))
         errors = self._usable_errors(extra, quiet=False)
         self._buckets = None
         self._loaded_errors = errors or None
@@ -334,16 +349,16 @@ class OneBitAdam(CompressedMomentumOptimizer):
 
     def _compressed_step(self, bucket: _FlatBucket) -> None:
         self._fold_into_momentum(bucket, self._grads(bucket))
-        if bucket.frozen_denominators is None:  # constant from here on: computed once
-            bucket.frozen_denominators = self._denominators(bucket)
-        momenta, denominators = self._momenta(bucket), bucket.frozen_denominators
+        if "denominators" not in bucket.cache:  # constant from here on: computed once
+            bucket.cache["denominators"] = self._denominators(bucket)
+        momenta, denominators = self._momenta(bucket), bucket.cache["denominators"]
         if not self.scale_momentum_before_compress:
-            self._average_momentum(bucket)
+            self._compressed_average(bucket, bucket.flats["exp_avg"])
             self._zero_momentum_without_variance(bucket)
             self._update_params(bucket, momenta, denominators)
             return
         torch._foreach_div_(momenta, denominators)  # now the update direction, of unit scale
-        self._average_momentum(bucket)
+        self._compressed_average(bucket, bucket.flats["exp_avg"])
         self._zero_momentum_without_variance(bucket)
         self._update_params(bucket, momenta, None)
         torch._foreach_mul_(momenta, denominators)
@@ -376,13 +391,13 @@ class OneBitAdam(CompressedMomentumOptimizer):
         """Positions whose frozen variance is 0 never had a gradient in warm-up. A 1-bit value is
         never 0, and divided by a zero variance its noise would blow up: keep their momentum at 0
         (DeepSpeed's ``exp_avg_mask``, found here from the variance)."""
-        if bucket.has_variance is None:
+        if "no_variance" not in bucket.cache:
             masks = [(self.state[p]["exp_avg_sq"] > 0).to(p.dtype) for p in bucket.params]
-            bucket.has_variance = [(i, m) for i, m in enumerate(masks) if not bool(m.all())]
-        if bucket.has_variance:
+            bucket.cache["no_variance"] = [(i, m) for i, m in enumerate(masks) if not bool(m.all())]
+        pairs = bucket.cache["no_variance"]
+        if pairs:
             momenta = self._momenta(bucket)
-            torch._foreach_mul_([momenta[i] for i, _ in bucket.has_variance],
-                                [m for _, m in bucket.has_variance])
+            torch._foreach_mul_([momenta[i] for i, _ in pairs], [m for _, m in pairs])
 
     def _denominators(self, bucket: _FlatBucket) -> list:
         """Adam's ``sqrt(v_hat) + eps`` per parameter; v_hat stops changing at the freeze (and so do
