@@ -9,16 +9,18 @@ model and data as bench/comm.py (an MLP fitting a fixed teacher, built by bench/
   onebit_adam            ciuicflow.optim.OneBitAdam, no DDP (hierarchical: 1-bit across nodes, exact inside a node)
   onebit_adam_flat       OneBitAdam(hierarchical=False): 1-bit on all traffic
   onebit_adam_deepspeed  OneBitAdam inside DeepSpeed's engine (deepspeed.initialize(optimizer=OneBitAdam(...)))
+  zero_one_adam          ciuicflow.optim.ZeroOneAdam (0/1 Adam), variance frozen after the warm-up
   no_comm                local Adam, no communication: the compute floor
 
 Each method runs --warmup unmeasured steps (the 1-bit optimizers' freeze_steps, so every measured step is
-compressed), then --steps measured ones. Measured per step: wall time (mean, slowest rank), bytes that left the
+compressed; for 0/1 Adam, var_freeze_step), then --steps measured ones. Measured per step: wall time (mean, slowest rank), bytes that left the
 nodes on their inter-node links (veth counters, summed over nodes), and for the 1-bit optimizers the bytes their
 collectives modelled. Without root/netns everything runs on loopback and every output says NOT SHAPED.
 
 The full run also trains on sklearn's digits for --convergence-steps steps (longer than the tests): exact Adam
-against OneBitAdam at several warm-up lengths, OneBitAdam compressing m instead of m / sqrt(v) (the paper), and
-OneBitAdam with exact momentum averaging (the frozen variance alone), for a softmax regression and an MLP.
+against OneBitAdam at several warm-up lengths, OneBitAdam compressing m instead of m / sqrt(v) (the paper),
+OneBitAdam with exact momentum averaging (the frozen variance alone), and ZeroOneAdam with its variance frozen at
+the same step, for a softmax regression and an MLP.
 
     python bench/onebit_adam.py                              # 25M-param MLP, 2 nodes x 2 ranks, 1 Gbit/s
     python bench/onebit_adam.py --smoke --json out/onebit_adam.json     # CI: tiny, well under a minute
@@ -35,7 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-METHODS = ("ddp_adam", "deepspeed_adam", "onebit_adam", "onebit_adam_flat", "onebit_adam_deepspeed", "no_comm")
+METHODS = ("ddp_adam", "deepspeed_adam", "onebit_adam", "onebit_adam_flat", "onebit_adam_deepspeed", "zero_one_adam",
+           "no_comm")
 DEEPSPEED_METHODS = ("deepspeed_adam", "onebit_adam_deepspeed")
 SMOKE = dict(params=50_000, layers=2, batch=8, steps=3, warmup=2, nodes=2, ranks_per_node=2, convergence_steps=0,
              timeout=170)
@@ -104,7 +107,7 @@ def _stepper(name, model, args):
             return loss.item()
         return step, None, "torch.optim.Adam + DDP" if net is not model else "torch.optim.Adam, local only"
 
-    from ciuicflow.optim import OneBitAdam
+    from ciuicflow.optim import OneBitAdam, ZeroOneAdam
     if name in DEEPSPEED_METHODS:
         import deepspeed
         config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_clipping": 0.0,
@@ -124,8 +127,13 @@ def _stepper(name, model, args):
             return loss.item()
         return step, optimizer, what
 
-    optimizer = OneBitAdam(model.parameters(), lr=args.lr, freeze_steps=args.warmup,
-                           hierarchical=name == "onebit_adam")
+    if name == "zero_one_adam":
+        optimizer = ZeroOneAdam(model.parameters(), lr=args.lr, var_freeze_step=args.warmup)
+        what = "ciuicflow ZeroOneAdam (hierarchical), no DDP"
+    else:
+        optimizer = OneBitAdam(model.parameters(), lr=args.lr, freeze_steps=args.warmup,
+                               hierarchical=name == "onebit_adam")
+        what = f"ciuicflow OneBitAdam(hierarchical={name == 'onebit_adam'}), no DDP"
 
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
@@ -133,7 +141,7 @@ def _stepper(name, model, args):
         loss.backward()
         optimizer.step()
         return loss.item()
-    return step, optimizer, f"ciuicflow OneBitAdam(hierarchical={name == 'onebit_adam'}), no DDP"
+    return step, optimizer, what
 
 
 def run_method(name, args, width, data):
@@ -230,7 +238,7 @@ def _train_digits(make_optimizer, exact, model_kind, steps, batch, lr, l2, seed)
 def run_convergence(steps):
     """Final full-data objective of exact Adam and OneBitAdam variants on digits (same steps, seeds, schedule)."""
     import torch
-    from ciuicflow.optim import OneBitAdam
+    from ciuicflow.optim import OneBitAdam, ZeroOneAdam
 
     variants = {
         "onebit_adam": lambda freeze: lambda p, lr: OneBitAdam(p, lr=lr, freeze_steps=freeze),
@@ -238,6 +246,7 @@ def run_convergence(steps):
             p, lr=lr, freeze_steps=freeze, scale_momentum_before_compress=False),
         "frozen_variance_exact_momentum": lambda freeze: lambda p, lr: OneBitAdam(
             [{"params": list(p), "compress": False}], lr=lr, freeze_steps=freeze),
+        "zero_one_adam": lambda freeze: lambda p, lr: ZeroOneAdam(p, lr=lr, var_freeze_step=freeze),
     }
     rows = []
     for model_kind, lr, l2 in (("softmax", 3e-2, 1e-3), ("mlp", 3e-3, 0.0)):

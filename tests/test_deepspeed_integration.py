@@ -64,7 +64,7 @@ def _max_gap(a, b):
 
 def _engine_matches_plain(rank, world, checkpoint_dir):
     import deepspeed  # noqa: F401  (imported before the optimizer is built, as users do)
-    from ciuicflow.optim import OneBitAdam
+    from ciuicflow.optim import OneBitAdam, ZeroOneAdam
 
     freeze, steps = 4, 10
 
@@ -107,11 +107,31 @@ def _engine_matches_plain(rank, world, checkpoint_dir):
     accumulating = _engine(model, optimizer_for(model), _config(gradient_accumulation_steps=2))
     _engine_steps(accumulating, rank, range(steps), accumulation=2)
     report["accumulation_gap"] = _max_gap(accumulating.module.parameters(), plain.parameters())
+
+    # 0/1 Adam: the engine all-reduces exactly the variance steps' gradients (1, 2, 4, 6), the
+    # optimizer sends 1-bit gradients (3, 5), then 1-bit syncs of local steps (7, 8, 10), not 9
+    def zero_one_for(model):
+        return ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2,
+                           local_step_scaler=2, local_step_clipper=2, hierarchical=False)
+
+    plain = _mlp(11)
+    _plain_steps(plain, zero_one_for(plain), rank, range(steps))
+    model = _mlp(11)
+    engine = _engine(model, zero_one_for(model), _config())
+    with CollectiveBytes() as log:
+        zero_one = []
+        for step in range(steps):
+            start = len(log.records)
+            facts = _engine_steps(engine, rank, [step])[0]
+            zero_one.append((facts["allreduce"], log.total(start)))
+    report["zero_one"] = zero_one
+    report["zero_one_gap"] = _max_gap(engine.module.parameters(), plain.parameters())
     return report
 
 
 @needs_deepspeed
 def test_engine_matches_plain_sends_gradients_once_and_resumes(tmp_path):
+    """OneBitAdam (and, at the end, ZeroOneAdam) with and without DeepSpeed's engine."""
     results = run_distributed(_engine_matches_plain, WORLD, nodes=NODES, args=(str(tmp_path),),
                               timeout=400)
     for rank, r in enumerate(results):
@@ -127,6 +147,16 @@ def test_engine_matches_plain_sends_gradients_once_and_resumes(tmp_path):
             assert b <= exact / 16, (b, exact, r["bytes"])
         assert r["resume_gap"] == 0.0, f"rank {rank}: resumed run differs by {r['resume_gap']}"
         assert r["resumed_flag"] is False  # the loaded state is frozen: the engine stays quiet
+        flags = [flag for flag, _ in r["zero_one"]]  # after each step: all-reduce the next one?
+        assert flags == [True, False, True, False, True] + [False] * 5, flags
+        for step, (_, sent) in enumerate(r["zero_one"], 1):
+            if step in (1, 2, 4, 6):
+                assert sent >= exact
+            elif step == 9:
+                assert sent == 0
+            else:
+                assert 0 < sent <= exact / 16, (step, sent)
+        assert r["zero_one_gap"] < 1e-5, r["zero_one_gap"]
     print(f"\nbytes handed to collectives per step, rank 0: {results[0]['bytes']} "
           f"({results[0]['params']} parameters)")
 
