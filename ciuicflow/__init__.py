@@ -25,6 +25,8 @@ _EXPORTS = {
     "monitor": "ciuicflow.monitor",
     "Monitor": "ciuicflow.monitor.monitor",
     "optim": "ciuicflow.optim",
+    "OneBitAdam": "ciuicflow.optim.onebit_adam",
+    "ZeroOneAdam": "ciuicflow.optim.zero_one_adam",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

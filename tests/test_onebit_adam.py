@@ -5,6 +5,7 @@ Communication is measured by ``CollectiveBytes``, which wraps the torch.distribu
 """
 import inspect
 import io
+import sys
 import time
 import warnings
 
@@ -34,15 +35,19 @@ class CollectiveBytes:
         self._undo = []
 
     def __enter__(self):
-        import ciuicflow.collectives as collectives
+        import ciuicflow.collectives  # noqa: F401  (loaded, so that its aliases are found below)
 
         originals = {name: getattr(dist, name) for name in self.SENT if hasattr(dist, name)}
+        # ciuicflow's modules may hold a collective under another name (taken at import)
+        holders = [m for name, m in list(sys.modules.items())
+                   if m is not None and (name == "ciuicflow" or name.startswith("ciuicflow."))]
         for name, original in originals.items():
             wrapped = self._wrap(name, original)
             self._patch(dist, name, wrapped)
-            for alias in ("_reduce_scatter_single", "_all_gather_single"):
-                if getattr(collectives, alias, None) is original:
-                    self._patch(collectives, alias, wrapped)
+            for module in holders:
+                for attribute, value in list(vars(module).items()):
+                    if value is original:
+                        self._patch(module, attribute, wrapped)
         return self
 
     def __exit__(self, *exc):
@@ -317,7 +322,7 @@ def test_digits_final_loss_within_2_percent_of_exact_adam():
     assert adam < 0.2  # it did learn (from log(10) = 2.3)
     assert abs(onebit - adam) <= 0.02 * adam
     # 0/1 Adam compresses gradients from step 1: its variance freezes at 40% (seeds 100..400:
-    # +0.9% to +1.4%; frozen at 20%: +1.0% to +3.9%)
+    # +0.9% to +1.3%; frozen at 20%: +1.0% to +1.9%)
     assert abs(zero_one - adam) <= 0.02 * adam
 
 
@@ -452,6 +457,8 @@ def test_bad_arguments_raise_clear_errors():
         ZeroOneAdam(params, local_step_clipper=0.5)
     with pytest.raises(ValueError, match="no 'onebit' entry"):
         OneBitAdam(params).load_state_dict(torch.optim.Adam(params).state_dict())
+    with pytest.raises(ValueError, match="saved by OneBitAdam, not by ZeroOneAdam"):
+        ZeroOneAdam(params).load_state_dict(OneBitAdam(params).state_dict())
     if not dist.is_initialized():
         params[0].grad = torch.ones(4)
         with pytest.raises(RuntimeError, match="init_process_group"):

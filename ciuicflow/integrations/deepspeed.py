@@ -11,10 +11,11 @@ which teaches ``DeepSpeedEngine`` (0.19.x) to drive it: when the engine configur
 checks the config against the table below (an ``UnsupportedDeepSpeedConfig`` names every conflict),
 and then ``attach``es the optimizer:
 
-- during warm-up the engine all-reduces the gradients as usual and the optimizer uses them as they
-  are; after warm-up ``engine.enable_backward_allreduce`` is switched off (the switch DeepSpeed's
-  removed 1-bit optimizers used; its fp16/bf16 wrapper then also agrees on overflow across ranks),
-  so the only gradient traffic is the optimizer's compressed momentum;
+- on the steps the optimizer needs exact gradients (1-bit Adam's warm-up, 0/1 Adam's variance
+  steps) the engine all-reduces them as usual and the optimizer uses them as they are; on every
+  other step ``engine.enable_backward_allreduce`` is off (the switch DeepSpeed's removed 1-bit
+  optimizers used; its fp16/bf16 wrapper then also agrees on overflow across ranks), so gradients
+  are never sent twice;
 - DeepSpeed's fp16/bf16 wrapper runs one step with zero gradients when it is built, to allocate
   optimizer state: that step is skipped, so step counts and results match a run without DeepSpeed;
 - ``engine.save_checkpoint`` / ``engine.load_checkpoint`` also write and read each rank's
@@ -27,10 +28,10 @@ and then ``attach``es the optimizer:
 | ZeRO stages 1, 2, 3 (and their CPU/NVMe offload) | refused: they partition optimizer state and reduce-scatter gradients themselves; 1-bit Adam needs the whole momentum on every rank |
 | fp32 | yes |
 | bf16 (`bf16.enabled`, bf16 gradients) | yes |
-| fp16 (`fp16.enabled`, dynamic or static loss scale) | yes: same wrapper as bf16, overflow agreed over all ranks (DeepSpeed refuses fp16 on CPU, so the tests run it only where an accelerator has fp16) |
+| fp16 (`fp16.enabled`, dynamic or static loss scale) | yes: same wrapper as bf16, overflow agreed over all ranks (not tested: DeepSpeed refuses fp16 on a CPU without fp16 support) |
 | gradient accumulation (`gradient_accumulation_steps`) | yes |
 | LR schedulers | yes |
-| gradient clipping (`gradient_clipping`, 1.0 by default) | yes, with a warning: after warm-up DeepSpeed clips each rank's *local* gradient, by the mean of the ranks' local norms (fp32) or by its own norm (bf16/fp16), not by the norm of the mean gradient, which no rank has once gradients stop being all-reduced (DeepSpeed's removed 1-bit Adam did the same). Set it to 0 for Adam's exact semantics |
+| gradient clipping (`gradient_clipping`, 1.0 by default) | yes, with a warning: on steps without the engine's all-reduce DeepSpeed clips each rank's *local* gradient, by the mean of the ranks' local norms (fp32) or by its own norm (bf16/fp16), not by the norm of the mean gradient, which no rank has (DeepSpeed's removed 1-bit Adam did the same). Set it to 0 for Adam's exact semantics |
 | `torch_autocast` | refused: its GradScaler decides to skip a step on each rank's local gradients |
 | pipeline, tensor, sequence or expert parallelism | refused: the optimizer averages over the whole world, not a data-parallel subgroup |
 | `gradient_allreduce_op` other than mean, DeepCompile, unmanaged gradient accumulation | refused |
@@ -158,13 +159,15 @@ def check_engine_config(engine, optimizer) -> None:
 
 
 def attach(engine, optimizer) -> None:
-    """Let ``engine`` average gradients during warm-up only, and checkpoint every rank's errors."""
+    """Let ``engine`` average the gradients of the steps the optimizer needs exact (1-bit Adam's
+    warm-up, 0/1 Adam's variance steps) and no others, and checkpoint every rank's errors."""
     if engine.gradient_clipping() > 0:
         warnings.warn(
-            f"gradient_clipping={engine.gradient_clipping()} with {type(optimizer).__name__}: after "
-            "warm-up DeepSpeed clips each rank's local gradient (by the mean of the local norms in "
-            "fp32, by each rank's own norm in bf16/fp16), not the mean gradient. Set "
-            '"gradient_clipping": 0 for exact Adam semantics.', RuntimeWarning, stacklevel=2)
+            f"gradient_clipping={engine.gradient_clipping()} with {type(optimizer).__name__}: on "
+            "steps whose gradients the engine does not all-reduce (after 1-bit Adam's warm-up, "
+            "most of 0/1 Adam's) DeepSpeed clips each rank's local gradient (by the mean of the "
+            "local norms in fp32, by each rank's own norm in bf16/fp16), not the mean gradient. "
+            'Set "gradient_clipping": 0 for exact Adam semantics.', RuntimeWarning, stacklevel=2)
     optimizer.caller_averages_grads = True  # the engine's own all-reduce, when the optimizer asks
     optimizer.add_exact_step_listener(functools.partial(_set_engine_allreduce, engine))
     engine.save_checkpoint = functools.partial(_save_checkpoint, engine, engine.save_checkpoint,

@@ -69,9 +69,10 @@ class _FlatBucket:
 
 
 class CompressedMomentumOptimizer(Optimizer):
-    """What the 1-bit Adam family shares: the flat momentum buffers and their error feedback, the
-    exact gradient average of the warm-up, the compressed momentum average, the freeze switch that
-    an engine listens to, and the rank-local part of the state dict. Subclasses write ``step``."""
+    """What the 1-bit Adam family shares: flat per-parameter state buffers and their error
+    feedback, the exact gradient average, the 1-bit average, the exact-step listeners an engine
+    follows, the variance freeze, and the rank-local part of the state dict. Subclasses write
+    ``step`` (and, when some steps need exact gradients besides the warm-up, ``_next_step_exact``)."""
 
     quiet_foreign_errors = False  # set while an engine loads rank 0's state dict on every rank
     flat_state_keys = ("exp_avg",)  # per-parameter state kept as views of one flat buffer
@@ -206,6 +207,79 @@ class CompressedMomentumOptimizer(Optimizer):
             return True
         return False
 
+    # -- Adam's arithmetic, on a bucket's parameters, group by group -------------------------
+
+    def _momenta(self, bucket: _FlatBucket) -> list:
+        return [self.state[p]["exp_avg"] for p in bucket.params]
+
+    def _fold_into_momentum(self, bucket: _FlatBucket, grads: list) -> None:
+        """m = b1 m + (1 - b1) g"""
+        momenta = self._momenta(bucket)
+        for g, indices in bucket.group_indices:
+            torch._foreach_lerp_([momenta[i] for i in indices], [grads[i] for i in indices],
+                                 1 - g["betas"][0])
+
+    def _fold_into_variance(self, bucket: _FlatBucket, grads: list) -> None:
+        """v = b2 v + (1 - b2) g^2"""
+        variances = [self.state[p]["exp_avg_sq"] for p in bucket.params]
+        for g, indices in bucket.group_indices:
+            some = [grads[i] for i in indices]
+            torch._foreach_mul_([variances[i] for i in indices], g["betas"][1])
+            torch._foreach_addcmul_([variances[i] for i in indices], some, some,
+                                    value=1 - g["betas"][1])
+
+    def _denominators(self, bucket: _FlatBucket, variance_updates: int) -> list:
+        """``sqrt(v_hat) + eps`` per parameter, v_hat corrected for ``variance_updates`` updates."""
+        out = [None] * len(bucket.params)
+        for g, indices in bucket.group_indices:
+            scale = math.sqrt(1 - g["betas"][1] ** max(1, variance_updates)) \
+                if g["bias_correction"] else 1.0
+            denom = torch._foreach_sqrt([self.state[bucket.params[i]]["exp_avg_sq"] for i in indices])
+            torch._foreach_div_(denom, scale)
+            torch._foreach_add_(denom, g["eps"])
+            for i, d in zip(indices, denom):
+                out[i] = d
+        return out
+
+    def _momentum_correction(self, g: dict) -> float:
+        return 1 - g["betas"][0] ** self.steps_taken if g["bias_correction"] else 1.0
+
+    def _directions(self, bucket: _FlatBucket, denominators: list) -> list:
+        """``m / (sqrt(v_hat) + eps)`` per parameter (new tensors; m's bias correction is _apply's)."""
+        return torch._foreach_div(self._momenta(bucket), denominators)
+
+    def _apply(self, bucket: _FlatBucket, directions: list) -> None:
+        """``p = (1 - lr wd) p - lr / (1 - b1^t) * direction``: Adam's step, decoupled decay."""
+        for g, indices in bucket.group_indices:
+            params = [bucket.params[i] for i in indices]
+            if g["weight_decay"]:
+                torch._foreach_mul_(params, 1 - g["lr"] * g["weight_decay"])
+            torch._foreach_add_(params, [directions[i] for i in indices],
+                                alpha=-g["lr"] / self._momentum_correction(g))
+
+    def _step_with_average_direction(self, bucket: _FlatBucket, denominators: list) -> None:
+        """Average the update directions ``m / denominator`` (1-bit, in place in the momentum
+        buffer: they are all about 1 where momenta differ by orders of magnitude), step with the
+        average, and keep ``average * denominator`` as the momentum. With parameters that agree
+        before, they agree after, bit for bit."""
+        momenta = self._momenta(bucket)
+        torch._foreach_div_(momenta, denominators)
+        self._compressed_average(bucket, bucket.flats["exp_avg"])
+        self._zero_where_no_variance(bucket, momenta)
+        self._apply(bucket, momenta)
+        torch._foreach_mul_(momenta, denominators)
+
+    def _zero_where_no_variance(self, bucket: _FlatBucket, values: list) -> None:
+        """Elements whose variance is 0 never had a gradient. A 1-bit value is never 0, and divided
+        by a zero variance its noise would blow up: keep them at 0 (DeepSpeed's ``exp_avg_mask``,
+        found here from the variance; cached until the variance changes)."""
+        if "no_variance" not in bucket.cache:
+            masks = [(self.state[p]["exp_avg_sq"] > 0).to(p.dtype) for p in bucket.params]
+            bucket.cache["no_variance"] = [(i, m) for i, m in enumerate(masks) if not bool(m.all())]
+        pairs = bucket.cache["no_variance"]
+        if pairs:
+            torch._foreach_mul_([values[i] for i, _ in pairs], [m for _, m in pairs])
+
     # -- state dict ------------------------------------------------------------------------
 
     def _rank_identity(self) -> tuple:
@@ -223,7 +297,8 @@ class CompressedMomentumOptimizer(Optimizer):
             errors = errors if len(errors) == len(self._buckets) else []
         else:
             errors = self._loaded_errors or []
-        return {"version": _STATE_VERSION, "steps_taken": self.steps_taken, "frozen": self.frozen,
+        return {"version": _STATE_VERSION, "optimizer": type(self).__name__,
+                "steps_taken": self.steps_taken, "frozen": self.frozen,
                 "rank": rank, "world_size": world, "layout": self._error_layout(), "errors": errors,
                 "schedule": self._schedule_state()}
 
@@ -248,6 +323,7 @@ class CompressedMomentumOptimizer(Optimizer):
         extra = state_dict.pop(_STATE_KEY, None)
         if extra is None:
             raise ValueError(f"not a {type(self).__name__} state dict: it has no {_STATE_KEY!r} entry")
+        self._check_owner(extra)
         super().load_state_dict(state_dict)
         self._buckets = None  # rebuilt from the loaded exp_avg at the next step
         self.steps_taken = int(extra["steps_taken"])
@@ -258,12 +334,18 @@ class CompressedMomentumOptimizer(Optimizer):
     def load_rank_state(self, extra: dict) -> None:
         """Load only the rank-local part (``rank_state_dict()``), e.g. after an engine loaded rank
         0's state dict on every rank."""
+        self._check_owner(extra)
         self.steps_taken = int(extra["steps_taken"])
         self._load_schedule_state(extra.get("schedule", {}))
         errors = self._usable_errors(extra, quiet=False)
         self._buckets = None
         self._loaded_errors = errors or None
         self._set_frozen(bool(extra["frozen"]))
+
+    def _check_owner(self, extra: dict) -> None:
+        if extra.get("optimizer") != type(self).__name__:
+            raise ValueError(f"this state was saved by {extra.get('optimizer')}, not by "
+                             f"{type(self).__name__}")
 
     def _usable_errors(self, extra: dict, quiet: bool | None = None) -> list:
         quiet = self.quiet_foreign_errors if quiet is None else quiet
@@ -345,88 +427,23 @@ class OneBitAdam(CompressedMomentumOptimizer):
         grads = self._mean_grads(bucket)
         self._fold_into_momentum(bucket, grads)
         self._fold_into_variance(bucket, grads)
-        self._update_params(bucket, self._momenta(bucket), self._denominators(bucket))
+        self._apply(bucket, self._directions(bucket, self._denominators(bucket, self.steps_taken)))
 
     def _compressed_step(self, bucket: _FlatBucket) -> None:
         self._fold_into_momentum(bucket, self._grads(bucket))
-        if "denominators" not in bucket.cache:  # constant from here on: computed once
-            bucket.cache["denominators"] = self._denominators(bucket)
-        momenta, denominators = self._momenta(bucket), bucket.cache["denominators"]
+        if "denominators" not in bucket.cache:  # the variance is frozen: computed once
+            bucket.cache["denominators"] = self._denominators(bucket, self.freeze_steps)
+        denominators = bucket.cache["denominators"]
+        momenta = self._momenta(bucket)
         if not self.scale_momentum_before_compress:
             self._compressed_average(bucket, bucket.flats["exp_avg"])
-            self._zero_momentum_without_variance(bucket)
-            self._update_params(bucket, momenta, denominators)
+            self._zero_where_no_variance(bucket, momenta)
+            self._apply(bucket, self._directions(bucket, denominators))
             return
-        torch._foreach_div_(momenta, denominators)  # now the update direction, of unit scale
-        self._compressed_average(bucket, bucket.flats["exp_avg"])
-        self._zero_momentum_without_variance(bucket)
-        self._update_params(bucket, momenta, None)
-        torch._foreach_mul_(momenta, denominators)
-
-    def _momenta(self, bucket: _FlatBucket) -> list:
-        return [self.state[p]["exp_avg"] for p in bucket.params]
-
-    def _per_group(self, bucket: _FlatBucket, values: list):
-        """(group, [(param, value)]) for the bucket's params, group by group."""
-        for g, indices in bucket.group_indices:
-            yield g, [(bucket.params[i], values[i]) for i in indices]
-
-    def _fold_into_momentum(self, bucket: _FlatBucket, grads: list) -> None:
-        for g, members in self._per_group(bucket, grads):
-            momenta = [self.state[p]["exp_avg"] for p, _ in members]
-            torch._foreach_lerp_(momenta, [grad for _, grad in members], 1 - g["betas"][0])
-
-    def _fold_into_variance(self, bucket: _FlatBucket, grads: list) -> None:
-        for g, members in self._per_group(bucket, grads):
-            variances = [self.state[p]["exp_avg_sq"] for p, _ in members]
-            beta2 = g["betas"][1]
-            torch._foreach_mul_(variances, beta2)
-            torch._foreach_addcmul_(variances, [x for _, x in members], [x for _, x in members],
-                                    value=1 - beta2)
+        self._step_with_average_direction(bucket, denominators)
 
     def _error_layout(self) -> dict:
         return dict(super()._error_layout(), scaled=self.scale_momentum_before_compress)
-
-    def _zero_momentum_without_variance(self, bucket: _FlatBucket) -> None:
-        """Positions whose frozen variance is 0 never had a gradient in warm-up. A 1-bit value is
-        never 0, and divided by a zero variance its noise would blow up: keep their momentum at 0
-        (DeepSpeed's ``exp_avg_mask``, found here from the variance)."""
-        if "no_variance" not in bucket.cache:
-            masks = [(self.state[p]["exp_avg_sq"] > 0).to(p.dtype) for p in bucket.params]
-            bucket.cache["no_variance"] = [(i, m) for i, m in enumerate(masks) if not bool(m.all())]
-        pairs = bucket.cache["no_variance"]
-        if pairs:
-            momenta = self._momenta(bucket)
-            torch._foreach_mul_([momenta[i] for i, _ in pairs], [m for _, m in pairs])
-
-    def _denominators(self, bucket: _FlatBucket) -> list:
-        """Adam's ``sqrt(v_hat) + eps`` per parameter; v_hat stops changing at the freeze (and so do
-        these: a group's eps or betas changed after the freeze are not seen)."""
-        t_variance = min(self.steps_taken, self.freeze_steps)
-        out = [None] * len(bucket.params)
-        for g, indices in bucket.group_indices:
-            scale = math.sqrt(1 - g["betas"][1] ** t_variance) if g["bias_correction"] else 1.0
-            denom = torch._foreach_sqrt([self.state[bucket.params[i]]["exp_avg_sq"] for i in indices])
-            torch._foreach_div_(denom, scale)
-            torch._foreach_add_(denom, g["eps"])
-            for i, d in zip(indices, denom):
-                out[i] = d
-        return out
-
-    def _update_params(self, bucket: _FlatBucket, momenta: list, denominators: list | None) -> None:
-        """``p -= lr * m_hat / denominator`` (``momenta`` already divided when it is None)."""
-        t = self.steps_taken
-        for g, indices in bucket.group_indices:
-            params = [bucket.params[i] for i in indices]
-            step_size = g["lr"] / (1 - g["betas"][0] ** t) if g["bias_correction"] else g["lr"]
-            if g["weight_decay"]:
-                torch._foreach_mul_(params, 1 - g["lr"] * g["weight_decay"])
-            group_momenta = [momenta[i] for i in indices]
-            if denominators is None:
-                torch._foreach_add_(params, group_momenta, alpha=-step_size)
-            else:
-                torch._foreach_addcdiv_(params, group_momenta, [denominators[i] for i in indices],
-                                        value=-step_size)
 
 
 def _check_adam_args(lr, betas, eps, weight_decay) -> None:

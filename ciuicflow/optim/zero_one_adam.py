@@ -7,22 +7,21 @@ Where 1-bit Adam needs a warm-up of exact communication, 0/1 Adam compresses fro
   are averaged exactly; every other step averages the gradients with ciuicflow's 1-bit all-reduce
   (worker and server error feedback) and updates the momentum with them. Variance steps start
   every step and thin out: after ``var_update_scaler`` of them the interval doubles.
-- **after it** (variance frozen): *local steps*. Each rank updates its parameters from its own
-  momentum and accumulates the updates; every ``local_step_interval`` steps the ranks undo their
-  local updates, average the accumulated update with the 1-bit all-reduce, apply it, and rebuild
+- **after it** (variance frozen): *local steps*. Each rank moves its parameters with its own
+  momentum; every ``local_step_interval`` steps the ranks average how far they moved since the
+  last sync with the 1-bit all-reduce, all move that far from where they last agreed, and rebuild
   the momentum from it. No communication between those steps. The interval doubles every
   ``local_step_scaler`` steps, up to ``local_step_clipper``.
 
-As in ``OneBitAdam``, what is compressed after the freeze is in the update's unit scale (the
-parameters' move, ``lr * m_hat / (sqrt(v_hat) + eps)`` summed, not momentum), elements whose
+As in ``OneBitAdam``, what is compressed after the freeze is in the update's unit scale (the mean
+update direction ``m_hat / (sqrt(v_hat) + eps)`` over the period, not momentum), elements whose
 variance is 0 are kept at 0, weight decay is decoupled, and everything runs without DDP, or in
 DeepSpeed's engine, which then all-reduces exactly the variance steps' gradients
 (``add_exact_step_listener``). At a sync every rank restarts from the parameters of the last sync
-(kept in ``synced_params``) rather than undoing its local steps, so ranks agree bit for bit.
+(kept in ``synced_params``) rather than undoing its local steps, so ranks agree bit for bit; a
+period of one step (every step, until ``local_step_scaler`` steps) is ``OneBitAdam``'s step.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -31,8 +30,8 @@ from ciuicflow.optim.onebit_adam import CompressedMomentumOptimizer, _check_adam
 
 
 class ZeroOneAdam(CompressedMomentumOptimizer):
-    """0/1 Adam: 1-bit gradients with sparse exact variance updates, then local steps with 1-bit
-    synchronisation of the accumulated update.
+    """0/1 Adam: 1-bit gradients with sparse exact variance updates, then local steps synchronised
+    by 1-bit averages of the parameters' moves.
 
     Args:
         params, lr, betas, eps, weight_decay, bias_correction, group, hierarchical, chunk_size,
@@ -64,7 +63,7 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
         self.local_step_clipper = int(local_step_clipper)
         # the schedules (saved with the state)
         self.var_interval, self.var_counter, self.variance_updates = 1, 0, 0
-        self.local_step_interval, self.local_step_counter = 1, 0
+        self.local_step_interval, self.local_step_counter, self.steps_since_sync = 1, 0, 0
         # per group, over the local steps since the last sync: lr summed, (1 - lr * wd) multiplied
         self.lr_sums: list | None = None
         self.decay_products: list | None = None
@@ -82,7 +81,8 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
         return {"var_interval": self.var_interval, "var_counter": self.var_counter,
                 "variance_updates": self.variance_updates,
                 "local_step_interval": self.local_step_interval,
-                "local_step_counter": self.local_step_counter, "lr_sums": self.lr_sums,
+                "local_step_counter": self.local_step_counter,
+                "steps_since_sync": self.steps_since_sync, "lr_sums": self.lr_sums,
                 "decay_products": self.decay_products}
 
     def _load_schedule_state(self, schedule: dict) -> None:
@@ -110,6 +110,7 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
             sync = t % self.local_step_interval == 0
             for bucket in buckets:
                 self._local_step(bucket, sync)
+            self.steps_since_sync = 0 if sync else self.steps_since_sync + 1
             if sync:
                 self._restart_sums()
             self.local_step_counter += 1
@@ -132,9 +133,8 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
                     self.var_interval *= 2
             if t >= self.var_freeze_step:
                 for bucket in buckets:
-                    bucket.errors = OneBitErrors()  # they held gradients; from now on, moves
-                    torch._foreach_copy_([self.state[p]["synced_params"] for p in bucket.params],
-                                         bucket.params)
+                    bucket.errors = OneBitErrors()  # they held gradients; from now on, directions
+                self.steps_since_sync = 0
                 self._restart_sums()
                 self._set_frozen(True)
                 return loss
@@ -143,58 +143,62 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
 
     def _variance_step(self, bucket: _FlatBucket) -> None:
         grads = self._mean_grads(bucket)
-        self._fold(bucket, grads, "exp_avg", lambda g: 1 - g["betas"][0])
-        variances = [self.state[p]["exp_avg_sq"] for p in bucket.params]
-        for g, indices in bucket.group_indices:
-            beta2 = g["betas"][1]
-            torch._foreach_mul_([variances[i] for i in indices], beta2)
-            torch._foreach_addcmul_([variances[i] for i in indices], [grads[i] for i in indices],
-                                    [grads[i] for i in indices], value=1 - beta2)
-        bucket.cache.clear()  # the variance changed
-        self._apply(bucket, self._directions(bucket))
+        self._fold_into_momentum(bucket, grads)
+        self._fold_into_variance(bucket, grads)
+        bucket.cache.clear()  # derived from the variance
+        self._apply(bucket, self._directions(bucket, self._cached_denominators(bucket)))
 
     def _compressed_gradient_step(self, bucket: _FlatBucket) -> None:
         # the gradients themselves, as the paper: dividing them by sqrt(v_hat) first, as OneBitAdam
-        # does with its momentum, converged worse here (digits, 4 seeds: +1% to +16% against +1%
-        # to +4%): v still moves on variance steps, and the error feedback spans them
+        # does with its momentum, converged a little worse (digits, variance frozen at 20%, 4 seeds:
+        # +1.0% to +2.2% above Adam, against +1.0% to +1.9%): v still moves on variance steps, and
+        # the error feedback spans them
         flat = torch.cat([g.reshape(-1) for g in self._grads(bucket)]).to(bucket.params[0].dtype)
         self._compressed_average(bucket, flat)
         grads = bucket.views(flat)
         self._zero_where_no_variance(bucket, grads)
-        self._fold(bucket, grads, "exp_avg", lambda g: 1 - g["betas"][0])
-        self._apply(bucket, self._directions(bucket))
+        self._fold_into_momentum(bucket, grads)
+        self._apply(bucket, self._directions(bucket, self._cached_denominators(bucket)))
 
     def _local_step(self, bucket: _FlatBucket, sync: bool) -> None:
-        self._fold(bucket, self._grads(bucket), "exp_avg", lambda g: 1 - g["betas"][0])
-        self._apply(bucket, self._directions(bucket))
-        if not sync:
+        self._fold_into_momentum(bucket, self._grads(bucket))
+        denominators = self._cached_denominators(bucket)
+        period_start = self.steps_since_sync == 0  # the parameters agree on every rank now
+        if sync and period_start:  # a period of one step: OneBitAdam's step
+            self._step_with_average_direction(bucket, denominators)
             return
-        # What each rank moved since the last sync, A = decay^k * p_sync - p (= sum of lr * u with
-        # decay), averaged; every rank then lands on decay^k * p_sync - mean(A), bit for bit.
+        anchors = [self.state[p]["synced_params"] for p in bucket.params]
+        if period_start:
+            torch._foreach_copy_(anchors, bucket.params)
+        self._apply(bucket, self._directions(bucket, denominators))
+        if sync:
+            self._sync(bucket, anchors, denominators)
+
+    def _sync(self, bucket: _FlatBucket, anchors: list, denominators: list) -> None:
+        """Average how far the ranks moved since the last sync, as the mean update direction
+        (decay^k * p_sync - p) * (1 - b1^t) / sum(lr), in the same units as a period of one step;
+        every rank then lands on decay^k * p_sync - sum(lr) / (1 - b1^t) * average, bit for bit,
+        and keeps average * denominator as its momentum."""
         params = bucket.params
-        anchors = [self.state[p]["synced_params"] for p in params]
         moved_flat = torch.empty_like(bucket.flats["synced_params"])
         moved = bucket.views(moved_flat)
         torch._foreach_copy_(moved, anchors)
-        for g, indices, lr_sum, decay in self._since_sync(bucket):
+        periods = list(self._since_sync(bucket))
+        for g, indices, lr_sum, decay in periods:
             if decay != 1.0:
                 torch._foreach_mul_([moved[i] for i in indices], decay)
         torch._foreach_sub_(moved, params)
+        for g, indices, lr_sum, decay in periods:
+            torch._foreach_mul_([moved[i] for i in indices], self._momentum_correction(g) / lr_sum)
         self._compressed_average(bucket, moved_flat)
         self._zero_where_no_variance(bucket, moved)
         torch._foreach_copy_(params, anchors)
-        denominators = self._denominators(bucket)
-        momenta = [self.state[p]["exp_avg"] for p in params]
-        for g, indices, lr_sum, decay in self._since_sync(bucket):
+        for g, indices, lr_sum, decay in periods:
             if decay != 1.0:
                 torch._foreach_mul_([params[i] for i in indices], decay)
-            # the momentum the averaged move implies: it is sum(lr) * m_hat / denominator
-            torch._foreach_copy_([momenta[i] for i in indices],
-                                 torch._foreach_mul([moved[i] for i in indices],
-                                                    [denominators[i] for i in indices]))
-            torch._foreach_mul_([momenta[i] for i in indices], self._momentum_correction(g) / lr_sum)
-        torch._foreach_sub_(params, moved)
-        torch._foreach_copy_(anchors, params)
+            torch._foreach_add_([params[i] for i in indices], [moved[i] for i in indices],
+                                alpha=-lr_sum / self._momentum_correction(g))
+        torch._foreach_copy_(self._momenta(bucket), torch._foreach_mul(moved, denominators))
 
     def _since_sync(self, bucket: _FlatBucket):
         """(group, its indices in the bucket, lr summed and weight decay multiplied since the last
@@ -208,56 +212,8 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
         self.lr_sums = [0.0] * len(self.param_groups)
         self.decay_products = [1.0] * len(self.param_groups)
 
-    # -- shared arithmetic --------------------------------------------------------------------
-
-    def _fold(self, bucket: _FlatBucket, values: list, key: str, weight) -> None:
-        targets = [self.state[p][key] for p in bucket.params]
-        for g, indices in bucket.group_indices:
-            torch._foreach_lerp_([targets[i] for i in indices], [values[i] for i in indices],
-                                 weight(g))
-
-    def _momentum_correction(self, g) -> float:
-        return 1 - g["betas"][0] ** self.steps_taken if g["bias_correction"] else 1.0
-
-    def _denominators(self, bucket: _FlatBucket) -> list:
-        """``sqrt(v_hat) + eps`` per parameter; constant between variance updates (cached)."""
+    def _cached_denominators(self, bucket: _FlatBucket) -> list:
+        """The variance changes only on variance steps (which clear the cache)."""
         if "denominators" not in bucket.cache:
-            out = [None] * len(bucket.params)
-            for g, indices in bucket.group_indices:
-                scale = math.sqrt(1 - g["betas"][1] ** max(1, self.variance_updates)) \
-                    if g["bias_correction"] else 1.0
-                denom = torch._foreach_sqrt([self.state[bucket.params[i]]["exp_avg_sq"]
-                                             for i in indices])
-                torch._foreach_div_(denom, scale)
-                torch._foreach_add_(denom, g["eps"])
-                for i, d in zip(indices, denom):
-                    out[i] = d
-            bucket.cache["denominators"] = out
+            bucket.cache["denominators"] = self._denominators(bucket, self.variance_updates)
         return bucket.cache["denominators"]
-
-    def _directions(self, bucket: _FlatBucket) -> list:
-        """Adam's update direction ``m_hat / (sqrt(v_hat) + eps)`` per parameter."""
-        momenta = [self.state[p]["exp_avg"] for p in bucket.params]
-        directions = torch._foreach_div(momenta, self._denominators(bucket))
-        for g, indices in bucket.group_indices:
-            correction = self._momentum_correction(g)
-            if correction != 1.0:
-                torch._foreach_div_([directions[i] for i in indices], correction)
-        return directions
-
-    def _apply(self, bucket: _FlatBucket, directions: list) -> None:
-        for g, indices in bucket.group_indices:
-            params = [bucket.params[i] for i in indices]
-            if g["weight_decay"]:
-                torch._foreach_mul_(params, 1 - g["lr"] * g["weight_decay"])
-            torch._foreach_add_(params, [directions[i] for i in indices], alpha=-g["lr"])
-
-    def _zero_where_no_variance(self, bucket: _FlatBucket, values: list) -> None:
-        """Elements whose variance is 0 have never had a gradient: 1-bit noise there would be
-        divided by eps. Keep them at 0 (recomputed whenever the variance changes)."""
-        if "no_variance" not in bucket.cache:
-            masks = [(self.state[p]["exp_avg_sq"] > 0).to(p.dtype) for p in bucket.params]
-            bucket.cache["no_variance"] = [(i, m) for i, m in enumerate(masks) if not bool(m.all())]
-        pairs = bucket.cache["no_variance"]
-        if pairs:
-            torch._foreach_mul_([values[i] for i, _ in pairs], [m for _, m in pairs])
