@@ -193,7 +193,7 @@ def sender_worker(plan: dict, api: str, sync: str) -> None:
 
 def receiver_worker(plan: dict, api: str, sync: str) -> None:
     from ciuicflow.kvflow import Client
-    buf = memoryview(payload_buffer(plan["seed"]))
+    buf = payload_buffer(plan["seed"])      # bytes: slicing + == is a memcmp (a memoryview compares per item)
     client = Client(api)
     client.wait_ready(60)
     for phase in plan["phases"]:
@@ -210,7 +210,7 @@ def receiver_worker(plan: dict, api: str, sync: str) -> None:
                 n = 0
                 for part in client.recv_stream(req["key"], timeout_s=plan["timeout"]):
                     off, size = expected[part.index]
-                    if part.nbytes != size or buf[off:off + size] != part.value:
+                    if part.nbytes != size or buf[off:off + size] != bytes(part.value):
                         raise ValueError(f"part {part.index} differs from what was sent")
                     n += 1
                     rec["bytes"] += size
@@ -475,6 +475,8 @@ def parse_args(argv=None):
                    help="no namespaces: emulate the link with the receiving sidecar's --link-rate (NOT tc-shaped)")
     p.add_argument("--require-netns", action="store_true", help="fail instead of falling back to loopback")
     p.add_argument("--skip-raw", action="store_true", help="skip the loopback throughput comparison")
+    p.add_argument("--raw-only", action="store_true",
+                   help="only the loopback throughput comparison (no shaped link, no namespaces)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for any one phase")
     p.add_argument("--check-targets", action="store_true", help="exit 1 if a target is missed")
     if "--smoke" in (sys.argv[1:] if argv is None else argv):
@@ -574,14 +576,19 @@ def main(argv=None) -> int:
     workdir = tempfile.mkdtemp(prefix="ciuicflow-kvbench-")
     rate_Bps = args.rate_bps / 8
     records = []
-    cluster = SimCluster(nodes=2, ranks_per_node=1, rate=f"{int(args.rate_bps)}bit", require_netns=args.require_netns,
-                         loopback=args.loopback, log=log)
+    cluster = None if args.raw_only else SimCluster(
+        nodes=2, ranks_per_node=1, rate=f"{int(args.rate_bps)}bit", require_netns=args.require_netns,
+        loopback=args.loopback, log=log)
     testbeds = []
     plain_server = None
+    shaped = None
     try:
-        cluster.start()
         chunk = ["--chunk-size", str(args.chunk_size)] + shlex.split(args.sidecar_args)
-        if cluster.netns:
+        if cluster is not None:
+            cluster.start()
+        if cluster is None:
+            testbed_line = "raw loopback throughput only (--raw-only): no shaped link"
+        elif cluster.netns:
             shaped = Testbed("shaped", workdir,
                              (lambda argv, **kw: cluster.popen(0, argv, **kw),
                               lambda argv, **kw: cluster.popen(1, argv, **kw)),
@@ -596,7 +603,8 @@ def main(argv=None) -> int:
             testbed_line = (f"!!! NOT tc-shaped ({cluster.fallback_reason or 'loopback requested'}): loopback, link "
                             f"emulated by decode0's --link-rate {format_rate(args.rate_bps)}; bytes on the wire not "
                             "measured !!!")
-        testbeds.append(shaped)
+        if shaped is not None:
+            testbeds.append(shaped)
         raw = None
         if not args.skip_raw:
             raw = Testbed("raw", workdir, (_host_launch, _host_launch),
@@ -607,13 +615,14 @@ def main(argv=None) -> int:
             tb.start_sidecars()
         if raw is not None:
             plain_server = PlainServer(workdir)
-        phases = shaped_phases(args, rate_Bps)
+        phases = shaped_phases(args, rate_Bps) if shaped is not None else []
         plan = {"seed": args.seed, "dest": "decode0", "timeout": args.timeout, "phases": phases}
-        shaped.start_workers(plan, 120)
+        if shaped is not None:
+            shaped.start_workers(plan, 120)
         if raw is not None:
             raw_plan = {"seed": args.seed, "dest": "decode0", "timeout": args.timeout, "phases": raw_phases(args)}
             raw.start_workers(raw_plan, 120)
-        base = {"shaped": bool(cluster.shaped), "testbed": testbed_line, "link_rate_bytes_per_s": rate_Bps,
+        base = {"shaped": bool(cluster is not None and cluster.shaped), "testbed": testbed_line, "link_rate_bytes_per_s": rate_Bps,
                 "load": args.load, "bytes_per_token": BYTES_PER_TOKEN}
         for phase in phases:
             offered = sum(request_bytes(r["tokens"]) for r in phase["requests"])
@@ -662,7 +671,8 @@ def main(argv=None) -> int:
             sc.stop()
         if plain_server is not None:
             plain_server.stop()
-        cluster.close()
+        if cluster is not None:
+            cluster.close()
         log("sidecars stopped, namespaces removed")
     summary = evaluate(records)
     write_outputs(args, records, summary, testbed_line)

@@ -100,6 +100,23 @@ def test_out_variants_overwrite_poisoned_buffers(device):
         ops.onebit_unpack(packed[0], scales[0], n, chunk, out=torch.empty(n - 1))
 
 
+@pytest.mark.parametrize("chunk", [24, 2048])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_large_unpack_into_aligned_and_misaligned_buffers(chunk, offset):
+    """Outputs of 8 MiB and more take the streaming-store path, which needs 16-byte alignment: an
+    aligned buffer streams, one offset by a float falls back to normal stores. Both must be exact."""
+    n = (8 << 20) // 4 + 13
+    gen = torch.Generator().manual_seed(chunk + offset)
+    packed = torch.randint(0, 256, (math.ceil(n / 8),), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(math.ceil(n / chunk), generator=gen) + 0.1
+    buffer = poisoned_like(torch.empty(n + 1))
+    out = buffer[offset:offset + n]
+    ops.onebit_unpack(packed, scales, n, chunk, out=out)
+    torch.testing.assert_close(out, ref.onebit_unpack(packed, scales, n, chunk).float())
+    if offset == 0:
+        assert math.isnan(buffer[n])  # nothing written past the end
+
+
 def test_pack_unpack_outputs_are_fully_written():
     """Output buffers start from a garbage-filled allocator state: every byte must be written."""
     n, chunk = 4099, 24

@@ -18,11 +18,18 @@
 
 Payloads are bytes (returned as bytes) or a list of torch tensors (returned as tensors with the same dtype and
 shape, on the CPU). A list may mix tensors and bytes. torch is imported only when tensors are used.
+
+On the same host as its sidecar the client hands the bytes over in shared memory (``/dev/shm``, see
+``shm.py``): only small handles go over the local gRPC connection. ``Client(..., shm=False)`` turns that off;
+the default checks once that the sidecar can open this process's files and otherwise sends the bytes in-band.
 """
 from __future__ import annotations
 
 import json
+import os
 import queue
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, List, Optional, Union
 
@@ -31,9 +38,11 @@ import grpc
 from .common import AUTH_METADATA, FLOW_METADATA, PRIORITY_NAMES, priority_from_pb, priority_to_pb
 from .proto import kvflow_pb2 as pb
 from .proto import kvflow_pb2_grpc as pb_grpc
+from . import shm as shmlib
 
 DEFAULT_MESSAGE_BYTES = 1 << 20      # largest SendData message: a KV layer of up to 1 MiB is one message
 BYTES_PART_BYTES = 256 << 10         # a bytes payload is cut into parts of this size
+SHM_WINDOW_BYTES = 4 << 20           # shared memory: bytes written ahead of what the sidecar has taken
 _END = object()
 
 
@@ -133,6 +142,84 @@ def _messages(info: pb.PartInfo, mv: memoryview, message_bytes: int) -> Iterator
                                               info=info if off == 0 else None))
 
 
+class _ShmWriter:
+    """The client's side of a shared-memory send: writes the parts into one file and makes their handles.
+    The file is unlinked by the sidecar once it has opened it, and here when the transfer ends (whichever
+    comes first), so nothing stays in /dev/shm.
+
+    Back-pressure: the sidecar frees the pages it has read (it punches them out of the file), so the
+    file's allocated size is what it has not taken yet. Writing waits while that is over ``window`` bytes
+    (as the in-band stream waits on HTTP/2 flow control), so a sidecar over its memory cap or a slow link
+    holds the sender back instead of the bytes piling up in /dev/shm."""
+
+    def __init__(self, window: int, done=lambda: False):
+        self.fd, self.path = shmlib.create("s")
+        self.pos = 0
+        self.window = max(int(window), 1 << 20)
+        self.piece = max(self.window // 2, 256 << 10)
+        self.tails = 0                       # parts whose last page is partial (never freed by the reader)
+        self._done = done
+        self._lock = threading.Lock()
+
+    def pending(self) -> int:
+        """Bytes written and not yet taken by the sidecar (a slight underestimate)."""
+        allocated = os.fstat(self.fd).st_blocks * 512
+        return max(0, allocated - self.tails * shmlib.PAGE)
+
+    def wait_room(self) -> None:
+        delay = 0.0005
+        while self.fd >= 0 and self.pending() > self.window:
+            if self._done():
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def data(self, info: pb.PartInfo, mv: memoryview) -> List[pb.SendData]:
+        """Write one part into the file (waiting for room); its SendData handles (in-band when empty)."""
+        n = mv.nbytes
+        if n == 0:
+            return [pb.SendData(part=info.index, offset=0, data=b"", info=info)]
+        out = []
+        for start in range(0, n, self.piece):
+            size = min(self.piece, n - start)
+            self.wait_room()
+            with self._lock:
+                if self.fd < 0:
+                    raise KVFlowError(grpc.StatusCode.CANCELLED, "transfer already finished")
+                off = self.pos
+                shmlib.write_all(self.fd, mv[start:start + size], off)
+                # pieces start on a page: the reader frees whole pages, so pages are never shared
+                self.pos = (off + size + shmlib.PAGE - 1) // shmlib.PAGE * shmlib.PAGE
+                if size % shmlib.PAGE:
+                    self.tails += 1
+            out.append(pb.SendData(part=info.index, offset=start, info=info if start == 0 else None,
+                                   shm=pb.ShmRef(path=self.path, offset=off, length=size)))
+        return out
+
+    def messages(self, info: pb.PartInfo, mv: memoryview) -> Iterator[pb.SendRequest]:
+        for d in self.data(info, mv):
+            yield pb.SendRequest(data=d)
+
+    def batches(self, parts) -> Iterator[pb.SendRequest]:
+        """The parts of a transfer as few messages of handles: a batch goes when it has 256 handles or
+        when writing the next part has to wait for the sidecar."""
+        batch = []
+        for info, mv in parts:
+            if batch and (len(batch) >= 256 or self.pending() + mv.nbytes > self.window):
+                yield pb.SendRequest(batch=pb.SendBatch(data=batch))
+                batch = []
+            batch += self.data(info, mv)
+        if batch:
+            yield pb.SendRequest(batch=pb.SendBatch(data=batch))
+
+    def close(self, *_):
+        with self._lock:
+            shmlib.unlink(self.path)
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
 def _split_payload(payload, message_bytes: int):
     """(payload_kind, [(info, memoryview)]) for bytes or a list of tensors/bytes."""
     if isinstance(payload, (bytes, bytearray, memoryview)):
@@ -192,11 +279,14 @@ class SendStream:
         self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, queue_messages))
         self._parts = 0
         self._closed = False
+        self._shm = _ShmWriter(client.shm_window_bytes, lambda: self.handle.done()) if client._use_shm() else None
         header = pb.SendRequest(header=pb.SendHeader(
             dest=dest, key=key, priority=priority_to_pb(priority), deadline_s=float(deadline_s or 0.0),
             payload_kind=payload_kind, resume=resume, lease_s=float(lease_s or 0.0)))
         future = client._send_stub(priority).Send.future(self._requests(header), metadata=client._metadata(flow),
                                           timeout=client._call_timeout(deadline_s))
+        if self._shm is not None:
+            future.add_done_callback(self._shm.close)
         self.handle = SendHandle(future, key, dest)
 
     def _requests(self, header):
@@ -224,7 +314,8 @@ class SendStream:
         if self._closed:
             raise RuntimeError("append after close")
         info, mv = encode_part(self._parts, value, name)
-        for msg in _messages(info, mv, self._message_bytes):
+        msgs = self._shm.messages(info, mv) if self._shm is not None else _messages(info, mv, self._message_bytes)
+        for msg in msgs:
             self._put(msg)
         self._parts += 1
         return info.index
@@ -256,8 +347,9 @@ class SendStream:
 class RecvStream:
     """Iterator over the parts of a transfer as they arrive; ``header`` is set once the transfer is found."""
 
-    def __init__(self, call):
+    def __init__(self, call, shm_file=None):
         self._call = call
+        self._shm = shm_file            # (fd, path): this client's file the sidecar writes chunks into
         self.header: Optional[RecvHeader] = None
         self._it = self._parts()
 
@@ -269,41 +361,79 @@ class RecvStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+        self._close_shm()
 
     close = cancel
 
+    def _take(self, d, state) -> Optional[Part]:
+        """Add one RecvData; the Part it completes, if any."""
+        ref = d.shm if d.HasField("shm") else None
+        if ref is not None and self._shm is None:
+            raise KVFlowError(grpc.StatusCode.DATA_LOSS, "shared-memory chunk without a shared-memory file")
+        n = ref.length if ref is not None else len(d.data)
+        if d.HasField("info") and d.offset == 0:
+            info = state["info"] = d.info
+            state["filled"] = 0
+            if n == info.nbytes and not info.is_tensor:
+                state["buf"] = None          # a part in one chunk: use the message's bytes as they are
+                state["info"] = None
+                if ref is not None:
+                    value = shmlib.read_exact(self._shm[0], n, ref.offset)
+                    shmlib.release(self._shm[0], ref.offset, n)
+                else:
+                    value = d.data
+                return Part(info.index, value, info.name, info.nbytes, False)
+            state["buf"] = bytearray(info.nbytes)
+        info, buf, filled = state["info"], state["buf"], state["filled"]
+        if info is None or d.part != info.index or d.offset != filled or filled + n > info.nbytes:
+            raise KVFlowError(grpc.StatusCode.DATA_LOSS, f"chunk out of order from the sidecar "
+                              f"(part {d.part} offset {d.offset})")
+        if ref is not None:
+            shmlib.read_into(self._shm[0], memoryview(buf)[filled:filled + n], ref.offset)
+            shmlib.release(self._shm[0], ref.offset, n)
+        else:
+            buf[filled:filled + n] = d.data
+        filled = state["filled"] = filled + n
+        if filled == info.nbytes:
+            state["info"] = None
+            state["buf"] = None
+            return Part(info.index, decode_part(info, buf), info.name, info.nbytes, info.is_tensor)
+        return None
+
+    def _close_shm(self) -> None:
+        f, self._shm = self._shm, None
+        if f is not None:
+            shmlib.unlink(f[1])
+            os.close(f[0])
+
+    def __del__(self):
+        try:
+            self._close_shm()
+        except Exception:   # noqa: BLE001
+            pass
+
     def _parts(self) -> Iterator[Part]:
-        info = None
-        buf = None
-        filled = 0
+        state = {"info": None, "buf": None, "filled": 0}
         try:
             for reply in self._call:
                 kind = reply.WhichOneof("msg")
                 if kind == "header":
                     h = reply.header
                     self.header = RecvHeader(h.key, h.source, h.payload_kind, priority_from_pb(h.priority) or "normal")
+                    if self._shm is not None:
+                        shmlib.unlink(self._shm[1])     # the sidecar has it open by now: no name left behind
                     continue
-                d = reply.data
-                if d.HasField("info") and d.offset == 0:
-                    info = d.info
-                    filled = 0
-                    if len(d.data) == info.nbytes and not info.is_tensor:
-                        buf = None          # a part in one chunk: use the message's bytes as they are
-                        yield Part(info.index, d.data, info.name, info.nbytes, False)
-                        info = None
-                        continue
-                    buf = bytearray(info.nbytes)
-                if info is None or d.part != info.index or d.offset != filled or filled + len(d.data) > info.nbytes:
-                    raise KVFlowError(grpc.StatusCode.DATA_LOSS, f"chunk out of order from the sidecar "
-                                      f"(part {d.part} offset {d.offset})")
-                buf[filled:filled + len(d.data)] = d.data
-                filled += len(d.data)
-                if filled == info.nbytes:
-                    yield Part(info.index, decode_part(info, buf), info.name, info.nbytes, info.is_tensor)
-                    info = None
-                    buf = None
+                for d in ((reply.data,) if kind == "data" else reply.batch.data):
+                    part = self._take(d, state)
+                    if part is not None:
+                        yield part
         except grpc.RpcError as exc:
             raise KVFlowError.from_rpc(exc) from None
+        except OSError as exc:
+            self._call.cancel()
+            raise KVFlowError(grpc.StatusCode.DATA_LOSS, f"reading shared memory: {exc}") from None
+        finally:
+            self._close_shm()
 
 
 # ---------------------------------------------------------------------- the client
@@ -312,12 +442,19 @@ class Client:
 
     ``flow`` (default True) sends metadata ``x-ciuic-flow: enabled`` so transfers are chunk-scheduled and
     congestion-controlled; ``flow=False`` gives the plain FIFO baseline. ``token``: the sidecar's
-    ``--api-token`` if it has one.
+    ``--api-token`` if it has one. ``shm``: hand the bytes over in shared memory (/dev/shm) when the sidecar
+    can open this process's files (None, the default: check once and fall back to in-band bytes; False:
+    always in-band; True: fail if the sidecar cannot).
     """
 
     def __init__(self, address: str, *, flow: bool = True, token: Optional[str] = None,
-                 message_bytes: int = DEFAULT_MESSAGE_BYTES, queue_messages: int = 8):
+                 message_bytes: int = DEFAULT_MESSAGE_BYTES, queue_messages: int = 8, shm: Optional[bool] = None,
+                 shm_window_bytes: int = SHM_WINDOW_BYTES):
         self.address = address
+        self.shm = shm
+        self.shm_window_bytes = int(shm_window_bytes)
+        self._shm_ok: Optional[bool] = None if shm is not False else False
+        self._shm_lock = threading.Lock()
         self.flow = flow
         self.token = token
         self.message_bytes = int(message_bytes)
@@ -330,6 +467,41 @@ class Client:
         self._high_channel = grpc.insecure_channel(address, options=options + [
             ("grpc.use_local_subchannel_pool", 1)])
         self._high_stub = pb_grpc.KVFlowStub(self._high_channel)
+
+    def _use_shm(self) -> bool:
+        """Whether the bytes go in shared memory (checked once with ShmProbe)."""
+        if self._shm_ok is None:
+            with self._shm_lock:
+                if self._shm_ok is None:
+                    ok, why = self._probe_shm()
+                    if not ok and self.shm:
+                        raise KVFlowError(grpc.StatusCode.FAILED_PRECONDITION,
+                                          f"shared memory with the sidecar is not possible: {why}")
+                    self._shm_ok = ok
+        return self._shm_ok
+
+    def _probe_shm(self):
+        if not shmlib.available():
+            return False, f"{shmlib.shm_dir()} is not writable"
+        try:
+            fd, path = shmlib.create("p")
+        except OSError as exc:
+            return False, str(exc)
+        try:
+            if not shmlib.can_release(fd):
+                return False, f"{shmlib.shm_dir()} cannot free pages (punch hole)"
+            nonce = os.urandom(16)
+            shmlib.write_all(fd, nonce, 0)
+            reply = self._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=nonce), metadata=self._metadata(False),
+                                        timeout=30)
+            return reply.ok, reply.message
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNIMPLEMENTED,):
+                return False, "the sidecar does not support shared memory"
+            raise KVFlowError.from_rpc(exc) from None
+        finally:
+            shmlib.unlink(path)
+            os.close(fd)
 
     def _send_stub(self, priority: str):
         return self._high_stub if priority == "high" else self._stub
@@ -368,15 +540,28 @@ class Client:
             dest=dest, key=key, priority=priority_to_pb(priority), deadline_s=float(deadline_s or 0.0),
             payload_kind=kind, resume=resume, lease_s=float(lease_s or 0.0)))
         message_bytes = self.message_bytes
+        box = []
+        writer = _ShmWriter(self.shm_window_bytes, lambda: bool(box) and box[0].done()) if self._use_shm() else None
 
         def requests():
             yield header
-            for info, mv in parts:
-                yield from _messages(info, mv, message_bytes)
+            if writer is not None:
+                yield from writer.batches(parts)
+            else:
+                for info, mv in parts:
+                    yield from _messages(info, mv, message_bytes)
             yield pb.SendRequest(end=pb.SendEnd(num_parts=len(parts)))
 
-        future = self._send_stub(priority).Send.future(requests(), metadata=self._metadata(flow),
-                                        timeout=self._call_timeout(deadline_s))
+        try:
+            future = self._send_stub(priority).Send.future(requests(), metadata=self._metadata(flow),
+                                                           timeout=self._call_timeout(deadline_s))
+        except BaseException:
+            if writer is not None:
+                writer.close()
+            raise
+        if writer is not None:
+            box.append(future)
+            future.add_done_callback(writer.close)
         return SendHandle(future, key, dest)
 
     def open(self, dest: str, key: str, priority: str = "normal", deadline_s: Optional[float] = None, *,
@@ -390,10 +575,18 @@ class Client:
     # ------------------------------------------------------------------ receiving
     def recv_stream(self, key: str, timeout_s: Optional[float] = None) -> RecvStream:
         """Parts of transfer ``key`` as they arrive (waits up to ``timeout_s`` for the whole transfer)."""
-        call = self._stub.Recv(pb.RecvRequest(key=key, timeout_s=float(timeout_s or 0.0)),
-                               metadata=self._metadata(False),
-                               timeout=None if not timeout_s else float(timeout_s) + 30.0)
-        return RecvStream(call)
+        shm_file = shmlib.create("r") if self._use_shm() else None
+        try:
+            call = self._stub.Recv(pb.RecvRequest(key=key, timeout_s=float(timeout_s or 0.0),
+                                                  shm_path=shm_file[1] if shm_file else ""),
+                                   metadata=self._metadata(False),
+                                   timeout=None if not timeout_s else float(timeout_s) + 30.0)
+        except BaseException:
+            if shm_file is not None:
+                shmlib.unlink(shm_file[1])
+                os.close(shm_file[0])
+            raise
+        return RecvStream(call, shm_file)
 
     def recv(self, key: str, timeout_s: Optional[float] = None) -> Union[bytes, List[Any]]:
         """The whole transfer ``key``: bytes for a bytes payload, else a list (tensors, bytes parts)."""

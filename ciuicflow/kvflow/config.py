@@ -21,6 +21,7 @@ class SidecarConfig:
     peers: Dict[str, str] = field(default_factory=dict)   # name -> HOST:PORT
     allow_remote_api: bool = False            # let --api bind a non-loopback address
     allow_unknown_peers: bool = False         # accept links from senders not named by --peer
+    local_shm: bool = True                    # local API: accept bytes handed over in /dev/shm (same host)
     metrics_port: int = 0                     # 0 = no metrics endpoint
     metrics_host: str = "127.0.0.1"
     # chunking and flow control
@@ -157,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--peer", dest="peers", action="append", default=S, metavar="NAME=HOST:PORT", help="a peer (repeatable)")
     a("--allow-remote-api", action="store_true", default=S, help="allow --api on a non-loopback address")
     a("--allow-unknown-peers", action="store_true", default=S, help="accept links from senders not named by --peer")
+    a("--no-local-shm", dest="local_shm", action="store_false", default=S,
+      help="local API: refuse shared-memory handoff (clients then send bytes in-band)")
     a("--metrics-port", type=int, default=S, help="Prometheus metrics port (0: off)")
     a("--metrics-host", default=S, help="metrics address (default 127.0.0.1)")
     a("--chunk-size", default=S, help="chunk size, e.g. 256KiB (256KiB..1MiB recommended)")

@@ -5,7 +5,13 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "onebit_common.h"
 
@@ -29,10 +35,9 @@ inline uint8_t gather_bits(const uint8_t* flags) {
   return static_cast<uint8_t>((word * 0x0102040810204080ull) >> 56);
 }
 
+// y = x + error (kept in err) over len elements; adds |y| to sum, in 8 lanes so the loop vectorises.
 template <typename scalar_t>
-CIUICFLOW_HOT void pack_chunk(const scalar_t* x, float* err, uint8_t* packed, float* scale_out,
-                              int64_t len) {
-  // Pass 1: y = x + error (kept in err), sum |y| in 8 lanes so the loop vectorises.
+CIUICFLOW_HOT void add_error(const scalar_t* x, float* err, int64_t len, double& sum) {
   float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   const int64_t body = len - len % 8;
   for (int64_t i = 0; i < body; i += 8) {
@@ -42,13 +47,60 @@ CIUICFLOW_HOT void pack_chunk(const scalar_t* x, float* err, uint8_t* packed, fl
       lanes[k] += std::fabs(y);
     }
   }
-  double sum = 0;
   for (int k = 0; k < 8; ++k) sum += lanes[k];
   for (int64_t i = body; i < len; ++i) {
     const float y = static_cast<float>(x[i]) + err[i];
     err[i] = y;
     sum += std::fabs(y);
   }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// add_error for IEEE half input with the F16C conversion instruction: the generic conversion is bit
+// twiddling the compiler cannot vectorise. Same 8-lane arithmetic as the generic loop.
+__attribute__((target("avx,f16c"))) void add_error_f16c(const at::Half* x, float* err, int64_t len,
+                                                         double& sum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 lanes = _mm256_setzero_ps();
+  const int64_t body = len - len % 8;
+  for (int64_t i = 0; i < body; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    const __m256 y = _mm256_add_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(err + i));
+    _mm256_storeu_ps(err + i, y);
+    lanes = _mm256_add_ps(lanes, _mm256_and_ps(y, abs_mask));
+  }
+  float lane[8];
+  _mm256_storeu_ps(lane, lanes);
+  for (int k = 0; k < 8; ++k) sum += lane[k];
+  for (int64_t i = body; i < len; ++i) {
+    const float y = static_cast<float>(x[i]) + err[i];
+    err[i] = y;
+    sum += std::fabs(y);
+  }
+}
+// Initialised while the library loads, so the CPU model must be set up explicitly first.
+const bool kHasF16C = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c") != 0;
+}();
+#endif
+
+template <typename scalar_t>
+void add_error_dispatch(const scalar_t* x, float* err, int64_t len, double& sum) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (std::is_same_v<scalar_t, at::Half>) {
+    if (kHasF16C) return add_error_f16c(x, err, len, sum);
+  }
+#endif
+  add_error(x, err, len, sum);
+}
+
+template <typename scalar_t>
+CIUICFLOW_HOT void pack_chunk(const scalar_t* x, float* err, uint8_t* packed, float* scale_out,
+                              int64_t len) {
+  // Pass 1: y = x + error (kept in err) and sum |y|.
+  double sum = 0;
+  add_error_dispatch(x, err, len, sum);
   const float scale = static_cast<float>(sum / static_cast<double>(len));
   *scale_out = scale;
   // Pass 2, a block at a time (from cache): flags and error = y - scale * sign, then bytes.
@@ -124,6 +176,22 @@ CIUICFLOW_HOT void unpack_chunk(const uint8_t* packed, float scale, float* out, 
   }
 }
 
+// Outputs at least this large do not fit in cache anyway; streaming stores skip the read-for-ownership
+// that a normal store of a cold line costs, so the write moves each byte once instead of twice.
+constexpr int64_t kStreamBytes = 8 << 20;
+
+#if defined(__x86_64__)
+// out = scale * signs with non-temporal stores. len is a multiple of 8 and out is 16-byte aligned.
+void unpack_chunk_stream(const uint8_t* packed, float scale, float* out, int64_t len) {
+  const __m128 sc = _mm_set1_ps(scale);
+  for (int64_t b = 0; b < len / 8; ++b) {
+    const float* s = kSigns.v[packed[b]];
+    _mm_stream_ps(out + 8 * b, _mm_mul_ps(_mm_loadu_ps(s), sc));
+    _mm_stream_ps(out + 8 * b + 4, _mm_mul_ps(_mm_loadu_ps(s + 4), sc));
+  }
+}
+#endif
+
 void onebit_unpack_into_cpu(const at::Tensor& packed, const at::Tensor& scales,
                                   int64_t numel, int64_t chunk_size, at::Tensor& out) {
   check_unpack_args("onebit_unpack", packed, scales, numel, chunk_size, 1);
@@ -134,11 +202,28 @@ void onebit_unpack_into_cpu(const at::Tensor& packed, const at::Tensor& scales,
   const float* s = sc.const_data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, kGrainElements / chunk_size);
+#if defined(__x86_64__)
+  const bool stream = numel * 4 >= kStreamBytes && reinterpret_cast<std::uintptr_t>(o) % 16 == 0;
+#else
+  const bool stream = false;
+#endif
   at::parallel_for(0, sc.numel(), grain, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t begin = c * chunk_size;
-      unpack_chunk(p + begin / 8, s[c], o + begin, std::min(chunk_size, numel - begin), false);
+      const int64_t len = std::min(chunk_size, numel - begin);
+#if defined(__x86_64__)
+      if (stream) {  // chunk_size is a multiple of 8, so each chunk starts 32-byte aligned
+        const int64_t body = len - len % 8;
+        unpack_chunk_stream(p + begin / 8, s[c], o + begin, body);
+        if (body < len) unpack_chunk(p + (begin + body) / 8, s[c], o + begin + body, len - body, false);
+        continue;
+      }
+#endif
+      unpack_chunk(p + begin / 8, s[c], o + begin, len, false);
     }
+#if defined(__x86_64__)
+    if (stream) _mm_sfence();  // make the streamed stores visible before this thread's part ends
+#endif
   });
 }
 

@@ -47,6 +47,32 @@ class PartInfo(_message.Message):
     is_tensor: bool
     def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., is_tensor: _Optional[bool] = ...) -> None: ...
 
+class ShmRef(_message.Message):
+    __slots__ = ("path", "offset", "length")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    length: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ShmProbeRequest(_message.Message):
+    __slots__ = ("path", "nonce")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    nonce: bytes
+    def __init__(self, path: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ShmProbeReply(_message.Message):
+    __slots__ = ("ok", "message")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    message: str
+    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
 class SendHeader(_message.Message):
     __slots__ = ("dest", "key", "priority", "deadline_s", "payload_kind", "resume", "lease_s")
     DEST_FIELD_NUMBER: _ClassVar[int]
@@ -66,16 +92,18 @@ class SendHeader(_message.Message):
     def __init__(self, dest: _Optional[str] = ..., key: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., deadline_s: _Optional[float] = ..., payload_kind: _Optional[str] = ..., resume: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class SendData(_message.Message):
-    __slots__ = ("part", "offset", "data", "info")
+    __slots__ = ("part", "offset", "data", "info", "shm")
     PART_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     part: int
     offset: int
     data: bytes
     info: PartInfo
-    def __init__(self, part: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., info: _Optional[_Union[PartInfo, _Mapping]] = ...) -> None: ...
+    shm: ShmRef
+    def __init__(self, part: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., info: _Optional[_Union[PartInfo, _Mapping]] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
 
 class SendEnd(_message.Message):
     __slots__ = ("num_parts",)
@@ -83,15 +111,23 @@ class SendEnd(_message.Message):
     num_parts: int
     def __init__(self, num_parts: _Optional[int] = ...) -> None: ...
 
+class SendBatch(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedCompositeFieldContainer[SendData]
+    def __init__(self, data: _Optional[_Iterable[_Union[SendData, _Mapping]]] = ...) -> None: ...
+
 class SendRequest(_message.Message):
-    __slots__ = ("header", "data", "end")
+    __slots__ = ("header", "data", "end", "batch")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     header: SendHeader
     data: SendData
     end: SendEnd
-    def __init__(self, header: _Optional[_Union[SendHeader, _Mapping]] = ..., data: _Optional[_Union[SendData, _Mapping]] = ..., end: _Optional[_Union[SendEnd, _Mapping]] = ...) -> None: ...
+    batch: SendBatch
+    def __init__(self, header: _Optional[_Union[SendHeader, _Mapping]] = ..., data: _Optional[_Union[SendData, _Mapping]] = ..., end: _Optional[_Union[SendEnd, _Mapping]] = ..., batch: _Optional[_Union[SendBatch, _Mapping]] = ...) -> None: ...
 
 class SendReply(_message.Message):
     __slots__ = ("key", "bytes", "chunks", "retransmits", "resumed_chunks", "seconds", "flow")
@@ -112,12 +148,14 @@ class SendReply(_message.Message):
     def __init__(self, key: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., retransmits: _Optional[int] = ..., resumed_chunks: _Optional[int] = ..., seconds: _Optional[float] = ..., flow: _Optional[bool] = ...) -> None: ...
 
 class RecvRequest(_message.Message):
-    __slots__ = ("key", "timeout_s")
+    __slots__ = ("key", "timeout_s", "shm_path")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     key: str
     timeout_s: float
-    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    shm_path: str
+    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ..., shm_path: _Optional[str] = ...) -> None: ...
 
 class RecvHeader(_message.Message):
     __slots__ = ("key", "source", "payload_kind", "priority")
@@ -132,24 +170,34 @@ class RecvHeader(_message.Message):
     def __init__(self, key: _Optional[str] = ..., source: _Optional[str] = ..., payload_kind: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
 
 class RecvData(_message.Message):
-    __slots__ = ("part", "offset", "data", "info")
+    __slots__ = ("part", "offset", "data", "info", "shm")
     PART_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     part: int
     offset: int
     data: bytes
     info: PartInfo
-    def __init__(self, part: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., info: _Optional[_Union[PartInfo, _Mapping]] = ...) -> None: ...
+    shm: ShmRef
+    def __init__(self, part: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., info: _Optional[_Union[PartInfo, _Mapping]] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
+
+class RecvBatch(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedCompositeFieldContainer[RecvData]
+    def __init__(self, data: _Optional[_Iterable[_Union[RecvData, _Mapping]]] = ...) -> None: ...
 
 class RecvReply(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "batch")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     header: RecvHeader
     data: RecvData
-    def __init__(self, header: _Optional[_Union[RecvHeader, _Mapping]] = ..., data: _Optional[_Union[RecvData, _Mapping]] = ...) -> None: ...
+    batch: RecvBatch
+    def __init__(self, header: _Optional[_Union[RecvHeader, _Mapping]] = ..., data: _Optional[_Union[RecvData, _Mapping]] = ..., batch: _Optional[_Union[RecvBatch, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -51,6 +51,11 @@ class KVFlowStub:
                 request_serializer=kvflow__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvflow__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.ShmProbe = channel.unary_unary(
+                '/ciuicflow.kvflow.v1.KVFlow/ShmProbe',
+                request_serializer=kvflow__pb2.ShmProbeRequest.SerializeToString,
+                response_deserializer=kvflow__pb2.ShmProbeReply.FromString,
+                _registered_method=True)
 
 
 class KVFlowServicer:
@@ -59,7 +64,7 @@ class KVFlowServicer:
     """
 
     def Send(self, request_iterator, context):
-        """Client stream: one SendHeader, then SendData messages in order, then SendEnd.
+        """Client stream: one SendHeader, then SendData (or SendBatch) messages in order, then SendEnd.
         Returns when the destination sidecar holds every chunk (or fails with an explicit status).
         gRPC metadata "x-ciuic-flow: enabled" turns on chunk scheduling and congestion control;
         without it the transfer is sent FIFO and whole, like a plain gRPC stream.
@@ -82,6 +87,15 @@ class KVFlowServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShmProbe(self, request, context):
+        """Shared-memory check: can this sidecar open the client's file (same host, same /dev/shm)? The client
+        writes a nonce into a file of its own and asks the sidecar to read it back. ok=true: SendData.shm and
+        RecvRequest.shm_path may be used.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVFlowServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +113,11 @@ def add_KVFlowServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvflow__pb2.StatsRequest.FromString,
                     response_serializer=kvflow__pb2.StatsReply.SerializeToString,
+            ),
+            'ShmProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShmProbe,
+                    request_deserializer=kvflow__pb2.ShmProbeRequest.FromString,
+                    response_serializer=kvflow__pb2.ShmProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +203,33 @@ class KVFlow:
             '/ciuicflow.kvflow.v1.KVFlow/Stats',
             kvflow__pb2.StatsRequest.SerializeToString,
             kvflow__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShmProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ciuicflow.kvflow.v1.KVFlow/ShmProbe',
+            kvflow__pb2.ShmProbeRequest.SerializeToString,
+            kvflow__pb2.ShmProbeReply.FromString,
             options,
             channel_credentials,
             insecure,
