@@ -3,6 +3,8 @@
 Each rank draws its inputs from a seed that names (rank, case), so every rank can recompute every
 other rank's input and hence the exact mean, in float64, without extra communication.
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,10 +32,13 @@ def _gather(tensor):
 # -- hierarchical all-reduce ----------------------------------------------------------------------
 
 
-def _hierarchical_matches_exact(rank, world):
+def _hierarchical_matches_exact(rank, world, node_sum="auto"):
     from ciuicflow.collectives import Traffic
-    from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
+    from ciuicflow.collectives import shm
+    from ciuicflow.collectives.hierarchical import NODE_SUM_ENV, hierarchical_all_reduce
     from ciuicflow.topology import Topology
+
+    os.environ[NODE_SUM_ENV] = node_sum
 
     topology = Topology.detect()
     report = {"describe": topology.describe(), "hierarchical": topology.hierarchical}
@@ -53,7 +58,8 @@ def _hierarchical_matches_exact(rank, world):
     # the exact path's modelled bytes: inter-node links carry 1/L of a flat all-reduce's share
     traffic = Traffic()
     hierarchical_all_reduce(torch.ones(4000), topology, traffic=traffic)
-    report.update(worst=worst, traffic=traffic.as_dict())
+    used = shm._NODES.get(topology.intra_group) if topology.hierarchical else None
+    report.update(worst=worst, traffic=traffic.as_dict(), shared_memory=used is not None)
     return report
 
 
@@ -68,9 +74,21 @@ def test_hierarchical_all_reduce_equals_exact(layout):
         assert report["hierarchical"] and report["describe"].startswith("2 node(s) x 2 rank(s)")
         # 4000 floats, 2 nodes x 2: inter-node = ring over 2 nodes of 8000 B = 8000 B
         assert report["traffic"]["inter_bytes"] == pytest.approx(8000.0)
+        # CPU tensors, shared memory: each rank reads a reduce-scatter's and an all-gather's worth
         assert report["traffic"]["intra_bytes"] == pytest.approx(2 * 0.5 * 16000.0)
+        assert report["shared_memory"]
     else:
         assert not report["hierarchical"]
+
+
+@pytest.mark.parametrize("node_sum, intra_bytes", [
+    ("reduce_scatter", 8000.0 + 8000.0),  # what CUDA tensors use, forced on CPU
+    ("all_reduce", 16000.0 + 8000.0),     # gloo's all-reduce of the whole tensor, then a gather
+])
+def test_hierarchical_all_reduce_by_collectives(node_sum, intra_bytes):
+    report = run_distributed(_hierarchical_matches_exact, 4, nodes=2, args=(node_sum,))[0]
+    assert report["traffic"]["intra_bytes"] == pytest.approx(intra_bytes)
+    assert not report["shared_memory"]
 
 
 def test_world_size_one_is_identity():
@@ -168,6 +186,20 @@ def test_onebit_error_feedback_invariant_and_overflow():
         _check_onebit_invariant([r["cases"][index] for r in per_rank], world, nodes, steps, *case)
     for r in per_rank:
         untouched, has_inf, finite_ok, fallbacks = r["overflow"]
+        assert untouched and has_inf and finite_ok and fallbacks == 1
+
+
+def _onebit_overflow_by_reduce_scatter(rank, world):
+    from ciuicflow.collectives.hierarchical import NODE_SUM_ENV
+
+    os.environ[NODE_SUM_ENV] = "reduce_scatter"
+    return _onebit_overflow(rank, world)
+
+
+def test_onebit_overflow_with_reduce_scatter_node_sum():
+    """The inf sits in the shard of local rank 0; local rank 1 learns of it from the node's flag."""
+    for untouched, has_inf, finite_ok, fallbacks in run_distributed(
+            _onebit_overflow_by_reduce_scatter, 4, nodes=2):
         assert untouched and has_inf and finite_ok and fallbacks == 1
 
 
@@ -301,3 +333,43 @@ def _powersgd_overflow(rank, world):
     return (untouched, bool(torch.isnan(x[0, 0])),
             torch.allclose(x.view(-1)[1:], exact.view(-1)[1:], atol=1e-6),
             traffic.nonfinite_fallbacks)
+
+
+# -- the shared-memory node sum -------------------------------------------------------------------
+
+
+def _shared_memory_fallback(rank, world, break_attach):
+    import warnings
+
+    from ciuicflow.collectives import shm
+    from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
+    from ciuicflow.topology import Topology
+
+    topology = Topology.detect()
+    if break_attach and topology.local_rank == 1:  # as if this rank lived on another host
+        def no_attach(path, nbytes):
+            raise FileNotFoundError(path)
+        shm._attach = no_attach
+    results = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for case, numel in enumerate([3, 4099, 300_001, 17]):  # grows the segment twice
+            x = _input(rank, case, numel)
+            hierarchical_all_reduce(x, topology)
+            results.append((x - _exact_mean(world, case, numel).float()).abs().max().item())
+    used = shm._NODES.get(topology.intra_group) is not None
+    return max(results), used, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("break_attach", [False, True], ids=["shared", "cannot-attach"])
+def test_shared_memory_node_sum_and_its_fallback(break_attach):
+    """A node whose ranks cannot map each other's segment falls back to gloo, with a warning, and
+    still reduces exactly; either way nothing is left in /dev/shm."""
+    before = set(os.listdir("/dev/shm"))
+    for worst, used, messages in run_distributed(_shared_memory_fallback, 4, nodes=2,
+                                                 args=(break_attach,)):
+        assert worst < 1e-5
+        assert used is not break_attach
+        assert any("cannot share memory" in m for m in messages) is break_attach
+    assert not [name for name in set(os.listdir("/dev/shm")) - before
+                if name.startswith("ciuicflow-") and not name.startswith("ciuicflow-kv-")]

@@ -86,6 +86,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def add_traffic(traffic: Traffic | None, link: Link, nbytes: float) -> None:
+    """Count bytes moved outside the four collectives (through shared memory)."""
+    if traffic is not None:
+        traffic.add(link, nbytes)
+
+
 def all_reduce(tensor: torch.Tensor, link: Link, traffic: Traffic | None) -> torch.Tensor:
     """Sum ``tensor`` in place over the link's group."""
     dist.all_reduce(tensor, group=link.group)

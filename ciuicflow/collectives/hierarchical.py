@@ -8,23 +8,33 @@ what a flat all-reduce puts on them (L ranks per node).
 The inter-node step is pluggable: an exact all-reduce here, 1-bit (``onebit.OneBitStep``) or
 anything else that takes a shard and returns its mean over the inter-node group. A step is called
 as ``step(shard, link, flag, offset, traffic)``, where ``offset`` is where the shard starts in the
-flattened tensor, and ``flag`` (for steps with ``needs_flag``) is a one-element tensor counting the
-node's ranks that held a non-finite value anywhere in the tensor: it rides in one extra column of
-the reduce-scatter, so compressed steps can agree on an exact fallback without another collective.
+flattened tensor, and ``flag`` (for steps with ``needs_flag``) is a one-element tensor, nonzero
+when the node's sum holds a non-finite value anywhere, the same on every rank of the node, so
+compressed steps can agree on an exact fallback.
 
-Buffers of any length work: the tensor is padded to a multiple of L, and trimmed on the way back.
+The node sum depends on the backend. NCCL (CUDA tensors): a reduce-scatter, as above. Gloo (CPU
+tensors): gloo's reduce-scatter is slower than its all-reduce of the whole tensor (77 ms against 40
+ms for 26 MB on 2 ranks here), so the node all-reduces the whole tensor and each local rank takes its
+shard from the sum; intra-node links then carry twice the bytes, inter-node links the same.
+
+Buffers of any length work: shards are padded to equal length, and trimmed on the way back.
 When the topology has one rank per node, or uneven nodes, the step runs once over the whole group
 (flat); on a single node the all-reduce is exact, as nothing crosses a node boundary.
 """
 from __future__ import annotations
 
-import torch
+import os
 
-from ciuicflow.collectives import Link, Traffic, all_gather, all_reduce, reduce_scatter, \
-    ring_all_reduce_bytes
+import torch
+import torch.distributed as dist
+
+from ciuicflow.collectives import Link, Traffic, add_traffic, all_gather, all_reduce, \
+    reduce_scatter, ring_all_reduce_bytes, shm
 from ciuicflow.topology import Topology
 
 _OPS = ("mean", "sum")
+NODE_SUM_ENV = "CIUICFLOW_NODE_SUM"
+_NODE_SUMS = ("shared_memory", "all_reduce", "reduce_scatter")
 
 
 class ExactStep:
@@ -54,7 +64,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, topology: Topology | None = No
         raise ValueError(f"op must be one of {_OPS}, got {op!r}")
     topology = topology if topology is not None else Topology.detect()
     if traffic is not None:
-        add_exact_traffic(traffic, tensor.numel(), tensor.element_size(), topology)
+        add_exact_traffic(traffic, tensor, topology)
     reduce_in_place(tensor.view(-1), topology, op, inter_node or EXACT, traffic)
     return tensor
 
@@ -87,15 +97,18 @@ def check_reducible(tensor: torch.Tensor) -> None:
         raise ValueError("the tensor must be contiguous (it is reduced in place)")
 
 
-def add_exact_traffic(traffic: Traffic, numel: int, itemsize: int, topology: Topology) -> None:
-    """Count what an exact all-reduce of ``numel`` elements along the hierarchical path sends."""
+def add_exact_traffic(traffic: Traffic, tensor: torch.Tensor, topology: Topology) -> None:
+    """Count what an exact all-reduce of ``tensor`` along the hierarchical path sends."""
+    numel, itemsize = tensor.numel(), tensor.element_size()
     nbytes = numel * itemsize
     if topology.world_size == 1 or nbytes == 0:
         return
     if topology.hierarchical:  # with the padding to a multiple of L that the algorithm uses
         local = topology.local_world_size
         shard_bytes = -(-numel // local) * itemsize
-        traffic.add_exact(Link.intra(topology), 2.0 * (local - 1) * shard_bytes)
+        node_sum = ring_all_reduce_bytes(nbytes, local) \
+            if node_sum_method(tensor, topology) == "all_reduce" else (local - 1) * shard_bytes
+        traffic.add_exact(Link.intra(topology), node_sum + (local - 1) * shard_bytes)
         traffic.add_exact(Link.inter(topology),
                           ring_all_reduce_bytes(shard_bytes, topology.num_nodes))
     else:
@@ -123,36 +136,113 @@ def reduce_in_place(flat: torch.Tensor, topology: Topology, op: str, step,
 
     local, nodes = topology.local_world_size, topology.num_nodes
     shard_len = -(-numel // local)
-    width = shard_len + 1 if step.needs_flag else shard_len
-    if width * local == numel:  # no padding, no flag column: scatter straight from the tensor
-        staging = flat.view(local, shard_len)
-    else:
-        staging = flat.new_empty(local, width)
-        _fill_rows(staging[:, :shard_len], flat)
-        if step.needs_flag:
-            staging[:, shard_len] = (~torch.isfinite(flat)).any().to(flat.dtype)
-    if op == "mean":
-        staging[:, :shard_len].div_(local)  # divide first: fp16 node sums stay in range
-    shard_ext = flat.new_empty(width)
-    reduce_scatter(shard_ext, staging.view(-1), Link.intra(topology), traffic)
-    shard = shard_ext[:shard_len]
+    divide_first = op == "mean" and flat.element_size() < 4  # fp16/bf16 node sums stay in range
+    if divide_first:
+        flat.div_(local)
+    method = node_sum_method(flat, topology)
+    segment = shm.node_segment(topology) if method == "shared_memory" else None
+    if segment is not None:
+        try:
+            shard, flag = segment.node_sum(flat, shard_len, step.needs_flag)
+        except shm.Unavailable as exc:  # it could not grow: gloo from now on
+            shm.disable(topology, exc)
+            segment, method = None, "all_reduce"
+        else:  # what the ranks read of each other's slots: a reduce-scatter's worth
+            add_traffic(traffic, Link.intra(topology), (local - 1) * shard_len * flat.element_size())
+    if segment is None and method in ("shared_memory", "all_reduce"):
+        shard, flag = _node_sum_by_all_reduce(flat, topology, shard_len, step.needs_flag, traffic)
+    elif segment is None:
+        shard, flag = _node_sum_by_reduce_scatter(flat, topology, shard_len, step.needs_flag,
+                                                  traffic)
+    if op == "mean" and not divide_first:
+        shard.div_(local)
 
     if step is EXACT:
         if op == "mean":
             shard.div_(nodes)
         result = all_reduce(shard, Link.inter(topology), traffic)
     else:
-        flag = shard_ext[shard_len:] if step.needs_flag else None
         result = step(shard, Link.inter(topology), flag, topology.local_rank * shard_len, traffic)
         if op == "sum":
             result.mul_(nodes)
 
+    if segment is not None:
+        if result is not shard:
+            shard.copy_(result)
+        segment.gather(flat, shard_len)
+        add_traffic(traffic, Link.intra(topology), (local - 1) * shard_len * flat.element_size())
+        return
+    # The result may be a view of flat (CPU path), which the all-gather overwrites: send a copy.
     if local * shard_len == numel:
-        all_gather(flat, result.contiguous(), Link.intra(topology), traffic)
+        all_gather(flat, result.clone(), Link.intra(topology), traffic)
     else:
         gathered = flat.new_empty(local * shard_len)
-        all_gather(gathered, result.contiguous(), Link.intra(topology), traffic)
+        all_gather(gathered, _padded_shard(result, shard_len), Link.intra(topology), traffic)
         flat.copy_(gathered[:numel])
+
+
+def node_sum_method(tensor: torch.Tensor, topology: Topology) -> str:
+    """How the node sum of ``tensor`` is taken: "reduce_scatter" (CUDA tensors, by default),
+    "shared_memory" (CPU tensors, where the node's ranks can share memory) or "all_reduce" (CPU
+    tensors otherwise). ``CIUICFLOW_NODE_SUM`` forces one of the three."""
+    choice = os.environ.get(NODE_SUM_ENV, "auto")
+    if choice not in _NODE_SUMS + ("auto",):
+        raise ValueError(f"{NODE_SUM_ENV} must be auto or one of {_NODE_SUMS}, got {choice!r}")
+    if choice == "auto":
+        choice = "shared_memory" if tensor.device.type == "cpu" else "reduce_scatter"
+    if choice == "shared_memory" and (tensor.device.type != "cpu"
+                                      or shm.node_segment(topology) is None):
+        choice = "all_reduce"
+    return choice
+
+
+def _node_sum_by_all_reduce(flat, topology, shard_len, needs_flag, traffic):
+    """Gloo (CPU tensors): an all-reduce of the whole tensor costs less than its reduce-scatter
+    here, and leaves every local rank the node's sum: take this rank's shard as a view, and the
+    node's non-finite flag from the whole sum with no extra collective."""
+    all_reduce(flat, Link.intra(topology), traffic)
+    start = min(flat.numel(), topology.local_rank * shard_len)
+    shard = _padded_shard(flat[start:start + shard_len], shard_len, copy=False)
+    return shard, nonfinite_flag(flat) if needs_flag else None
+
+
+def _node_sum_by_reduce_scatter(flat, topology, shard_len, needs_flag, traffic):
+    """NCCL (CUDA tensors): reduce-scatter, then agree on the node's non-finite flag with a
+    one-element all-reduce (a shard holds inf/NaN when any rank's input did there)."""
+    local = topology.local_world_size
+    if shard_len * local == flat.numel():
+        staging = flat.view(local, shard_len)
+    else:
+        staging = flat.new_empty(local, shard_len)
+        _fill_rows(staging, flat)
+    shard = flat.new_empty(shard_len)
+    reduce_scatter(shard, staging.view(-1), Link.intra(topology), traffic)
+    if not needs_flag:
+        return shard, None
+    flag = nonfinite_flag(shard)
+    dist.all_reduce(flag, group=topology.intra_group)  # 4 bytes: not counted as traffic
+    return shard, flag
+
+
+def nonfinite_flag(tensor: torch.Tensor) -> torch.Tensor:
+    """A one-element float32 tensor, 1 when ``tensor`` holds inf or NaN, else 0.
+
+    One float32 sum: it is non-finite exactly when an element is, or when finite values add up
+    past float32's range (a false alarm that only makes a step exact). Far cheaper than
+    ``isfinite(t).any()``, which materialises a mask of the whole tensor.
+    """
+    total = tensor.sum(dtype=torch.float32)  # 0 for an empty tensor
+    return (~torch.isfinite(total)).to(torch.float32).view(1)
+
+
+def _padded_shard(result: torch.Tensor, shard_len: int, copy: bool = True) -> torch.Tensor:
+    """``result`` zero-padded to ``shard_len`` elements: a new tensor, or itself if it has the
+    length already and ``copy`` is false."""
+    if result.numel() == shard_len:
+        return result.clone() if copy else result
+    out = result.new_zeros(shard_len)
+    out[:result.numel()] = result
+    return out
 
 
 def _fill_rows(rows: torch.Tensor, flat: torch.Tensor) -> None:

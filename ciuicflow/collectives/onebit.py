@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from ciuicflow.collectives import Link, Traffic, all_gather, all_reduce, all_to_all, \
     ring_all_reduce_bytes
-from ciuicflow.collectives.hierarchical import add_exact_traffic, check_reducible, reduce_in_place
+from ciuicflow.collectives.hierarchical import add_exact_traffic, check_reducible, \
+    nonfinite_flag, reduce_in_place
 from ciuicflow.topology import Topology
 
 DEFAULT_CHUNK_SIZE = 2048
@@ -48,6 +49,8 @@ class OneBitErrors:
         self.worker: torch.Tensor | None = None
         self.server: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None  # the next worker error is written here first
+        self._mean: torch.Tensor | None = None   # the server's decompressed mean, reused
+        self._out: torch.Tensor | None = None    # the decompressed result, reused
         self._splits: dict = {}
 
     def ensure(self, layout: "_Layout", device) -> None:
@@ -63,14 +66,22 @@ class OneBitErrors:
             self.worker, self.server = self.worker.to(device), self.server.to(device)
         if self._spare is None or self._spare.shape != self.worker.shape \
                 or self._spare.device != self.worker.device:
+            # reused every step: fresh buffers this size would cost a page fault per 4 KiB
             self._spare = torch.empty_like(self.worker)
+            self._mean = torch.empty_like(self.server)
+            self._out = torch.empty_like(self.worker)
 
     def state_dict(self) -> dict:
-        return {"worker": self.worker, "server": self.server}
+        """Copies: the buffers themselves are reused and overwritten by later steps."""
+        return {"worker": _copy(self.worker), "server": _copy(self.server)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.worker, self.server = state["worker"], state["server"]
+        self.worker, self.server = _copy(state["worker"]), _copy(state["server"])
         self._spare = None
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
 
 
 @dataclass(frozen=True)
@@ -129,7 +140,7 @@ def onebit_all_reduce(tensor: torch.Tensor, errors: OneBitErrors, topology: Topo
     step = OneBitStep(errors, chunk_size, exact_mask)
     if hierarchical:
         if traffic is not None:
-            add_exact_traffic(traffic, flat.numel(), flat.element_size(), topology)
+            add_exact_traffic(traffic, flat, topology)
         reduce_in_place(flat, topology, "mean", step, traffic)
     elif topology.world_size > 1 and flat.numel() > 0:
         link = Link.flat(topology)
@@ -167,15 +178,15 @@ class OneBitStep:
         errors = self.errors
         errors.ensure(layout, x.device)
         if flag is None:
-            flag = (~torch.isfinite(x)).any()
+            flag = nonfinite_flag(x)
         flag = flag.to(torch.float32).reshape(1, 1)
 
         # Phase 1 (worker): compress into the spare buffer; a fallback leaves the error as it was.
         worker_error = errors._spare
         worker_error.copy_(errors.worker)
         if layout.segment:
-            packed, scales = ops.onebit_pack(_padded(xc, world * layout.segment), worker_error,
-                                             layout.chunk)
+            packed, scales = ops.onebit_pack(_padded(xc, world * layout.segment, errors._out),
+                                             worker_error, layout.chunk)
             worker_error[layout.numel:].zero_()  # padding carries no error
         else:
             packed = x.new_empty(0, dtype=torch.uint8)
@@ -197,7 +208,8 @@ class OneBitStep:
         me = dist.get_rank(link.group)
         real = max(0, min(layout.segment, layout.numel - me * layout.segment))
         if layout.segment:
-            mean = ops.onebit_unpack_mean(r_packed, r_scales, layout.segment, layout.chunk)
+            mean = ops.onebit_unpack_mean(r_packed, r_scales, layout.segment, layout.chunk,
+                                          out=errors._mean)
             mean[real:] = 0
             s_packed, s_scales = ops.onebit_pack(mean, errors.server, layout.chunk)
             errors.server[real:].zero_()
@@ -210,8 +222,8 @@ class OneBitStep:
         g_packed, g_scales, _, g_raw = _unrows(gathered, layout, with_flag=False)
 
         if layout.segment:
-            out = ops.onebit_unpack(g_packed.view(-1), g_scales.view(-1),
-                                    world * layout.segment, layout.chunk)[:layout.numel]
+            out = ops.onebit_unpack(g_packed.view(-1), g_scales.view(-1), world * layout.segment,
+                                    layout.chunk, out=errors._out)[:layout.numel]
         else:
             out = x.new_empty(0, dtype=torch.float32)
         if compressed_at is None:
@@ -239,11 +251,14 @@ class OneBitStep:
         return cached
 
 
-def _padded(values: torch.Tensor, length: int) -> torch.Tensor:
+def _padded(values: torch.Tensor, length: int, into: torch.Tensor | None = None) -> torch.Tensor:
+    """``values`` zero-padded to ``length``: itself when it has that length, else a copy (in
+    ``into``, a reused float32 buffer of that length, when given)."""
     if values.numel() == length:
         return values
-    out = values.new_zeros(length)
+    out = values.new_empty(length) if into is None else into
     out[:values.numel()] = values
+    out[values.numel():] = 0
     return out
 
 

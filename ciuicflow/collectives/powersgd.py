@@ -25,7 +25,7 @@ import torch
 
 from ciuicflow.collectives import Link, Traffic, all_reduce, ring_all_reduce_bytes
 from ciuicflow.collectives.hierarchical import EXACT, add_exact_traffic, check_reducible, \
-    reduce_in_place
+    nonfinite_flag, reduce_in_place
 from ciuicflow.topology import Topology
 
 
@@ -35,13 +35,20 @@ class PowerSGDMemory:
     def __init__(self):
         self.error: torch.Tensor | None = None
         self.q: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None  # M = gradient + error is built here, then swapped
         self._plans: dict = {}
 
     def state_dict(self) -> dict:
-        return {"error": self.error, "q": self.q}
+        """Copies: the buffers themselves are reused and overwritten by later steps."""
+        return {"error": _copy(self.error), "q": _copy(self.q)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.error, self.q = state["error"], state["q"]
+        self.error, self.q = _copy(state["error"]), _copy(state["q"])
+        self._spare = None
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,7 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
         return tensor
     if traffic is not None:
         if hierarchical:
-            add_exact_traffic(traffic, flat.numel(), flat.element_size(), topology)
+            add_exact_traffic(traffic, flat, topology)
         else:
             traffic.add_exact(Link.flat(topology),
                               ring_all_reduce_bytes(flat.numel() * flat.element_size(), world))
@@ -139,13 +146,16 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
                                 flat.device)
         memory._plans[plan_key] = plan
 
-    # M = gradient + error, in float32; the input stays intact for an exact fallback.
-    work = flat.to(torch.float32, copy=True)
+    # M = gradient + error, in float32, in a reused buffer (a fresh one costs page faults); the
+    # input and the error stay intact for an exact fallback.
+    work = _work_buffer(memory, flat)
     if error_feedback and memory.error is not None:
         if memory.error.numel() != flat.numel():
             raise RuntimeError(f"PowerSGD error buffer holds {memory.error.numel()} elements, "
                                f"the tensor {flat.numel()}: one memory serves one tensor")
-        work += memory.error.to(work.device)
+        torch.add(flat, memory.error.to(work.device), out=work)
+    else:
+        work.copy_(flat)
     q = _initial_q(plan, memory, warm_start, (seed, key, step), flat.device)
     ps = torch.empty(plan.p_numel, device=flat.device)
     for m in plan.matrices:
@@ -154,7 +164,7 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
         torch.matmul(_block(work, m), q_m, out=_factor(ps, m.p_offset, m.rows, m.rank))
 
     exact_values = flat[plan.exact_index] if plan.exact_index is not None else flat[:0]
-    nonfinite = (~torch.isfinite(flat)).any().to(flat.dtype).view(1)
+    nonfinite = nonfinite_flag(flat).to(flat.dtype)
     first = torch.cat([ps.to(flat.dtype), exact_values, nonfinite])
     sum_over_ranks(first)
     if bool(first[-1] > 0):  # a rank holds inf/NaN: exact this step, memory untouched
@@ -173,21 +183,31 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
     sum_over_ranks(second)
     q = second.to(torch.float32).div_(world)
 
-    approx = torch.zeros_like(work)
+    # The result P Q^T is written straight into the tensor (float32) or a float32 copy of it.
+    approx = flat if flat.dtype == torch.float32 else torch.empty_like(work)
     for m in plan.matrices:
         torch.matmul(_factor(ps, m.p_offset, m.rows, m.rank),
                      _factor(q, m.q_offset, m.cols, m.rank).t(), out=_block(approx, m))
-    flat.copy_(approx)
     if plan.exact_index is not None:
-        flat[plan.exact_index] = first[plan.p_numel:-1].div_(world)
+        approx[plan.exact_index] = first[plan.p_numel:-1].div_(world).to(approx.dtype)
+    if approx is not flat:
+        flat.copy_(approx)
     if error_feedback:
         work.sub_(approx)
         if plan.exact_index is not None:
             work[plan.exact_index] = 0.0  # exact values leave nothing behind
-        memory.error = work
+        memory.error, memory._spare = work, memory.error
     if warm_start:
         memory.q = q
     return tensor
+
+
+def _work_buffer(memory: PowerSGDMemory, flat: torch.Tensor) -> torch.Tensor:
+    spare = memory._spare
+    if spare is None or spare.numel() != flat.numel() or spare.device != flat.device \
+            or spare is memory.error:
+        spare = memory._spare = torch.empty(flat.numel(), device=flat.device)
+    return spare
 
 
 def _block(flat: torch.Tensor, m: _Matrix) -> torch.Tensor:
