@@ -310,17 +310,28 @@ def probe_machine(numels, repeat=5):
 
     tasks = {}  # name -> what to time
     x = torch.randn(max(numels))
-    if local > 1:
-        tasks["intra"] = lambda: dist.all_reduce(x, group=mine)
     a, q = torch.randn(1024, 1024), torch.randn(1024, 4)
     tasks["matmul"] = lambda: [a @ q for _ in range(20)]
     try:
         import ciuicflow
+        from ciuicflow.collectives import shm
         from ciuicflow.collectives.onebit import OneBitErrors
         topology = ciuicflow.Topology.detect()
     except Exception as exc:  # the exact ring can still be measured
         out["ciuicflow_error"] = f"{type(exc).__name__}: {exc}"
         topology = None
+    if local > 1:
+        # Intra-node bandwidth as the hierarchical collectives get it: through the node's shared
+        # memory where ciuicflow uses it for CPU tensors, else gloo's all-reduce inside the node.
+        segment = shm.node_segment(topology) if topology is not None and topology.hierarchical \
+            else None
+        out["intra_path"] = "shared_memory" if segment is not None else "gloo"
+        if segment is not None:
+            shard_len = -(-x.numel() // local)
+            tasks["intra"] = lambda: (segment.node_sum(x, shard_len, False),
+                                      segment.gather(x, shard_len))
+        else:
+            tasks["intra"] = lambda: dist.all_reduce(x, group=mine)
     for n in numels:
         y = torch.randn(n)
         tasks[(n, "flat_ring")] = lambda y=y: dist.all_reduce(y)

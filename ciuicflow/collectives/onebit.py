@@ -185,8 +185,11 @@ class OneBitStep:
         worker_error = errors._spare
         worker_error.copy_(errors.worker)
         if layout.segment:
-            packed, scales = ops.onebit_pack(_padded(xc, world * layout.segment, errors._out),
-                                             worker_error, layout.chunk)
+            # Segments are whole chunks, so packing the unpadded values gives the first bytes and
+            # scales of the padded layout; the padding's bits and scales stay zero (it unpacks to 0).
+            packed, scales = ops.onebit_pack(xc, worker_error[:layout.numel], layout.chunk)
+            packed = _padded(packed, world * layout.packed_bytes)
+            scales = _padded(scales, world * layout.nscales)
             worker_error[layout.numel:].zero_()  # padding carries no error
         else:
             packed = x.new_empty(0, dtype=torch.uint8)
@@ -221,6 +224,12 @@ class OneBitStep:
         all_gather(gathered, send2.view(-1), link, traffic)
         g_packed, g_scales, _, g_raw = _unrows(gathered, layout, with_flag=False)
 
+        if compressed_at is None and x.dtype == torch.float32 and x.is_contiguous():
+            if layout.numel:  # straight into x: the first numel elements of the padded layout
+                ops.onebit_unpack(g_packed.view(-1)[:-(-layout.numel // 8)],
+                                  g_scales.view(-1)[:-(-layout.numel // layout.chunk)],
+                                  layout.numel, layout.chunk, out=x)
+            return x
         if layout.segment:
             out = ops.onebit_unpack(g_packed.view(-1), g_scales.view(-1), world * layout.segment,
                                     layout.chunk, out=errors._out)[:layout.numel]
@@ -251,14 +260,12 @@ class OneBitStep:
         return cached
 
 
-def _padded(values: torch.Tensor, length: int, into: torch.Tensor | None = None) -> torch.Tensor:
-    """``values`` zero-padded to ``length``: itself when it has that length, else a copy (in
-    ``into``, a reused float32 buffer of that length, when given)."""
+def _padded(values: torch.Tensor, length: int) -> torch.Tensor:
+    """``values`` zero-padded to ``length``: itself when it has that length, else a copy."""
     if values.numel() == length:
         return values
-    out = values.new_empty(length) if into is None else into
+    out = values.new_zeros(length)
     out[:values.numel()] = values
-    out[values.numel():] = 0
     return out
 
 

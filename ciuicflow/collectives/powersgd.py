@@ -8,8 +8,8 @@ Q is kept for the next step (warm start), which makes one power iteration per st
 Vectors, small matrices and excluded parameters (``exact_mask``) go uncompressed, as in PyTorch's
 PowerSGD: a matrix is compressed only when (n + m) r * min_compression_rate < n m.
 
-The uncompressed values and a non-finite flag share the all-reduce of P, so a step costs two
-all-reduces. When any rank holds inf/NaN, the step becomes an exact all-reduce of the input and
+The uncompressed values and a non-finite flag (read from P and those values: inf or NaN in M
+reaches its row of P) share the all-reduce of P, so a step costs two all-reduces. When any rank holds inf/NaN, the step becomes an exact all-reduce of the input and
 the error and warm-start buffers are left as they were.
 
 Hierarchical variant: P, Q and the exact values are summed with the hierarchical all-reduce, so
@@ -164,7 +164,9 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
         torch.matmul(_block(work, m), q_m, out=_factor(ps, m.p_offset, m.rows, m.rank))
 
     exact_values = flat[plan.exact_index] if plan.exact_index is not None else flat[:0]
-    nonfinite = nonfinite_flag(flat).to(flat.dtype)
+    # inf/NaN anywhere in a matrix reaches every entry of its row of P (NaN * 0 is NaN too), so
+    # P and the exact values together tell whether the input held one, without reading it again.
+    nonfinite = torch.maximum(nonfinite_flag(ps), nonfinite_flag(exact_values)).to(flat.dtype)
     first = torch.cat([ps.to(flat.dtype), exact_values, nonfinite])
     sum_over_ranks(first)
     if bool(first[-1] > 0):  # a rank holds inf/NaN: exact this step, memory untouched

@@ -172,7 +172,7 @@ class _ShmWriter:
             if self._done():
                 return
             time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            delay = min(delay * 2, 0.002)
 
     def data(self, info: pb.PartInfo, mv: memoryview) -> List[pb.SendData]:
         """Write one part into the file (waiting for room); its SendData handles (in-band when empty)."""
@@ -488,12 +488,14 @@ class Client:
         except OSError as exc:
             return False, str(exc)
         try:
-            if not shmlib.can_release(fd):
-                return False, f"{shmlib.shm_dir()} cannot free pages (punch hole)"
             nonce = os.urandom(16)
-            shmlib.write_all(fd, nonce, 0)
+            shmlib.write_all(fd, nonce + bytes(5 * shmlib.PAGE - len(nonce)), 0)
+            before = os.fstat(fd).st_blocks
             reply = self._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=nonce), metadata=self._metadata(False),
                                         timeout=30)
+            if reply.ok and os.fstat(fd).st_blocks >= before:
+                # the sender's back-pressure needs the sidecar to free the pages it has read
+                return False, "the sidecar cannot free pages of the shared-memory file (punch hole)"
             return reply.ok, reply.message
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNIMPLEMENTED,):

@@ -6,6 +6,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def _memoize_labels(metric) -> None:
+    """``metric.labels(...)`` costs ~10-20 us (validation, a lock); it runs several times per chunk. The
+    child of a label set never changes (nothing here removes one), so remember it."""
+    cache = {}
+    find = metric.labels
+
+    def labels(*values):
+        child = cache.get(values)
+        if child is None:
+            child = cache[values] = find(*values)
+        return child
+
+    metric.labels = labels
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
@@ -38,6 +53,10 @@ class Metrics:
         self.buffered_total = Gauge(p + "memory_used_bytes", "Bytes buffered in total (outgoing + incoming)", registry=r)
         self.leases_expired = Counter(p + "leases_expired", "Received transfers dropped uncollected", registry=r)
         self.link_up = Gauge(p + "peer_link_up", "1 while the link to the peer is connected", ["peer"], registry=r)
+
+        for metric in vars(self).values():
+            if getattr(metric, "_labelnames", None):
+                _memoize_labels(metric)
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         return start_http_server(port, addr=host, registry=self.registry)

@@ -222,7 +222,7 @@ class LocalService:
             if len(files) >= 16:
                 raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, "too many shared-memory files in one Send")
             try:
-                fd = shmlib.open_checked(path, shmlib.shm_dir())
+                fd = shmlib.open_checked(path, shmlib.shm_dir(), write=True)   # write: to free read pages
             except (OSError, ValueError) as exc:
                 raise TransferFailed(grpc.StatusCode.FAILED_PRECONDITION,
                                      f"cannot open shared-memory file: {exc}") from None
@@ -416,11 +416,13 @@ class LocalService:
         if not self.sc.cfg.local_shm:
             return pb.ShmProbeReply(ok=False, message="shared memory is off (--no-local-shm)")
         try:
-            fd = shmlib.open_checked(request.path, shmlib.shm_dir())
+            fd = shmlib.open_checked(request.path, shmlib.shm_dir(), write=True)
         except (OSError, ValueError) as exc:
             return pb.ShmProbeReply(ok=False, message=f"cannot open {request.path!r}: {exc}")
         try:
             seen = os.pread(fd, len(request.nonce), 0)
+            # pages after the first are freed as a sent chunk's are: the client checks that they were
+            shmlib.release(fd, shmlib.PAGE, max(0, os.fstat(fd).st_size - shmlib.PAGE))
         finally:
             os.close(fd)
         if not request.nonce or seen != request.nonce:

@@ -130,17 +130,6 @@ def _get_libc():
     return _libc
 
 
-def can_release(fd: int) -> bool:
-    """Whether ``release`` frees memory in this file system (the sender's back-pressure relies on it)."""
-    try:
-        write_all(fd, b"\1" * (4 * PAGE), 0)
-        before = os.fstat(fd).st_blocks
-        release(fd, 0, 4 * PAGE)
-        return os.fstat(fd).st_blocks < before
-    except OSError:
-        return False
-
-
 def release(fd: int, offset: int, length: int) -> None:
     """Best effort: give back the memory of bytes already consumed (punch a hole, whole pages only)."""
     start = (offset + PAGE - 1) // PAGE * PAGE
