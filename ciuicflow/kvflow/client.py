@@ -162,13 +162,16 @@ class _ShmWriter:
         self._lock = threading.Lock()
 
     def pending(self) -> int:
-        """Bytes written and not yet taken by the sidecar (a slight underestimate)."""
-        allocated = os.fstat(self.fd).st_blocks * 512
+        """Bytes written and not yet taken by the sidecar (a slight underestimate; 0 once closed)."""
+        with self._lock:
+            if self.fd < 0:
+                return 0
+            allocated = os.fstat(self.fd).st_blocks * 512
         return max(0, allocated - self.tails * shmlib.PAGE)
 
     def wait_room(self) -> None:
         delay = 0.0005
-        while self.fd >= 0 and self.pending() > self.window:
+        while self.pending() > self.window:
             if self._done():
                 return
             time.sleep(delay)
@@ -283,8 +286,13 @@ class SendStream:
         header = pb.SendRequest(header=pb.SendHeader(
             dest=dest, key=key, priority=priority_to_pb(priority), deadline_s=float(deadline_s or 0.0),
             payload_kind=payload_kind, resume=resume, lease_s=float(lease_s or 0.0)))
-        future = client._send_stub(priority).Send.future(self._requests(header), metadata=client._metadata(flow),
-                                          timeout=client._call_timeout(deadline_s))
+        try:
+            future = client._send_stub(priority).Send.future(self._requests(header), metadata=client._metadata(flow),
+                                                             timeout=client._call_timeout(deadline_s))
+        except BaseException:
+            if self._shm is not None:
+                self._shm.close()
+            raise
         if self._shm is not None:
             future.add_done_callback(self._shm.close)
         self.handle = SendHandle(future, key, dest)
@@ -606,8 +614,10 @@ class Client:
             raise KVFlowError.from_rpc(exc) from None
 
     def wait_ready(self, timeout: float = 10.0) -> None:
+        """Wait until both connections to the sidecar are up (and check shared memory once)."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
         grpc.channel_ready_future(self._high_channel).result(timeout=timeout)
+        self._use_shm()
 
     def close(self) -> None:
         self._channel.close()

@@ -1,0 +1,199 @@
+"""Shared-memory handoff between a client and its sidecar (/dev/shm): the same bytes as in-band, the
+fallback to in-band bytes, refusal of foreign paths, back-pressure, and no files left behind."""
+import glob
+import os
+import threading
+import time
+
+import grpc
+import pytest
+
+from ciuicflow.kvflow import KVFlowError
+from ciuicflow.kvflow import shm as shmlib
+from ciuicflow.kvflow.proto import kvflow_pb2 as pb
+from ciuicflow.kvflow.sender import encode_chunk_frame
+
+CHUNK = 64 << 10
+
+pytestmark = pytest.mark.skipif(not shmlib.available(), reason="no writable /dev/shm")
+
+
+def our_files():
+    return sorted(glob.glob(os.path.join(shmlib.shm_dir(), f"{shmlib.PREFIX}{os.getpid()}-*")))
+
+
+@pytest.fixture
+def pair(sidecars):
+    return sidecars.pair(a_args=["--chunk-size", str(CHUNK)], b_args=["--chunk-size", str(CHUNK)])
+
+
+def test_shm_used_and_bytes_intact(pair):
+    a, b = pair
+    ca, cb = a.client(), b.client()
+    assert ca._use_shm() and cb._use_shm()
+    payload = os.urandom(3 * CHUNK + 17)
+    ca.send("b", "s-1", payload).wait(30)
+    assert cb.recv("s-1", timeout_s=10) == payload
+    torch = pytest.importorskip("torch")
+    tensors = [torch.randn(3, 5000), torch.arange(10, dtype=torch.int16), torch.empty(0), torch.randn(700, 300)]
+    ca.send("b", "s-2", tensors + [b"tail", b""]).wait(30)
+    got = cb.recv("s-2", timeout_s=10)
+    for x, y in zip(tensors, got[:4]):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    assert got[4:] == [b"tail", b""]
+    with ca.open("b", "s-3", payload_kind="bytes") as stream:
+        for i in range(20):
+            stream.append(bytes([i]) * (CHUNK // 3 + i))
+    stream.handle.wait(30)
+    parts = [p.value for p in cb.recv_stream("s-3", timeout_s=10)]
+    assert parts == [bytes([i]) * (CHUNK // 3 + i) for i in range(20)]
+    time.sleep(0.2)
+    assert our_files() == []
+
+
+def test_shm_and_inband_clients_interoperate(pair):
+    """A sender in shared memory, a receiver in-band, and the other way round."""
+    a, b = pair
+    payload = os.urandom(2 * CHUNK + 5)
+    a.client(shm=True).send("b", "mix-1", payload).wait(30)
+    assert b.client(shm=False).recv("mix-1", timeout_s=10) == payload
+    a.client(shm=False).send("b", "mix-2", payload).wait(30)
+    assert b.client(shm=True).recv("mix-2", timeout_s=10) == payload
+    assert our_files() == []
+
+
+def test_sidecar_without_shm_falls_back_in_band(sidecars):
+    a, b = sidecars.pair(a_args=["--no-local-shm"], b_args=["--no-local-shm"])
+    ca, cb = a.client(), b.client()
+    assert not ca._use_shm()
+    payload = os.urandom(100_000)
+    ca.send("b", "nb-1", payload).wait(30)
+    assert cb.recv("nb-1", timeout_s=10) == payload
+    with pytest.raises(KVFlowError) as exc:
+        a.client(shm=True).send("b", "nb-2", payload)
+    assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    # a client that hands over a file anyway is refused, explicitly
+    req = [pb.SendRequest(header=pb.SendHeader(dest="b", key="nb-3", payload_kind="bytes")),
+           pb.SendRequest(data=pb.SendData(part=0, offset=0, info=pb.PartInfo(index=0, nbytes=10),
+                                           shm=pb.ShmRef(path="/dev/shm/ciuicflow-kv-x", offset=0, length=10))),
+           pb.SendRequest(end=pb.SendEnd(num_parts=1))]
+    with pytest.raises(grpc.RpcError) as rpc:
+        ca._stub.Send(iter(req), timeout=10)
+    assert rpc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert our_files() == []
+
+
+def test_probe_refuses_foreign_paths(pair):
+    a, _ = pair
+    ca = a.client()
+    for path in ("/etc/passwd", "/dev/shm/../etc/passwd", "/tmp/ciuicflow-kv-x",
+                 os.path.join(shmlib.shm_dir(), "other-name")):
+        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"0123456789abcdef"), timeout=10)
+        assert not r.ok, path
+    # a symlink with the right name is not followed
+    link = os.path.join(shmlib.shm_dir(), f"{shmlib.PREFIX}{os.getpid()}-link")
+    os.symlink("/etc/hostname", link)
+    try:
+        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=link, nonce=b"x"), timeout=10)
+        assert not r.ok
+    finally:
+        os.unlink(link)
+    # wrong content: another host or mount namespace with a file of the same name
+    fd, path = shmlib.create("t")
+    try:
+        os.write(fd, b"something else!!" + bytes(4 * shmlib.PAGE))
+        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"0123456789abcdef"), timeout=10)
+        assert not r.ok
+    finally:
+        shmlib.unlink(path)
+        os.close(fd)
+
+
+def test_send_shm_path_outside_dir_is_refused(pair):
+    a, _ = pair
+    ca = a.client()
+    req = [pb.SendRequest(header=pb.SendHeader(dest="b", key="bad-1", payload_kind="bytes")),
+           pb.SendRequest(data=pb.SendData(part=0, offset=0, info=pb.PartInfo(index=0, nbytes=10),
+                                           shm=pb.ShmRef(path="/etc/passwd", offset=0, length=10))),
+           pb.SendRequest(end=pb.SendEnd(num_parts=1))]
+    with pytest.raises(grpc.RpcError) as rpc:
+        ca._stub.Send(iter(req), metadata=(("x-ciuic-flow", "enabled"),), timeout=10)
+    assert rpc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # a handle past the end of the file
+    fd, path = shmlib.create("t")
+    try:
+        os.write(fd, b"abc")
+        req[0] = pb.SendRequest(header=pb.SendHeader(dest="b", key="bad-2", payload_kind="bytes"))
+        req[1] = pb.SendRequest(data=pb.SendData(part=0, offset=0, info=pb.PartInfo(index=0, nbytes=10),
+                                                 shm=pb.ShmRef(path=path, offset=0, length=10)))
+        with pytest.raises(grpc.RpcError) as rpc:
+            ca._stub.Send(iter(req), timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        shmlib.unlink(path)
+        os.close(fd)
+
+
+def test_no_shm_files_left_after_failures(sidecars):
+    """Failed sends (unknown peer, sidecar killed mid-transfer), a cancelled receive and an abandoned
+    stream leave nothing in /dev/shm."""
+    a, b = sidecars.pair(a_args=["--chunk-size", str(CHUNK)], b_args=["--link-rate", "2MB"])
+    ca, cb = a.client(), b.client()
+    with pytest.raises(KVFlowError):
+        ca.send("nobody", "f-1", os.urandom(1000)).wait(10)
+    stream = cb.recv_stream("never", timeout_s=0.3)
+    with pytest.raises(KVFlowError):
+        list(stream)
+    rs = cb.recv_stream("never-2", timeout_s=30)
+    rs.cancel()
+    h = ca.send("b", "f-2", os.urandom(8 << 20))
+    time.sleep(0.5)
+    a.kill9()
+    with pytest.raises(KVFlowError):
+        h.wait(30)
+    time.sleep(0.3)
+    assert our_files() == []
+
+
+def test_shm_backpressure_bounds_unread_bytes(sidecars, tmp_path):
+    """The client writes at most its window ahead of what the sidecar has read."""
+    a, b = sidecars.pair(a_args=["--max-peer-bytes", str(1 << 20), "--max-total-bytes", str(1 << 20),
+                                 "--chunk-size", str(CHUNK)],
+                         b_args=["--link-rate", "4MB", "--spool-dir", str(tmp_path / "spool")])
+    ca = a.client(shm_window_bytes=1 << 20)
+    peak = [0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            for f in our_files():
+                try:
+                    peak[0] = max(peak[0], os.stat(f).st_blocks * 512)
+                except FileNotFoundError:
+                    pass
+            time.sleep(0.005)
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    with ca.open("b", "bp-shm", payload_kind="bytes") as stream:
+        for _ in range(24):
+            stream.append(os.urandom(128 << 10))       # 3 MiB over a 4 MB/s link
+    appended = time.monotonic() - t0
+    stream.handle.wait(30)
+    stop.set()
+    th.join()
+    assert appended > 0.2
+    assert peak[0] <= (1 << 20) + (256 << 10)
+    assert len(b.client().recv("bp-shm", timeout_s=10)) == 3 << 20
+
+
+def test_encode_chunk_frame_matches_protobuf():
+    for n in (0, 1, 127, 128, 300, 70_000):
+        data = os.urandom(n)
+        for info in (None, pb.PartInfo(index=2, nbytes=n, name="a")):
+            c = pb.Chunk(tid=7, seq=300, sn=1 << 40, part=2, offset=9, crc32c=0xFFFFFFFF, info=info)
+            ref = pb.PeerFrame(chunk=pb.Chunk(tid=7, seq=300, sn=1 << 40, part=2, offset=9, crc32c=0xFFFFFFFF,
+                                              info=info, data=data))
+            assert pb.PeerFrame.FromString(encode_chunk_frame(c, data)) == ref
+            assert pb.PeerFrame.FromString(encode_chunk_frame(c, memoryview(data))) == ref
