@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ciuicflow.cluster import SimCluster, parse_rate  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from cluster_args import add_cluster_arguments  # noqa: E402
 WORKER = os.path.join(HERE, "comm_worker.py")
 DEFAULT_METHODS = ("allreduce,fp16_compress_hook,powerSGD_hook:1,powerSGD_hook:4,hierarchical_allreduce,"
                    "hierarchical_1bit,hierarchical_powersgd:1,hierarchical_powersgd:4,onebit,powersgd:1,powersgd:4,"
@@ -38,13 +40,7 @@ SMOKE = dict(params=200_000, layers=4, batch=8, steps=3, warmup=2, bucket_cap_mb
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--rate", default="1gbit", help="inter-node rate per node, e.g. 1gbit, 200mbit; 'none': unshaped")
-    p.add_argument("--params", default="25e6", help="MLP size in parameters (default 25e6)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--steps", type=int, default=10, help="measured steps per method")
+    add_cluster_arguments(p)
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per method first (>= 2)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (PyTorch's default: 25)")
     p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
@@ -77,7 +73,6 @@ def parse_args(argv=None):
         p.error("--warmup must be at least 2 (PowerSGD compresses from step 2)")
     if args.steps < 1 or args.nodes < 1 or args.ranks_per_node < 1:
         p.error("--steps, --nodes and --ranks-per-node must be positive")
-    sys.path.insert(0, HERE)
     from comm_worker import parse_method
     args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:

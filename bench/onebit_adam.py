@@ -36,6 +36,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from cluster_args import add_cluster_arguments  # noqa: E402
 
 METHODS = ("ddp_adam", "deepspeed_adam", "onebit_adam", "onebit_adam_flat", "onebit_adam_deepspeed", "zero_one_adam",
            "no_comm")
@@ -47,13 +48,7 @@ SMOKE = dict(params=50_000, layers=2, batch=8, steps=3, warmup=2, nodes=2, ranks
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--rate", default="1gbit", help="inter-node rate per node, e.g. 1gbit, 200mbit; 'none': unshaped")
-    p.add_argument("--params", default="25e6", help="MLP size in parameters (default 25e6, as bench/comm.py)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--steps", type=int, default=10, help="measured steps per method")
+    add_cluster_arguments(p, params_help="MLP size in parameters (default 25e6, as bench/comm.py)")
     p.add_argument("--warmup", type=int, default=5, help="unmeasured steps first; the 1-bit optimizers' freeze_steps")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--methods", default=",".join(METHODS))
