@@ -346,14 +346,22 @@ def _shared_memory_fallback(rank, world, break_attach):
     from ciuicflow.topology import Topology
 
     topology = Topology.detect()
-    if break_attach and topology.local_rank == 1:  # as if this rank lived on another host
+    if break_attach == "attach" and topology.local_rank == 1:  # as if on another host
         def no_attach(path, nbytes):
             raise FileNotFoundError(path)
         shm._attach = no_attach
+    if break_attach == "grow" and topology.local_rank == 0:  # as if /dev/shm were small
+        create = shm._create
+
+        def small_shm(nbytes):
+            if nbytes > 2 << 20:
+                raise OSError(28, "No space left on device")
+            return create(nbytes)
+        shm._create = small_shm
     results = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for case, numel in enumerate([3, 4099, 300_001, 17]):  # grows the segment twice
+        for case, numel in enumerate([3, 4099, 300_001, 17]):  # 300_001 grows the segment
             x = _input(rank, case, numel)
             hierarchical_all_reduce(x, topology)
             results.append((x - _exact_mean(world, case, numel).float()).abs().max().item())
@@ -361,15 +369,16 @@ def _shared_memory_fallback(rank, world, break_attach):
     return max(results), used, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("break_attach", [False, True], ids=["shared", "cannot-attach"])
+@pytest.mark.parametrize("break_attach", [None, "attach", "grow"],
+                         ids=["shared", "cannot-attach", "cannot-grow"])
 def test_shared_memory_node_sum_and_its_fallback(break_attach):
-    """A node whose ranks cannot map each other's segment falls back to gloo, with a warning, and
-    still reduces exactly; either way nothing is left in /dev/shm."""
+    """A node whose ranks cannot map each other's segment, or cannot grow it, falls back to gloo,
+    with a warning, and still reduces exactly; either way nothing is left in /dev/shm."""
     before = set(os.listdir("/dev/shm"))
     for worst, used, messages in run_distributed(_shared_memory_fallback, 4, nodes=2,
                                                  args=(break_attach,)):
         assert worst < 1e-5
-        assert used is not break_attach
-        assert any("cannot share memory" in m for m in messages) is break_attach
+        assert used is (break_attach is None)
+        assert any("cannot share memory" in m for m in messages) is (break_attach is not None)
     assert not [name for name in set(os.listdir("/dev/shm")) - before
                 if name.startswith("ciuicflow-") and not name.startswith("ciuicflow-kv-")]

@@ -155,7 +155,9 @@ def _create(nbytes: int):
     path = os.path.join(_SHM_DIR, f"ciuicflow-{os.getpid()}-{secrets.token_hex(6)}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
+        # Reserve the pages now: a tmpfs too small for the segment (Docker's default /dev/shm is
+        # 64 MB) then fails here, and the node falls back to gloo, instead of a SIGBUS on first touch.
+        os.posix_fallocate(fd, 0, nbytes)
         return mmap.mmap(fd, nbytes), path
     except BaseException:
         os.unlink(path)
