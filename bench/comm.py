@@ -208,7 +208,8 @@ def planner_section(records, machine):
         return f"\nPlanner comparison not made: {exc}\n"
     by = {r["method"]: r for r in records}
     lines = ["", "Planner (ciuicflow/plan.py) vs this run. Machine probe: latency "
-             f"{machine['alpha'] * 1e6:.0f} us, intra-node {machine.get('intra_bw', 0) / 1e9:.2f} GB/s, "
+             f"{machine['alpha'] * 1e6:.0f} us, intra-node {machine.get('intra_bw', 0) / 1e9:.2f} GB/s "
+             f"+ {machine.get('intra_alpha', 0) * 1e6:.0f} us, "
              f"matmul {machine['matmul_flops'] / 1e9:.1f} GFLOP/s per rank, compressors' local work "
              f"{(rows[0]['local_seconds_per_element'] if rows else 0) * 1e9:.1f} ns/element (fitted on the probe's "
              "1-bit all-reduce); compute = this run's no_comm step; no overlap.", "",

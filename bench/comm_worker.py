@@ -289,9 +289,26 @@ def _slowest(seconds):
     return t.item()
 
 
+def _intra_fit(seconds: dict, local: int) -> dict:
+    """intra_bw and intra_alpha from the node's reduce + gather at two sizes: t = 2 (L-1) alpha +
+    2 (L-1)/L * bytes / bw, the planner's reduce-scatter + all-gather."""
+    points = sorted((key[1], t) for key, t in seconds.items() if isinstance(key, tuple) and key[0] == "intra")
+    (small, t_small), (big, t_big) = points
+
+    def moved(numel):
+        return 2 * (local - 1) / local * numel * 4
+
+    per_byte = (t_big - t_small) / (moved(big) - moved(small))
+    fixed = t_small - per_byte * moved(small)
+    if per_byte <= 0 or fixed < 0:  # noise beat the difference: all of it per byte, no fixed cost
+        per_byte, fixed = t_big / moved(big), 0.0
+    return {"intra_bw": 1 / per_byte, "intra_alpha": fixed / (2 * (local - 1))}
+
+
 def probe_machine(numels, repeat=5):
     """What the planner needs to know about this machine, measured with every rank busy at once:
-    latency (a one-element all-reduce), intra-node bandwidth (all-reduces inside each node at the same time),
+    latency (a one-element all-reduce), intra-node bandwidth and latency (the node's reduce and gather at two
+    sizes, inside each node at the same time),
     float32 matmul rate (PowerSGD-shaped), and the time of a flat, a hierarchical and a hierarchical 1-bit
     all-reduce of each size in ``numels`` (the last two need ciuicflow). The measurements take turns, round
     after round, and each is the median of its rounds, so a change of load on a shared machine affects all of
@@ -326,12 +343,15 @@ def probe_machine(numels, repeat=5):
         segment = shm.node_segment(topology) if topology is not None and topology.hierarchical \
             else None
         out["intra_path"] = "shared_memory" if segment is not None else "gloo"
-        if segment is not None:
-            shard_len = -(-x.numel() // local)
-            tasks["intra"] = lambda: (segment.node_sum(x, shard_len, False),
-                                      segment.gather(x, shard_len))
-        else:
-            tasks["intra"] = lambda: dist.all_reduce(x, group=mine)
+        # two sizes, so that the fixed cost per call (barriers, Python) and the cost per byte separate
+        for size in (x.numel() // 2, x.numel()):
+            xs = x[:size]
+            if segment is not None:
+                shard_len = -(-size // local)
+                tasks[("intra", size)] = lambda xs=xs, s=shard_len: (segment.node_sum(xs, s, False),
+                                                                     segment.gather(xs, s))
+            else:
+                tasks[("intra", size)] = lambda xs=xs: dist.all_reduce(xs, group=mine)
     for n in numels:
         y = torch.randn(n)
         tasks[(n, "flat_ring")] = lambda y=y: dist.all_reduce(y)
@@ -347,12 +367,11 @@ def probe_machine(numels, repeat=5):
             times[name].append(_timed(fn))
     seconds = {name: _slowest(statistics.median(ts)) for name, ts in times.items()}
 
-    if "intra" in seconds:
-        out["intra_bw"] = 2 * (local - 1) / local * x.numel() * 4 / max(seconds["intra"] - 2 * (local - 1)
-                                                                       * out["alpha"], 1e-9)
+    if local > 1:
+        out.update(_intra_fit(seconds, local))
     out["matmul_flops"] = 2 * 1024 * 1024 * 4 * 20 / seconds["matmul"]
     for name, value in seconds.items():
-        if isinstance(name, tuple):
+        if isinstance(name, tuple) and name[0] != "intra":
             out["sizes"].setdefault(str(name[0]), {})[name[1]] = value
     return out
 

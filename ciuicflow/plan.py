@@ -406,9 +406,9 @@ TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at MTU 1500 (with
 
 def machine_cluster(machine: dict, rate_bps: float, inter_efficiency: float = TCP_EFFICIENCY) -> ClusterSpec:
     """The ClusterSpec of a simulated cluster: the rate its link was shaped to, the rest as probed
-    (``probe_machine`` in bench/comm_worker.py: latency, intra-node bandwidth)."""
+    (``probe_machine`` in bench/comm_worker.py: latency, intra-node bandwidth and latency)."""
     return ClusterSpec(machine["nodes"], machine["ranks_per_node"], machine.get("intra_bw", 1e12), rate_bps / 8,
-                       machine["alpha"], machine["alpha"], inter_efficiency)
+                       machine.get("intra_alpha", machine["alpha"]), machine["alpha"], inter_efficiency)
 
 
 def fit_local_seconds_per_element(measured_seconds: float, strategy: str, cluster: ClusterSpec,

@@ -147,7 +147,8 @@ def test_prediction_within_25_percent_of_the_simulated_cluster():
         checked[strategy] = (predicted, seconds, predicted / seconds - 1)
     report = "\n".join(f"{s}: predicted {p:.3f} s, measured {q:.3f} s ({e:+.0%})" for s, (p, q, e) in
                        checked.items())
-    print(report, f"\nmachine: alpha {m['alpha'] * 1e6:.0f} us, intra {m['intra_bw'] / 1e9:.2f} GB/s, "
+    print(report, f"\nmachine: alpha {m['alpha'] * 1e6:.0f} us, intra {m['intra_bw'] / 1e9:.2f} GB/s "
+          f"+ {m.get('intra_alpha', 0) * 1e6:.0f} us, "
           f"1-bit local work {local * 1e9:.1f} ns/element")
     assert "flat_ring" in checked
     for strategy, (_, _, error) in checked.items():
