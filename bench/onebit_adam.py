@@ -93,14 +93,8 @@ def _stepper(name, model, args):
     if name in ("ddp_adam", "no_comm"):
         net = DDP(model) if name == "ddp_adam" else model
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-
-        def step(x, y):
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(net(x), y)
-            loss.backward()
-            optimizer.step()
-            return loss.item()
-        return step, None, "torch.optim.Adam + DDP" if net is not model else "torch.optim.Adam, local only"
+        what = "torch.optim.Adam + DDP" if net is not model else "torch.optim.Adam, local only"
+        return _plain_step(net, optimizer, loss_fn), None, what
 
     from ciuicflow.optim import OneBitAdam, ZeroOneAdam
     if name in DEEPSPEED_METHODS:
@@ -129,14 +123,18 @@ def _stepper(name, model, args):
         optimizer = OneBitAdam(model.parameters(), lr=args.lr, freeze_steps=args.warmup,
                                hierarchical=name == "onebit_adam")
         what = f"ciuicflow OneBitAdam(hierarchical={name == 'onebit_adam'}), no DDP"
+    return _plain_step(model, optimizer, loss_fn), optimizer, what
 
+
+def _plain_step(net, optimizer, loss_fn):
+    """One training step without an engine: forward, backward, optimizer step; returns the loss."""
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(net(x), y)
         loss.backward()
         optimizer.step()
         return loss.item()
-    return step, optimizer, what
+    return step
 
 
 def run_method(name, args, width, data):

@@ -139,19 +139,20 @@ def reduce_in_place(flat: torch.Tensor, topology: Topology, op: str, step,
     divide_first = op == "mean" and flat.element_size() < 4  # fp16/bf16 node sums stay in range
     if divide_first:
         flat.div_(local)
-    method = node_sum_method(flat, topology)
-    segment = shm.node_segment(topology) if method == "shared_memory" else None
-    if segment is not None:
+    shard_bytes = shard_len * flat.element_size()
+    method, segment = node_sum_method(flat, topology), None
+    if method == "shared_memory":
+        segment = shm.node_segment(topology)
         try:
             shard, flag = segment.node_sum(flat, shard_len, step.needs_flag)
         except shm.Unavailable as exc:  # it could not grow: gloo from now on
             shm.disable(topology, exc)
             segment, method = None, "all_reduce"
         else:  # what the ranks read of each other's slots: a reduce-scatter's worth
-            add_traffic(traffic, Link.intra(topology), (local - 1) * shard_len * flat.element_size())
-    if segment is None and method in ("shared_memory", "all_reduce"):
+            add_traffic(traffic, Link.intra(topology), (local - 1) * shard_bytes)
+    if method == "all_reduce":
         shard, flag = _node_sum_by_all_reduce(flat, topology, shard_len, step.needs_flag, traffic)
-    elif segment is None:
+    elif method == "reduce_scatter":
         shard, flag = _node_sum_by_reduce_scatter(flat, topology, shard_len, step.needs_flag,
                                                   traffic)
     if op == "mean" and not divide_first:
@@ -170,7 +171,7 @@ def reduce_in_place(flat: torch.Tensor, topology: Topology, op: str, step,
         if result is not shard:
             shard.copy_(result)
         segment.gather(flat, shard_len)
-        add_traffic(traffic, Link.intra(topology), (local - 1) * shard_len * flat.element_size())
+        add_traffic(traffic, Link.intra(topology), (local - 1) * shard_bytes)
         return
     # The result may be a view of flat (CPU path), which the all-gather overwrites: send a copy.
     if local * shard_len == numel:

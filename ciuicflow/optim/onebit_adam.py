@@ -207,6 +207,19 @@ class CompressedMomentumOptimizer(Optimizer):
             return True
         return False
 
+    def _begin_step(self, closure):
+        """What every step starts with: (the closure's loss, this step's buckets), with
+        ``steps_taken`` counting this step; the buckets are None when the step is skipped."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._skip_step():
+            return loss, None
+        buckets = self._flat_buckets()
+        self.steps_taken += 1
+        return loss, buckets
+
     # -- Adam's arithmetic, on a bucket's parameters, group by group -------------------------
 
     def _momenta(self, bucket: _FlatBucket) -> list:
@@ -406,14 +419,9 @@ class OneBitAdam(CompressedMomentumOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._skip_step():
+        loss, buckets = self._begin_step(closure)
+        if buckets is None:
             return loss
-        buckets = self._flat_buckets()
-        self.steps_taken += 1
         for bucket in buckets:
             if self.frozen:
                 self._compressed_step(bucket)

@@ -94,14 +94,9 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._skip_step():
+        loss, buckets = self._begin_step(closure)
+        if buckets is None:
             return loss
-        buckets = self._flat_buckets()
-        self.steps_taken += 1
         t = self.steps_taken
         if self.frozen:
             for i, g in enumerate(self.param_groups):
