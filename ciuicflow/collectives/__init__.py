@@ -77,6 +77,11 @@ class Traffic:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def snapshot(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A detached copy for a state_dict, of a buffer that later steps reuse and overwrite."""
+    return None if tensor is None else tensor.detach().clone()
+
+
 def ring_all_reduce_bytes(nbytes: int, size: int) -> float:
     """Bytes one rank sends in a bandwidth-optimal all-reduce of ``nbytes`` over ``size`` ranks."""
     return 2.0 * (size - 1) / size * nbytes if size > 1 else 0.0

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ciuicflow.collectives import Link, Traffic, all_gather, all_reduce, all_to_all, \
-    ring_all_reduce_bytes
+    ring_all_reduce_bytes, snapshot
 from ciuicflow.collectives.hierarchical import add_exact_traffic, check_reducible, \
     nonfinite_flag, reduce_in_place
 from ciuicflow.topology import Topology
@@ -73,15 +73,12 @@ class OneBitErrors:
 
     def state_dict(self) -> dict:
         """Copies: the buffers themselves are reused and overwritten by later steps."""
-        return {"worker": _copy(self.worker), "server": _copy(self.server)}
+        return {"worker": snapshot(self.worker), "server": snapshot(self.server)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.worker, self.server = _copy(state["worker"]), _copy(state["server"])
+        self.worker, self.server = snapshot(state["worker"]), snapshot(state["server"])
         self._spare = None
 
-
-def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().clone()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ciuicflow.collectives import Link, Traffic, all_reduce, ring_all_reduce_bytes
+from ciuicflow.collectives import Link, Traffic, all_reduce, ring_all_reduce_bytes, snapshot
 from ciuicflow.collectives.hierarchical import EXACT, add_exact_traffic, check_reducible, \
     nonfinite_flag, reduce_in_place
 from ciuicflow.topology import Topology
@@ -40,15 +40,12 @@ class PowerSGDMemory:
 
     def state_dict(self) -> dict:
         """Copies: the buffers themselves are reused and overwritten by later steps."""
-        return {"error": _copy(self.error), "q": _copy(self.q)}
+        return {"error": snapshot(self.error), "q": snapshot(self.q)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.error, self.q = _copy(state["error"]), _copy(state["q"])
+        self.error, self.q = snapshot(state["error"]), snapshot(state["q"])
         self._spare = None
 
-
-def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().clone()
 
 
 @dataclass(frozen=True)
