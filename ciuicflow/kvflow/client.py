@@ -142,6 +142,10 @@ def _messages(info: pb.PartInfo, mv: memoryview, message_bytes: int) -> Iterator
                                               info=info if off == 0 else None))
 
 
+class _CallFinished(Exception):
+    """The Send call ended (e.g. the sidecar failed the transfer) while its request iterator still ran."""
+
+
 class _ShmWriter:
     """The client's side of a shared-memory send: writes the parts into one file and makes their handles.
     The file is unlinked by the sidecar once it has opened it, and here when the transfer ends (whichever
@@ -188,7 +192,7 @@ class _ShmWriter:
             self.wait_room()
             with self._lock:
                 if self.fd < 0:
-                    raise KVFlowError(grpc.StatusCode.CANCELLED, "transfer already finished")
+                    raise _CallFinished()
                 off = self.pos
                 shmlib.write_all(self.fd, mv[start:start + size], off)
                 # pieces start on a page: the reader frees whole pages, so pages are never shared
@@ -306,11 +310,14 @@ class SendStream:
                 return
             yield item
 
+    def _finished(self) -> KVFlowError:
+        self.handle.wait()      # raises the transfer's error
+        return KVFlowError(grpc.StatusCode.FAILED_PRECONDITION, f"transfer {self.key!r} already finished")
+
     def _put(self, item) -> None:
         while True:
             if self.handle.done():
-                self.handle.wait()      # raises the transfer's error
-                raise KVFlowError(grpc.StatusCode.FAILED_PRECONDITION, f"transfer {self.key!r} already finished")
+                raise self._finished()
             try:
                 self._queue.put(item, timeout=0.05)
                 return
@@ -323,8 +330,11 @@ class SendStream:
             raise RuntimeError("append after close")
         info, mv = encode_part(self._parts, value, name)
         msgs = self._shm.messages(info, mv) if self._shm is not None else _messages(info, mv, self._message_bytes)
-        for msg in msgs:
-            self._put(msg)
+        try:
+            for msg in msgs:
+                self._put(msg)
+        except _CallFinished:
+            raise self._finished() from None
         self._parts += 1
         return info.index
 
@@ -556,7 +566,10 @@ class Client:
         def requests():
             yield header
             if writer is not None:
-                yield from writer.batches(parts)
+                try:
+                    yield from writer.batches(parts)
+                except _CallFinished:
+                    return      # the sidecar already ended the call: its status is the handle's outcome
             else:
                 for info, mv in parts:
                     yield from _messages(info, mv, message_bytes)

@@ -184,6 +184,8 @@ class PeerLink:
         self._tids = itertools.count(1)
         self._wake = asyncio.Event()
         self._closed = False
+        self._flushing = False              # closing: send control frames only, then half-close
+        self._flushed = asyncio.Event()     # ... and the receiver has ended the stream
         self._tasks: List[asyncio.Task] = []
         self.channel = sidecar.make_channel(address)
         self._link_method = self.channel.stream_stream(
@@ -200,7 +202,18 @@ class PeerLink:
         self._tasks = [asyncio.create_task(self._run(), name=f"link-{self.name}"),
                        asyncio.create_task(self._timers(), name=f"timers-{self.name}")]
 
-    async def close(self) -> None:
+    async def close(self, flush_s: float = 0.0) -> None:
+        """Stop the link. With ``flush_s``, first deliver the queued control frames (the aborts of a
+        shutdown): they sit behind data already in the stream, and cancelling the call would drop them, so
+        the stream is half-closed and the receiver's end awaited, for at most ``flush_s`` seconds."""
+        if flush_s > 0 and self.connected:
+            self._flushing = True
+            self.wake()
+            try:
+                await asyncio.wait_for(self._flushed.wait(), flush_s)
+            except asyncio.TimeoutError:
+                log.warning("link to %s: the receiver did not confirm the last frames within %gs",
+                            self.name, flush_s)
         self._closed = True
         for task in self._tasks:
             task.cancel()
@@ -361,6 +374,9 @@ class PeerLink:
                 call.cancel()
                 was_connected = self.connected
                 self._disconnected()
+            if self._flushing:
+                self._flushed.set()
+                return
             if was_connected:
                 backoff = 0.05
             else:
@@ -393,6 +409,11 @@ class PeerLink:
     # ------------------------------------------------------------------ writing
     async def _pump(self, call) -> None:
         while True:
+            if self._flushing:
+                while self.control:
+                    await call.write(self.control.popleft())
+                await call.done_writing()
+                await asyncio.Event().wait()    # the reader ends when the receiver closes its side
             self._wake.clear()
             while await self._step(call):
                 pass

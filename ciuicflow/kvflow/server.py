@@ -33,6 +33,8 @@ from .sender import OutChunk, PeerLink, TransferFailed
 
 log = logging.getLogger("ciuicflow.kvflow")
 
+ABORT_FLUSH_S = 5.0     # on shutdown, how long a link may take to deliver its last frames (the aborts)
+
 
 def _safe_deserializer(cls):
     def deserialize(data: bytes):
@@ -583,13 +585,12 @@ class Sidecar:
             await asyncio.sleep(0.05)
         for link in self.links.values():
             link.fail_all(grpc.StatusCode.UNAVAILABLE, "sending sidecar is shutting down")
-        await asyncio.sleep(0.1)      # let the aborts reach the peers
+        # The aborts must reach the receivers, behind whatever data is still in the streams.
+        await asyncio.gather(*(link.close(flush_s=ABORT_FLUSH_S) for link in self.links.values()))
         for entry in list(self.store.entries.values()):
             entry.notify()            # Recv streams see shutting_down
         for task in self._tasks:
             task.cancel()
-        for link in self.links.values():
-            await link.close()
         await asyncio.gather(*(server.stop(1.0) for server in self._servers))
         log.info("stopped")
 

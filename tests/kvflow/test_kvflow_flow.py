@@ -85,3 +85,24 @@ def test_kvflow_graceful_shutdown_drains_then_fails_explicitly(sidecars):
         cb.recv("drain-long", timeout_s=5)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert "stopped" in a.log()
+
+
+@pytest.mark.parametrize("flow", [True, False])
+def test_kvflow_shutdown_aborts_reach_a_slow_receiver(sidecars, flow):
+    # The abort queues behind data already in the stream; at 4 MB/s that data takes well over 0.1 s to
+    # drain, and the receiver must still learn that the transfer failed (not wait out the resume timeout).
+    a, b = sidecars.pair(a_args=["--drain-s", "0"], b_args=["--link-rate", "4000000"])
+    ca, cb = a.client(), b.client()
+    h = ca.send("b", "cut-short", os.urandom(64 << 20), priority="low", flow=flow)
+    time.sleep(0.5)
+    a.proc.send_signal(__import__("signal").SIGTERM)
+    with pytest.raises(KVFlowError) as e:
+        h.wait(30)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert a.proc.wait(30) == 0
+    t0 = time.monotonic()
+    with pytest.raises(KVFlowError) as e:
+        cb.recv("cut-short", timeout_s=10)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
+    assert time.monotonic() - t0 < 5
+    assert cb.stats()["memory"]["used"] == 0
