@@ -270,6 +270,7 @@ def plain_client(address: str, requests, seed: int) -> dict:
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     grpc.channel_ready_future(channel).result(timeout=60)
     push = channel.stream_unary(PLAIN_METHOD)
+    cpu0 = time.process_time()
     t0 = time.monotonic()
     futures = []
     for req in requests:
@@ -277,9 +278,10 @@ def plain_client(address: str, requests, seed: int) -> dict:
         futures.append(push.future((bytes(buf[off:off + n]) for off, n in parts)))
     total = sum(struct.unpack("<Q", f.result())[0] for f in futures)
     seconds = time.monotonic() - t0
+    cpu = time.process_time() - cpu0
     channel.close()
     expected = sum(request_bytes(r["tokens"]) for r in requests)
-    return {"bytes": total, "expected": expected, "seconds": seconds}
+    return {"bytes": total, "expected": expected, "seconds": seconds, "client_cpu_s": cpu}
 
 
 def worker_main(argv) -> int:
@@ -366,15 +368,21 @@ class Testbed:
         for role in ("sender", "receiver"):
             self._wait(os.path.join(self.sync, f"{name}.{role}.ready"), timeout)
         before = self.link_bytes()
+        pids = {f"sidecar {sc.name}": sc.proc.pid for sc in self.sidecars}
+        pids.update({role: proc.pid for role, proc, _ in self.workers})
+        cpu_before = {role: cpu_seconds([pid]) for role, pid in pids.items()}
         t0 = time.monotonic() + 0.3
         _write(os.path.join(self.sync, f"{name}.go"), repr(t0))
         sent = json.loads(self._wait(os.path.join(self.sync, f"{name}.sender.json"), timeout))
         received = json.loads(self._wait(os.path.join(self.sync, f"{name}.receiver.json"), timeout))
         after = self.link_bytes()
+        # per process; includes the workers' wait for "go" (a 10 ms poll)
+        cpu = {role: cpu_seconds([pid]) - cpu_before[role] for role, pid in pids.items()}
         link = None
         if before is not None and after is not None:
             link = after[0][0] - before[0][0]      # bytes out of node 0 onto its veth
-        return {"t0": t0, "sent": sent, "received": received, "link_tx_bytes": link,
+        return {"t0": t0, "sent": sent, "received": received, "link_tx_bytes": link, "cpu_s": sum(cpu.values()),
+                "cpu_s_by_process": cpu,
                 "sidecar": sent.pop("__sidecar__", None)}
 
     def stop_workers(self):
@@ -387,6 +395,19 @@ class Testbed:
                     pass
             fh.close()
         self.workers = []
+
+
+def cpu_seconds(pids) -> float:
+    """User + system CPU seconds used so far by these processes (Linux /proc; 0 for one that is gone)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])      # utime, stime (clock ticks)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _tail(path: str, n: int = 2500) -> str:
@@ -450,6 +471,8 @@ def phase_records(phase: dict, result: dict, base: dict) -> list:
             "latencies_s": sorted(lat),
             "errors": sorted({x["error"] for x in group if x["error"]})[:5],
             "sender_sidecar": result.get("sidecar"),
+            "cpu_s": result.get("cpu_s"),
+            "cpu_s_by_process": result.get("cpu_s_by_process"),
         })
         rate = rec.get("link_rate_bytes_per_s")
         rec["link_utilisation"] = (rec["link_bytes_per_s"] / rate) if rate and rec["link_bytes_per_s"] else None
@@ -555,6 +578,7 @@ class PlainServer:
         port = int(_wait_file(self.port_file, 120))
         out = os.path.join(self.dir, f"client-{rep}.json")
         log_path = os.path.join(self.dir, f"client-{rep}.log")
+        server_cpu = cpu_seconds([self.proc.pid])
         with open(log_path, "wb") as fh:
             rc = _host_launch([sys.executable, os.path.abspath(__file__), "--worker", "plain-client",
                                "--plan", plan, "--address", f"127.0.0.1:{port}", "--out", out],
@@ -562,7 +586,9 @@ class PlainServer:
         if rc != 0:
             raise RuntimeError(f"plain gRPC client failed ({rc}):\n{_tail(log_path)}")
         with open(out) as fh:
-            return json.load(fh)
+            result = json.load(fh)
+        result["cpu_s"] = result["client_cpu_s"] + cpu_seconds([self.proc.pid]) - server_cpu
+        return result
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -661,8 +687,14 @@ def main(argv=None) -> int:
                 reps = [r for r in raw_recs if r["mode"] == mode]
                 best = max(reps, key=lambda r: r["goodput_bytes_per_s"])
                 best = dict(best, lost=sum(r["lost"] for r in reps), reps=[r["goodput_bytes_per_s"] for r in reps])
+                lean = min((r for r in reps if r["bytes"]), key=lambda r: r["cpu_s"] / r["bytes"])
+                best["cpu_s_per_gb"] = lean["cpu_s"] / (lean["bytes"] / 1e9)
+                best["cpu_s_per_gb_by_process"] = {k: v / (lean["bytes"] / 1e9)
+                                                   for k, v in lean["cpu_s_by_process"].items()}
                 records.append(best)
-                log(f"raw loopback {mode}: best {best['goodput_bytes_per_s'] / 1e6:.1f} MB/s of {best['reps']}")
+                log(f"raw loopback {mode}: best {best['goodput_bytes_per_s'] / 1e6:.1f} MB/s of "
+                    f"{[round(r / 1e6, 1) for r in best['reps']]}; CPU s/GB {best['cpu_s_per_gb']:.2f} = "
+                    + " + ".join(f"{v:.2f} {k}" for k, v in best["cpu_s_per_gb_by_process"].items()))
             good = [p for p in plain if p["bytes"] == p["expected"]]
             rates = [p["bytes"] / p["seconds"] for p in good]
             records.append(dict(raw_base, phase="raw_loopback", mode="plain_grpc", priority="all",
@@ -670,8 +702,10 @@ def main(argv=None) -> int:
                                 p50_s=None, p99_s=None, max_s=None,
                                 goodput_bytes_per_s=max(rates) if rates else 0.0, link_bytes_per_s=None,
                                 bytes=plain[0]["expected"], reps=rates,
+                                cpu_s_per_gb=min((p["cpu_s"] / (p["bytes"] / 1e9) for p in good), default=None),
                                 window_s=min(p["seconds"] for p in good) if good else None))
-            log(f"raw loopback plain gRPC: {[round(r / 1e6, 1) for r in rates]} MB/s")
+            log(f"raw loopback plain gRPC: {[round(r / 1e6, 1) for r in rates]} MB/s, "
+                f"{records[-1]['cpu_s_per_gb'] or 0:.2f} CPU s/GB (2 processes)")
     finally:
         for tb in testbeds:
             tb.stop_workers()
@@ -777,6 +811,11 @@ def markdown(records, summary, testbed_line, args) -> str:
         lines += ["", "Raw loopback rows: best of the repetitions (goodput = payload bytes / time from issuing "
                   "all requests at once until the receiving process holds them all; ciuicflow's receiver also "
                   "compares every part with what was sent, plain gRPC's does not)."]
+        cpu = [f"{r['mode']} {r['cpu_s_per_gb']:.2f}" for r in records
+               if r["phase"] == "raw_loopback" and r.get("cpu_s_per_gb") is not None]
+        if cpu:
+            lines += ["", "CPU seconds per GB delivered, all processes of the path (ciuicflow: two clients and two "
+                      "sidecars; plain gRPC: client and server), lowest of the repetitions: " + ", ".join(cpu) + "."]
     lines += ["", "## Targets", ""]
     for t in summary:
         lines.append(f"- {'MET' if t['met'] else 'MISSED'}: {t['target']} - {t['detail']}")
