@@ -324,6 +324,18 @@ def test_find_hang_suspects_picks_the_rank_behind():
     assert find_hang_suspects(positions, {3: 50.0}, 10.0) == []  # closed
 
 
+def test_a_pause_between_steps_is_not_a_hang():
+    from ciuicflow.monitor.stragglers import BETWEEN_STEPS
+    paused = {r: {"step": 7, "ordinal": -1, "phase": BETWEEN_STEPS} for r in range(3)}
+    assert find_hang_suspects(paused, {0: 99.0, 1: 99.0, 2: 99.0}, 10.0) == []
+    # one rank still between steps while the others wait inside step 8: that one is blamed
+    waiting = {**paused, **{r: {"step": 8, "ordinal": 2, "phase": "sync"} for r in (1, 2)}}
+    assert find_hang_suspects(waiting, {0: 11.0, 1: 11.0, 2: 11.0}, 10.0) == [0]
+    # between steps, but at different steps: the rank behind never arrived
+    apart = {**paused, 1: {"step": 8, "ordinal": -1, "phase": BETWEEN_STEPS}}
+    assert find_hang_suspects(apart, {0: 11.0, 1: 11.0, 2: 11.0}, 10.0) == [0, 2]
+
+
 def test_watchdog_on_a_store_with_a_fake_clock():
     store = dist.HashStore()
     now = [0.0]

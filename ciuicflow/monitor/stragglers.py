@@ -188,10 +188,14 @@ def find_hang_suspects(positions: dict[int, dict], stalled_for: dict[int, float]
     ``closed``); ``stalled_for``: rank -> seconds without progress, for the ranks past the timeout.
     When the ranks furthest behind still move, the stalled ones may just be waiting for them:
     they are blamed only after twice the timeout (a rank hung ahead of ranks that never catch up).
-    Closed ranks are ignored."""
+    Every live rank between steps at the same step is a pause (evaluation, checkpointing), not a hang:
+    nobody waits in a collective for anybody. Closed ranks are ignored."""
     live = {r: p for r, p in positions.items() if not p.get("closed")}
     stalled = [r for r in stalled_for if r in live]
     if not stalled:
+        return []
+    if all(p.get("phase") == BETWEEN_STEPS for p in live.values()) \
+            and len({p["step"] for p in live.values()}) == 1:
         return []
 
     def behind(rank):
