@@ -22,6 +22,8 @@ class SidecarConfig:
     allow_remote_api: bool = False            # let --api bind a non-loopback address
     allow_unknown_peers: bool = False         # accept links from senders not named by --peer
     local_shm: bool = True                    # local API: accept bytes handed over in /dev/shm (same host)
+    peer_transport: str = "auto"              # "auto": a peer's TCP data plane when it offers one; "grpc": Link
+    data_port: int = 0                        # this sidecar's TCP data plane port (0: any free; -1: none)
     metrics_port: int = 0                     # 0 = no metrics endpoint
     metrics_host: str = "127.0.0.1"
     # chunking and flow control
@@ -85,6 +87,10 @@ class SidecarConfig:
                 self.token = fh.read().strip()
         if not self.token and os.environ.get(TOKEN_ENV):
             self.token = os.environ[TOKEN_ENV]
+        if self.peer_transport not in ("auto", "grpc"):
+            raise ValueError(f"--peer-transport must be 'auto' or 'grpc', got {self.peer_transport!r}")
+        if not -1 <= self.data_port <= 65535:
+            raise ValueError("--data-port must be a port, 0 (any free port) or -1 (no data plane)")
         if self.test_corrupt_every < 0:
             raise ValueError("--test-corrupt-every must be >= 0")
         return self
@@ -160,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--allow-unknown-peers", action="store_true", default=S, help="accept links from senders not named by --peer")
     a("--no-local-shm", dest="local_shm", action="store_false", default=S,
       help="local API: refuse shared-memory handoff (clients then send bytes in-band)")
+    a("--peer-transport", default=S, choices=("auto", "grpc"),
+      help="how chunks go to peers: 'auto' (default) uses a peer's TCP data plane when it offers one (not "
+           "with TLS), else the gRPC Link stream; 'grpc' always uses the gRPC stream")
+    a("--data-port", type=int, default=S, help="port of this sidecar's TCP data plane, on the --listen host "
+                                                "(default 0: any free port; -1: none, peers use gRPC)")
     a("--metrics-port", type=int, default=S, help="Prometheus metrics port (0: off)")
     a("--metrics-host", default=S, help="metrics address (default 127.0.0.1)")
     a("--chunk-size", default=S, help="chunk size, e.g. 256KiB (256KiB..1MiB recommended)")

@@ -17,6 +17,7 @@ import grpc
 
 from .common import AUTH_METADATA, PEER_METADATA, check_key, check_part_info, priority_from_pb
 from .proto import kvflow_pb2 as pb
+from .wire import ChunkFrame
 
 log = logging.getLogger("ciuicflow.kvflow.receiver")
 
@@ -272,6 +273,21 @@ class PeerService:
 
     async def Link(self, request_iterator, context):
         source = await self._check_auth(context)
+        async for reply in self.serve_link(source, request_iterator, context):
+            yield reply
+
+    async def DataPlane(self, request: pb.DataPlaneRequest, context) -> pb.DataPlaneReply:
+        """The TCP data plane's port and a one-time ticket for this (authenticated) sender; port 0: none."""
+        source = await self._check_auth(context)
+        plane = self.sc.data_plane
+        if plane is None:
+            return pb.DataPlaneReply()
+        return pb.DataPlaneReply(port=plane.port, ticket=plane.tickets.issue(source))
+
+    async def serve_link(self, source: str, request_iterator, context):
+        """One sender's stream of frames (from ``Link`` or the TCP data plane); yields the replies."""
+        if self.sc.shutting_down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
         link_id = object()
         attached: Dict[int, InTransfer] = {}
         self.active_links[source] += 1
@@ -287,10 +303,11 @@ class PeerService:
                     self.sc.metrics.rejected.labels("INVALID_ARGUMENT").inc()
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed PeerFrame")
                 kind = frame.WhichOneof("msg")
+                data = frame.data if isinstance(frame, ChunkFrame) else None   # the TCP plane's zero-copy frames
                 if self.bucket is not None:
-                    await self.bucket.consume(len(frame.chunk.data) + 64 if kind == "chunk" else 64)
+                    await self.bucket.consume(len(data) + 64 if data is not None else frame.ByteSize())
                 if kind == "chunk":
-                    for reply in self._on_chunk(source, frame.chunk, attached):
+                    for reply in self._on_chunk(source, frame.chunk, attached, data):
                         yield reply
                 elif kind == "open":
                     yield self._on_open(source, frame.open, attached, link_id)
@@ -361,7 +378,7 @@ class PeerService:
             tid=o.tid, held_chunks=len(entry.chunks), held_crc32c=[c.crc for c in entry.chunks],
             complete=complete, durable=store.spool is not None))
 
-    def _on_chunk(self, source: str, c: pb.Chunk, attached):
+    def _on_chunk(self, source: str, c: pb.Chunk, attached, data=None):
         def ack(code, error: grpc.StatusCode = None, message: str = "") -> pb.PeerReply:
             return pb.PeerReply(ack=pb.Ack(tid=c.tid, seq=c.seq, sn=c.sn, code=code,
                                            error_code=error.value[0] if error else 0, message=message))
@@ -376,7 +393,8 @@ class PeerService:
         if entry.complete:
             yield ack(pb.ACK_OK)
             return
-        data = c.data
+        if data is None:
+            data = c.data
         held = len(entry.chunks)
         if c.seq > held:
             yield ack(pb.ACK_OUT_OF_ORDER)        # an earlier chunk is missing; the sender goes back

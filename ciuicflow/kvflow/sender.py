@@ -23,10 +23,11 @@ from typing import Deque, Dict, List, Optional
 
 import grpc
 
-from .common import AUTH_METADATA, PEER_METADATA, priority_to_pb
+from .common import AUTH_METADATA, PEER_METADATA, parse_hostport, priority_to_pb
 from .congestion import CongestionController
 from .proto import kvflow_pb2 as pb
 from .scheduler import Scheduler
+from .wire import LinkError, WireCall
 
 log = logging.getLogger("ciuicflow.kvflow.sender")
 
@@ -58,18 +59,22 @@ _CHUNK_FIELD = (2 << 3) | 2         # PeerFrame.chunk, length-delimited
 _DATA_FIELD = (6 << 3) | 2          # Chunk.data, length-delimited
 
 
-def encode_chunk_frame(chunk: pb.Chunk, data) -> bytes:
-    """A serialized ``PeerFrame(chunk=...)`` whose ``data`` is ``data``, built without copying the bytes
-    into a protobuf message first (constructing a message with a large bytes field costs ~1 ms per
-    256 KiB chunk on a busy host, more than everything else a chunk costs). The result parses as the
-    same PeerFrame: protobuf fields may come in any order."""
+def chunk_frame_prefix(chunk: pb.Chunk, n: int) -> bytes:
+    """The bytes of a serialized ``PeerFrame(chunk=...)`` that come before its ``n`` bytes of data: the
+    frame is built without copying the data into a protobuf message first (constructing a message with a
+    large bytes field costs ~1 ms per 256 KiB chunk on a busy host, more than everything else a chunk
+    costs). Prefix + data parse as the same PeerFrame: protobuf fields may come in any order."""
     head = chunk.SerializeToString()
-    n = len(data)
-    inner_len = len(head) + 1 + len(_varint(n)) + n if n else len(head)
-    parts = [bytes((_CHUNK_FIELD,)), _varint(inner_len), head]
-    if n:
-        parts += [bytes((_DATA_FIELD,)), _varint(n), data]
-    return b"".join(parts)
+    if not n:
+        return bytes((_CHUNK_FIELD,)) + _varint(len(head)) + head
+    data_len = _varint(n)
+    inner_len = len(head) + 1 + len(data_len) + n
+    return b"".join((bytes((_CHUNK_FIELD,)), _varint(inner_len), head, bytes((_DATA_FIELD,)), data_len))
+
+
+def encode_chunk_frame(chunk: pb.Chunk, data) -> bytes:
+    """A serialized ``PeerFrame(chunk=...)`` whose ``data`` is ``data`` (see ``chunk_frame_prefix``)."""
+    return chunk_frame_prefix(chunk, len(data)) + data if len(data) else chunk_frame_prefix(chunk, 0)
 
 
 def serialize_frame(frame) -> bytes:
@@ -191,6 +196,12 @@ class PeerLink:
         self._link_method = self.channel.stream_stream(
             "/ciuicflow.kvflow.v1.KVFlowPeer/Link", request_serializer=serialize_frame,
             response_deserializer=pb.PeerReply.FromString)
+        self._data_plane_method = self.channel.unary_unary(
+            "/ciuicflow.kvflow.v1.KVFlowPeer/DataPlane", request_serializer=pb.DataPlaneRequest.SerializeToString,
+            response_deserializer=pb.DataPlaneReply.FromString)
+        # The TCP data plane has no TLS: with TLS configured, chunks stay on the gRPC stream.
+        self._try_data_plane = cfg.peer_transport == "auto" and not cfg.tls_cert
+        self.transport = ""                     # of the current connection: "tcp" or "grpc"
         md = [(PEER_METADATA, cfg.name)]
         if cfg.token:
             md.append((AUTH_METADATA, f"Bearer {cfg.token}"))
@@ -354,24 +365,25 @@ class PeerLink:
                 if not self._has_work():
                     await self._wake.wait()
                 continue
-            call = self._link_method(metadata=self._metadata)
-            reader = asyncio.create_task(self._read(call))
-            pump = asyncio.create_task(self._pump(call))
+            call, tasks = None, []
             try:
-                done, _ = await asyncio.wait({reader, pump}, return_when=asyncio.FIRST_COMPLETED)
+                call = await self._open_stream()
+                tasks = [asyncio.create_task(self._read(call)), asyncio.create_task(self._pump(call))]
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()
-            except grpc.aio.AioRpcError as exc:
+            except (grpc.aio.AioRpcError, LinkError) as exc:
                 self._link_error(exc.code(), exc.details() or "")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:    # noqa: BLE001 - any failure of the stream is a lost link
                 self._link_error(grpc.StatusCode.UNAVAILABLE, f"{type(exc).__name__}: {exc}")
             finally:
-                for task in (reader, pump):
+                for task in tasks:
                     task.cancel()
-                await asyncio.gather(reader, pump, return_exceptions=True)
-                call.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                if call is not None:
+                    call.cancel()
                 was_connected = self.connected
                 self._disconnected()
             if self._flushing:
@@ -382,6 +394,23 @@ class PeerLink:
             else:
                 backoff = min(backoff * 2, 1.0)
             await asyncio.sleep(backoff)
+
+    async def _open_stream(self):
+        """The peer's TCP data plane when it offers one (see wire.py), else the gRPC ``Link`` stream."""
+        if self._try_data_plane:
+            try:
+                plane = await self._data_plane_method(pb.DataPlaneRequest(), metadata=self._metadata, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                plane = None        # a peer without a data plane
+            if plane is not None and plane.port:
+                host, _ = parse_hostport(self.address)
+                call = await WireCall.connect(host, plane.port, plane.ticket)
+                self.transport = "tcp"
+                return call
+        self.transport = "grpc"
+        return self._link_method(metadata=self._metadata)
 
     def _link_error(self, code: grpc.StatusCode, details: str) -> None:
         if code in FATAL_LINK_CODES:
@@ -507,9 +536,12 @@ class PeerLink:
         self.sent_chunks += 1
         self.metrics.bytes.labels(self.name, t.priority, "send").inc(len(chunk.data))
         self.metrics.chunks.labels(self.name, t.priority, "send").inc()
-        await call.write(encode_chunk_frame(pb.Chunk(
-            tid=t.tid, seq=seq, sn=sn, part=chunk.part, offset=chunk.offset, crc32c=chunk.crc,
-            info=chunk.info), data))
+        head = pb.Chunk(tid=t.tid, seq=seq, sn=sn, part=chunk.part, offset=chunk.offset, crc32c=chunk.crc,
+                        info=chunk.info)
+        if isinstance(call, WireCall):
+            await call.write_chunk(chunk_frame_prefix(head, len(data)), data)     # no copy of the data here
+        else:
+            await call.write(encode_chunk_frame(head, data))
 
     def _release_acked(self, t: OutTransfer) -> None:
         """The peer spools to disk: what it acknowledged survives its restart, so free it here."""
@@ -531,7 +563,8 @@ class PeerLink:
                 self.connected = True
                 self.connects += 1
                 self.metrics.link_up.labels(self.name).set(1)
-                log.info("link to %s (%s) up", self.name, self.address)
+                log.info("link to %s (%s) up over %s", self.name, self.address,
+                         "the TCP data plane" if self.transport == "tcp" else "gRPC")
             if kind == "ack":
                 self._on_ack(reply.ack)
             elif kind == "state":
@@ -658,6 +691,7 @@ class PeerLink:
             "address": self.address,
             "connected": self.connected,
             "connects": self.connects,
+            "transport": self.transport if self.connected else "",
             "transfers": len(self.transfers),
             "fifo": len(self.fifo),
             "queue": self.sched.depth(),

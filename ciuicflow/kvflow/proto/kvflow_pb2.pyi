@@ -209,6 +209,18 @@ class StatsReply(_message.Message):
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
+class DataPlaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPlaneReply(_message.Message):
+    __slots__ = ("port", "ticket")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
 class TransferOpen(_message.Message):
     __slots__ = ("tid", "key", "priority", "deadline_s", "payload_kind", "uuid", "resume", "lease_s")
     TID_FIELD_NUMBER: _ClassVar[int]

@@ -257,6 +257,11 @@ class KVFlowPeerStub:
                 request_serializer=kvflow__pb2.PeerFrame.SerializeToString,
                 response_deserializer=kvflow__pb2.PeerReply.FromString,
                 _registered_method=True)
+        self.DataPlane = channel.unary_unary(
+                '/ciuicflow.kvflow.v1.KVFlowPeer/DataPlane',
+                request_serializer=kvflow__pb2.DataPlaneRequest.SerializeToString,
+                response_deserializer=kvflow__pb2.DataPlaneReply.FromString,
+                _registered_method=True)
 
 
 class KVFlowPeerServicer:
@@ -272,6 +277,16 @@ class KVFlowPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataPlane(self, request, context):
+        """Where this receiver's TCP data plane listens, with a one-time ticket for the sender named in the
+        metadata (checked as for Link). The data plane carries the same PeerFrame / PeerReply messages as
+        Link, length-prefixed on a plain TCP connection (ciuicflow/kvflow/wire.py). port 0: no data plane
+        (TLS peers, or --data-port -1): use Link.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVFlowPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -279,6 +294,11 @@ def add_KVFlowPeerServicer_to_server(servicer, server):
                     servicer.Link,
                     request_deserializer=kvflow__pb2.PeerFrame.FromString,
                     response_serializer=kvflow__pb2.PeerReply.SerializeToString,
+            ),
+            'DataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPlane,
+                    request_deserializer=kvflow__pb2.DataPlaneRequest.FromString,
+                    response_serializer=kvflow__pb2.DataPlaneReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +330,33 @@ class KVFlowPeer:
             '/ciuicflow.kvflow.v1.KVFlowPeer/Link',
             kvflow__pb2.PeerFrame.SerializeToString,
             kvflow__pb2.PeerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ciuicflow.kvflow.v1.KVFlowPeer/DataPlane',
+            kvflow__pb2.DataPlaneRequest.SerializeToString,
+            kvflow__pb2.DataPlaneReply.FromString,
             options,
             channel_credentials,
             insecure,
