@@ -301,6 +301,7 @@ class _Connection(asyncio.BufferedProtocol):
         return True         # keep our side open: the status still goes back
 
     def connection_lost(self, exc) -> None:
+        log.debug("data plane connection from %s closed (%s)", self.transport.get_extra_info("peername"), exc)
         self.frames.put_nowait(_EOF)
         self.writable.set()
         self.plane.connections.discard(self)
@@ -357,6 +358,8 @@ class _Connection(asyncio.BufferedProtocol):
                     await self.writable.wait()
         except _Abort as exc:
             code, message = exc.code, exc.message
+            log.info("data plane stream from %s refused: %s %s", self.transport.get_extra_info("peername"),
+                     code.name, message)
         except asyncio.CancelledError:
             code, message = grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down"
         except Exception as exc:  # noqa: BLE001 - report it to the sender, keep serving others

@@ -1,4 +1,5 @@
-"""Peer links refuse senders without credentials: shared token, mutual TLS."""
+"""Peer links refuse senders without credentials: shared token, mutual TLS, data plane tickets."""
+import json
 import os
 import shutil
 import subprocess
@@ -86,6 +87,9 @@ def test_kvflow_mutual_tls(sidecars, tmp_path):
     payload = os.urandom(1 << 20)
     a.client().send("b", "tls-1", payload, priority="high").wait(30)
     assert b.client().recv("tls-1", timeout_s=10) == payload
+    # the TCP data plane has no TLS: with TLS, chunks go on the gRPC stream and no data port is open
+    assert a.stats()["peers"]["b"]["transport"] == "grpc"
+    assert b.stats()["data_port"] is None
 
     frames = [pb.PeerFrame(open=pb.TransferOpen(tid=1, key="x", uuid="u"))]
     md = (("x-ciuic-peer", "a"),)
@@ -118,3 +122,103 @@ def test_kvflow_mutual_tls(sidecars, tmp_path):
         rogue.client().send("b", "tls-2", b"spoofed").wait(30)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert "tls-2" not in b.client().stats()["store"]["keys"]
+
+
+# ---------------------------------------------------------------------- the TCP data plane
+DATA_PLANE = "/ciuicflow.kvflow.v1.KVFlowPeer/DataPlane"
+
+
+def _ticket(listen, metadata):
+    with grpc.insecure_channel(listen) as ch:
+        call = ch.unary_unary(DATA_PLANE, request_serializer=pb.DataPlaneRequest.SerializeToString,
+                              response_deserializer=pb.DataPlaneReply.FromString)
+        return call(pb.DataPlaneRequest(), metadata=metadata, timeout=10)
+
+
+def _wire_session(port, frames):
+    """Send raw data-plane frames ((kind, payload) pairs); the frames that come back until the status."""
+    import json
+    import socket
+
+    from ciuicflow.kvflow.wire import HEAD, STATUS
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        for kind, payload in frames:
+            s.sendall(HEAD.pack(kind, len(payload)) + payload)
+        try:
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass        # the receiver may have refused and closed already
+        data = b""
+        while True:
+            more = s.recv(1 << 16)
+            if not more:
+                break
+            data += more
+    out, pos = [], 0
+    while pos + HEAD.size <= len(data):
+        kind, n = HEAD.unpack_from(data, pos)
+        payload = data[pos + HEAD.size:pos + HEAD.size + n]
+        pos += HEAD.size + n
+        out.append((kind, json.loads(payload)["code"] if kind == STATUS else payload))
+    return out
+
+
+def test_kvflow_data_plane_needs_a_ticket_from_an_authenticated_sender(sidecars):
+    from ciuicflow.kvflow.wire import HELLO, MSG, STATUS
+    b = sidecars.make("b", args=["--token", "s3cret"])
+    a = sidecars.make("a", args=["--token", "s3cret"])
+    a.peers, b.peers = {"b": b.listen}, {"a": a.listen}
+    sidecars.start_all(a, b)
+    payload = os.urandom(3 << 20)
+    a.client().send("b", "dp-1", payload).wait(30)
+    assert b.client().recv("dp-1", timeout_s=10) == payload
+    assert a.stats()["peers"]["b"]["transport"] == "tcp"
+    port = b.stats()["data_port"]
+    # no token, no ticket
+    with pytest.raises(grpc.RpcError) as err:
+        _ticket(b.listen, (("x-ciuic-peer", "a"),))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    unauthenticated = [(STATUS, grpc.StatusCode.UNAUTHENTICATED.value[0])]
+    open_frame = pb.PeerFrame(open=pb.TransferOpen(tid=1, key="dp-forged", uuid="u")).SerializeToString()
+    # a made-up ticket, or frames with no hello at all
+    assert _wire_session(port, [(HELLO, os.urandom(24)), (MSG, open_frame)]) == unauthenticated
+    assert _wire_session(port, [(MSG, open_frame)]) == unauthenticated
+    # a real ticket works once
+    ticket = _ticket(b.listen, (("x-ciuic-peer", "a"), ("authorization", "Bearer s3cret"))).ticket
+    legit_open = pb.PeerFrame(open=pb.TransferOpen(tid=1, key="dp-open", uuid="u")).SerializeToString()
+    replies = _wire_session(port, [(HELLO, ticket), (MSG, legit_open)])
+    assert replies[-1] == (STATUS, 0) and pb.PeerReply.FromString(replies[0][1]).state.tid == 1
+    assert _wire_session(port, [(HELLO, ticket), (MSG, open_frame)]) == unauthenticated
+    # malformed and oversized frames end that stream with a clear status; the sidecar keeps serving
+    ticket = _ticket(b.listen, (("x-ciuic-peer", "a"), ("authorization", "Bearer s3cret"))).ticket
+    assert _wire_session(port, [(HELLO, ticket), (MSG, b"\xff\xff\xff")])[-1] == \
+        (STATUS, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+    ticket = _ticket(b.listen, (("x-ciuic-peer", "a"), ("authorization", "Bearer s3cret"))).ticket
+    import socket
+
+    from ciuicflow.kvflow.wire import HEAD
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(HEAD.pack(HELLO, len(ticket)) + ticket + HEAD.pack(MSG, 1 << 30))     # a 1 GiB frame
+        reply = s.recv(4096)
+    kind, n = HEAD.unpack_from(reply)
+    assert kind == STATUS and json.loads(reply[HEAD.size:HEAD.size + n])["code"] == \
+        grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    a.client().send("b", "dp-2", b"still fine").wait(30)
+    assert b.client().recv("dp-2", timeout_s=10) == b"still fine"
+    assert "dp-forged" not in b.client().stats()["store"]["keys"]
+    assert "lost" not in a.log()        # other connections' trouble never touched a's link
+
+
+def test_kvflow_grpc_transport_on_request(sidecars):
+    a, b = sidecars.pair(a_args=["--peer-transport", "grpc"], b_args=["--data-port", "-1", "--allow-unknown-peers"])
+    payload = os.urandom(2 << 20)
+    a.client().send("b", "g-1", payload).wait(30)
+    assert b.client().recv("g-1", timeout_s=10) == payload
+    assert a.stats()["peers"]["b"]["transport"] == "grpc"
+    # b offers no data plane: a sender that would use it falls back to gRPC
+    assert b.stats()["data_port"] is None
+    c = sidecars.make("c", peers={"b": b.listen})
+    sidecars.start_all(c)
+    c.client().send("b", "g-2", payload).wait(30)
+    assert b.client().recv("g-2", timeout_s=10) == payload
+    assert c.stats()["peers"]["b"]["transport"] == "grpc"
