@@ -8,6 +8,7 @@ import pytest
 from ciuicflow.kvflow.common import parse_hostport, parse_size
 from ciuicflow.kvflow.config import load_config
 from ciuicflow.kvflow.congestion import PROBE_BW, PROBE_RTT, CongestionController
+from ciuicflow.kvflow.proto import kvflow_pb2 as pb
 from ciuicflow.kvflow.scheduler import Scheduler
 
 CHUNK = 256 << 10
@@ -303,6 +304,40 @@ lease_s = 5
         load_config(["--peer", "nobody"])
     with pytest.raises(ValueError):
         load_config(["--chunk-size", "64MiB"])
+    assert (load_config([]).peer_transport, load_config([]).data_port) == ("auto", 0)
+    assert load_config(["--data-port", "-1"]).data_port == -1
+    with pytest.raises(ValueError, match="--data-port"):
+        load_config(["--data-port", "70000"])
+    with pytest.raises(SystemExit):     # argparse: not one of the choices
+        load_config(["--peer-transport", "udp"])
+
+
+def test_kvflow_chunk_frames_parse_without_copying_their_data():
+    import os
+
+    from ciuicflow.kvflow.sender import encode_chunk_frame
+    from ciuicflow.kvflow.wire import parse_chunk_frame
+
+    head = pb.Chunk(tid=3, seq=7, sn=99, part=2, offset=4096, crc32c=0xDEADBEEF,
+                    info=pb.PartInfo(index=2, nbytes=9999, name="layer.2"))
+    for n in (0, 1, 300, 288 << 10):
+        data = os.urandom(n)
+        buf = bytearray(encode_chunk_frame(head, data))
+        frame = parse_chunk_frame(buf)
+        reference = pb.PeerFrame.FromString(bytes(buf)).chunk
+        assert bytes(frame.data) == reference.data == data
+        if n:
+            assert frame.data.obj is buf            # a view of the received buffer, not a copy
+        reference.data = b""
+        assert frame.chunk == reference
+    # any field order protobuf allows (here: data before other fields) parses the same
+    generic = pb.PeerFrame(chunk=pb.Chunk(tid=1, seq=2, data=b"abc", crc32c=5)).SerializeToString()
+    frame = parse_chunk_frame(bytearray(generic))
+    assert (frame.chunk.tid, frame.chunk.crc32c, bytes(frame.data)) == (1, 5, b"abc")
+    # anything else is left to protobuf (which judges malformed bytes)
+    assert parse_chunk_frame(bytearray(b"\x12\x05abc")) is None
+    assert parse_chunk_frame(bytearray(pb.PeerFrame(abort=pb.Abort(tid=1)).SerializeToString())) is None
+    assert parse_chunk_frame(bytearray(b"\x12\x02\x32\x09")) is None     # data longer than the frame
 
 
 def test_kvflow_tensor_encoding_roundtrip():
