@@ -220,11 +220,15 @@ class CongestionController:
             return
         if s.app_limited and s.rate < self.btl_bw:
             return
+        # Windowed max as a monotonic queue (rates decreasing from the left): a sample that a newer, larger
+        # one outlives can never be the max again. O(1) per ack instead of a scan of 10 rounds of samples.
+        while self._bw_samples and self._bw_samples[-1][1] <= s.rate:
+            self._bw_samples.pop()
         self._bw_samples.append((self.round_count, s.rate))
         horizon = self.round_count - self.bw_window_rounds
-        while self._bw_samples and self._bw_samples[0][0] < horizon:
+        while self._bw_samples[0][0] < horizon:
             self._bw_samples.popleft()
-        self.btl_bw = max(r for _, r in self._bw_samples)
+        self.btl_bw = self._bw_samples[0][1]
 
     def _update_ack_aggregation(self, nbytes: int, now: float, round_start: bool) -> None:
         if round_start and self.round_count - self.extra_acked_slot_start >= self.bw_window_rounds:

@@ -4,6 +4,8 @@ import heapq
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ciuicflow.kvflow.common import parse_hostport, parse_size
 from ciuicflow.kvflow.config import load_config
@@ -354,3 +356,21 @@ def test_kvflow_tensor_encoding_roundtrip():
         assert torch.equal(out, v.resolve_conj())
     with pytest.raises(TypeError):
         encode_part(0, 3.14)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(1.0, 1e9), st.booleans()), min_size=1, max_size=120))
+def test_kvflow_bandwidth_is_the_max_over_the_last_rounds(samples):
+    from ciuicflow.kvflow.congestion import RateSample
+    cc = CongestionController(lambda: 0.0, chunk_bytes=1 << 18)
+    taken = []                  # (round, rate) of the samples the estimator keeps
+    for advance, rate, app_limited in samples:
+        cc.round_count += advance
+        before = cc.btl_bw
+        cc._update_bw(RateSample(rate, 0.001, app_limited))
+        if app_limited and rate < before:
+            assert cc.btl_bw == before      # as BBR: a low app-limited sample neither counts nor ages the max
+            continue
+        taken.append((cc.round_count, rate))
+        horizon = cc.round_count - cc.bw_window_rounds
+        assert cc.btl_bw == max(r for rnd, r in taken if rnd >= horizon)
