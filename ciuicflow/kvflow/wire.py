@@ -38,7 +38,7 @@ HEAD = struct.Struct("<BI")
 MSG, HELLO, STATUS = 0, 1, 2
 TICKET_TTL_S = 60.0
 HELLO_TIMEOUT_S = 10.0
-QUEUE_HIGH = 32            # frames read but not yet handled: stop reading from the socket above this
+QUEUE_HIGH = 16            # frames read but not yet handled: stop reading from the socket above this
 _CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 
 
