@@ -37,6 +37,8 @@ FATAL_LINK_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
 }
 _CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+DATA_PLANE_CONNECT_S = 5.0      # a data port that does not answer within this: fall back to gRPC
+DATA_PLANE_RETRY_S = 60.0       # ... and try it again after this long (on the next reconnect)
 
 
 def status_code(value: int) -> grpc.StatusCode:
@@ -201,6 +203,7 @@ class PeerLink:
             response_deserializer=pb.DataPlaneReply.FromString)
         # The TCP data plane has no TLS: with TLS configured, chunks stay on the gRPC stream.
         self._try_data_plane = cfg.peer_transport == "auto" and not cfg.tls_cert
+        self._data_plane_retry_at = 0.0
         self.transport = ""                     # of the current connection: "tcp" or "grpc"
         md = [(PEER_METADATA, cfg.name)]
         if cfg.token:
@@ -404,11 +407,19 @@ class PeerLink:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 plane = None        # a peer without a data plane
-            if plane is not None and plane.port:
+            if plane is not None and plane.port and time.monotonic() >= self._data_plane_retry_at:
                 host, _ = parse_hostport(self.address)
-                call = await WireCall.connect(host, plane.port, plane.ticket)
-                self.transport = "tcp"
-                return call
+                try:
+                    call = await WireCall.connect(host, plane.port, plane.ticket, timeout=DATA_PLANE_CONNECT_S)
+                    self.transport = "tcp"
+                    return call
+                except (OSError, asyncio.TimeoutError) as exc:
+                    # The gRPC port answers but the data port does not (a firewall, a port mapping that
+                    # left it out): use the gRPC stream, and try the data plane again later.
+                    self._data_plane_retry_at = time.monotonic() + DATA_PLANE_RETRY_S
+                    log.warning("link to %s: data plane %s:%d unreachable (%s: %s); using the gRPC stream, "
+                                "retrying the data plane in %gs", self.name, host, plane.port,
+                                type(exc).__name__, exc, DATA_PLANE_RETRY_S)
         self.transport = "grpc"
         return self._link_method(metadata=self._metadata)
 

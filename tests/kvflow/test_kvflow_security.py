@@ -222,3 +222,49 @@ def test_kvflow_grpc_transport_on_request(sidecars):
     c.client().send("b", "g-2", payload).wait(30)
     assert b.client().recv("g-2", timeout_s=10) == payload
     assert c.stats()["peers"]["b"]["transport"] == "grpc"
+
+
+def test_kvflow_unreachable_data_port_falls_back_to_grpc(sidecars):
+    """A receiver whose gRPC port answers but whose data port does not (a firewall, a port mapping that
+    left it out): the sender delivers over the gRPC stream instead of retrying the data plane forever."""
+    from concurrent import futures
+
+    from tests.kvflow.conftest import free_port
+    closed_port = free_port()               # nothing listens there
+    seen = []
+
+    def data_plane(request, context):
+        return pb.DataPlaneReply(port=closed_port, ticket=b"t")
+
+    def link(frames, context):              # a minimal receiver: holds nothing, acknowledges everything
+        for frame in frames:
+            kind = frame.WhichOneof("msg")
+            seen.append(kind)
+            if kind == "open":
+                yield pb.PeerReply(state=pb.TransferState(tid=frame.open.tid))
+            elif kind == "chunk":
+                c = frame.chunk
+                yield pb.PeerReply(ack=pb.Ack(tid=c.tid, seq=c.seq, sn=c.sn, code=pb.ACK_OK))
+            elif kind == "commit":
+                yield pb.PeerReply(commit=pb.CommitAck(tid=frame.commit.tid))
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("ciuicflow.kvflow.v1.KVFlowPeer", {
+        "DataPlane": grpc.unary_unary_rpc_method_handler(
+            data_plane, request_deserializer=pb.DataPlaneRequest.FromString,
+            response_serializer=pb.DataPlaneReply.SerializeToString),
+        "Link": grpc.stream_stream_rpc_method_handler(
+            link, request_deserializer=pb.PeerFrame.FromString,
+            response_serializer=pb.PeerReply.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        a = sidecars.make("a", peers={"b": f"127.0.0.1:{port}"})
+        sidecars.start_all(a)
+        reply = a.client().send("b", "fallback-1", os.urandom(600 << 10)).wait(30)
+        assert reply.bytes == 600 << 10
+        assert a.stats()["peers"]["b"]["transport"] == "grpc"
+        assert "open" in seen and "chunk" in seen and "commit" in seen
+        assert f"data plane 127.0.0.1:{closed_port} unreachable" in a.log()
+    finally:
+        server.stop(None)
