@@ -370,14 +370,14 @@ class Testbed:
         before = self.link_bytes()
         pids = {f"sidecar {sc.name}": sc.proc.pid for sc in self.sidecars}
         pids.update({role: proc.pid for role, proc, _ in self.workers})
-        cpu_before = {role: cpu_seconds([pid]) for role, pid in pids.items()}
+        cpu_before = {role: cpu_seconds(pid) for role, pid in pids.items()}
         t0 = time.monotonic() + 0.3
         _write(os.path.join(self.sync, f"{name}.go"), repr(t0))
         sent = json.loads(self._wait(os.path.join(self.sync, f"{name}.sender.json"), timeout))
         received = json.loads(self._wait(os.path.join(self.sync, f"{name}.receiver.json"), timeout))
         after = self.link_bytes()
         # per process; includes the workers' wait for "go" (a 10 ms poll)
-        cpu = {role: cpu_seconds([pid]) - cpu_before[role] for role, pid in pids.items()}
+        cpu = {role: cpu_seconds(pid) - cpu_before[role] for role, pid in pids.items()}
         link = None
         if before is not None and after is not None:
             link = after[0][0] - before[0][0]      # bytes out of node 0 onto its veth
@@ -397,17 +397,14 @@ class Testbed:
         self.workers = []
 
 
-def cpu_seconds(pids) -> float:
-    """User + system CPU seconds used so far by these processes (Linux /proc; 0 for one that is gone)."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])      # utime, stime (clock ticks)
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by a process (Linux /proc; 0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")     # utime, stime (ticks)
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _tail(path: str, n: int = 2500) -> str:
@@ -578,7 +575,7 @@ class PlainServer:
         port = int(_wait_file(self.port_file, 120))
         out = os.path.join(self.dir, f"client-{rep}.json")
         log_path = os.path.join(self.dir, f"client-{rep}.log")
-        server_cpu = cpu_seconds([self.proc.pid])
+        server_cpu = cpu_seconds(self.proc.pid)
         with open(log_path, "wb") as fh:
             rc = _host_launch([sys.executable, os.path.abspath(__file__), "--worker", "plain-client",
                                "--plan", plan, "--address", f"127.0.0.1:{port}", "--out", out],
@@ -587,7 +584,7 @@ class PlainServer:
             raise RuntimeError(f"plain gRPC client failed ({rc}):\n{_tail(log_path)}")
         with open(out) as fh:
             result = json.load(fh)
-        result["cpu_s"] = result["client_cpu_s"] + cpu_seconds([self.proc.pid]) - server_cpu
+        result["cpu_s"] = result["client_cpu_s"] + cpu_seconds(self.proc.pid) - server_cpu
         return result
 
     def stop(self) -> None:

@@ -5,6 +5,8 @@ import math
 import re
 from typing import Optional, Tuple
 
+import grpc
+
 from .proto import kvflow_pb2 as pb
 
 # gRPC metadata
@@ -31,6 +33,14 @@ DTYPE_ITEMSIZE = {
     "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
     "bool": 1,
 }
+
+
+_CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The gRPC status code of a status number carried in a message (UNKNOWN for numbers gRPC lacks)."""
+    return _CODE_BY_VALUE.get(int(value), grpc.StatusCode.UNKNOWN)
 
 
 def priority_to_pb(name: str) -> int:

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import crc32c
 import grpc
 
-from .common import AUTH_METADATA, PEER_METADATA, check_key, check_part_info, priority_from_pb
+from .common import AUTH_METADATA, PEER_METADATA, check_key, check_part_info, priority_from_pb, status_code
 from .proto import kvflow_pb2 as pb
 from .wire import ChunkFrame
 
@@ -267,8 +267,6 @@ class PeerService:
             self.sc.metrics.rejected.labels("PERMISSION_DENIED").inc()
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"unknown peer {source!r}: not named by --peer (or use --allow-unknown-peers)")
-        if self.sc.shutting_down:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
         return source
 
     async def Link(self, request_iterator, context):
@@ -474,9 +472,6 @@ class PeerService:
         return pb.PeerReply(commit=pb.CommitAck(tid=tid))
 
 
-_CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
-
-
 def _status(value: int) -> grpc.StatusCode:
-    code = _CODE_BY_VALUE.get(int(value), grpc.StatusCode.UNKNOWN)
+    code = status_code(value)
     return grpc.StatusCode.UNKNOWN if code == grpc.StatusCode.OK else code

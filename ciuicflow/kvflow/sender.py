@@ -23,11 +23,11 @@ from typing import Deque, Dict, List, Optional
 
 import grpc
 
-from .common import AUTH_METADATA, PEER_METADATA, parse_hostport, priority_to_pb
+from .common import AUTH_METADATA, PEER_METADATA, parse_hostport, priority_to_pb, status_code
 from .congestion import CongestionController
 from .proto import kvflow_pb2 as pb
 from .scheduler import Scheduler
-from .wire import LinkError, WireCall
+from .wire import LinkError, WireCall, chunk_frame_prefix, encode_chunk_frame
 
 log = logging.getLogger("ciuicflow.kvflow.sender")
 
@@ -36,47 +36,8 @@ FATAL_LINK_CODES = {
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
 }
-_CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 DATA_PLANE_CONNECT_S = 5.0      # a data port that does not answer within this: fall back to gRPC
 DATA_PLANE_RETRY_S = 60.0       # ... and try it again after this long (on the next reconnect)
-
-
-def status_code(value: int) -> grpc.StatusCode:
-    return _CODE_BY_VALUE.get(int(value), grpc.StatusCode.UNKNOWN)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-_CHUNK_FIELD = (2 << 3) | 2         # PeerFrame.chunk, length-delimited
-_DATA_FIELD = (6 << 3) | 2          # Chunk.data, length-delimited
-
-
-def chunk_frame_prefix(chunk: pb.Chunk, n: int) -> bytes:
-    """The bytes of a serialized ``PeerFrame(chunk=...)`` that come before its ``n`` bytes of data: the
-    frame is built without copying the data into a protobuf message first (constructing a message with a
-    large bytes field costs ~1 ms per 256 KiB chunk on a busy host, more than everything else a chunk
-    costs). Prefix + data parse as the same PeerFrame: protobuf fields may come in any order."""
-    head = chunk.SerializeToString()
-    if not n:
-        return bytes((_CHUNK_FIELD,)) + _varint(len(head)) + head
-    data_len = _varint(n)
-    inner_len = len(head) + 1 + len(data_len) + n
-    return b"".join((bytes((_CHUNK_FIELD,)), _varint(inner_len), head, bytes((_DATA_FIELD,)), data_len))
-
-
-def encode_chunk_frame(chunk: pb.Chunk, data) -> bytes:
-    """A serialized ``PeerFrame(chunk=...)`` whose ``data`` is ``data`` (see ``chunk_frame_prefix``)."""
-    return chunk_frame_prefix(chunk, len(data)) + data if len(data) else chunk_frame_prefix(chunk, 0)
 
 
 def serialize_frame(frame) -> bytes:

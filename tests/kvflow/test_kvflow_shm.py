@@ -11,7 +11,7 @@ import pytest
 from ciuicflow.kvflow import KVFlowError
 from ciuicflow.kvflow import shm as shmlib
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
-from ciuicflow.kvflow.sender import encode_chunk_frame
+from ciuicflow.kvflow.wire import encode_chunk_frame
 
 CHUNK = 64 << 10
 

@@ -317,7 +317,7 @@ lease_s = 5
 def test_kvflow_chunk_frames_parse_without_copying_their_data():
     import os
 
-    from ciuicflow.kvflow.sender import encode_chunk_frame
+    from ciuicflow.kvflow.wire import encode_chunk_frame
     from ciuicflow.kvflow.wire import parse_chunk_frame
 
     head = pb.Chunk(tid=3, seq=7, sn=99, part=2, offset=4096, crc32c=0xDEADBEEF,
