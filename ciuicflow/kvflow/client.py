@@ -173,9 +173,11 @@ class _ShmWriter:
             allocated = os.fstat(self.fd).st_blocks * 512
         return max(0, allocated - self.tails * shmlib.PAGE)
 
-    def wait_room(self) -> None:
+    def wait_room(self, limit: Optional[int] = None) -> None:
+        """Wait until at most ``limit`` (default: the window) bytes are pending."""
+        limit = self.window if limit is None else limit
         delay = 0.0005
-        while self.pending() > self.window:
+        while self.pending() > limit:
             if self._done():
                 return
             time.sleep(delay)
@@ -209,12 +211,17 @@ class _ShmWriter:
 
     def batches(self, parts) -> Iterator[pb.SendRequest]:
         """The parts of a transfer as few messages of handles: a batch goes when it has 256 handles or
-        when writing the next part has to wait for the sidecar."""
+        when writing the next part has to wait for the sidecar. Writing then resumes once the sidecar has
+        taken half the window, so the next batch again holds several parts (the sidecar packs whole small
+        parts of one message into one chunk) instead of trickling one part per message."""
         batch = []
         for info, mv in parts:
-            if batch and (len(batch) >= 256 or self.pending() + mv.nbytes > self.window):
+            full = self.pending() + mv.nbytes > self.window
+            if batch and (len(batch) >= 256 or full):
                 yield pb.SendRequest(batch=pb.SendBatch(data=batch))
                 batch = []
+                if full:
+                    self.wait_room(self.window // 2)
             batch += self.data(info, mv)
         if batch:
             yield pb.SendRequest(batch=pb.SendBatch(data=batch))

@@ -26,19 +26,50 @@ TOMBSTONES = 4096
 
 
 class InChunk:
-    __slots__ = ("part", "offset", "data", "info", "crc", "part_nbytes")
+    """A received chunk: bytes of one part from ``offset``, or, packed, several whole parts back to back
+    (``info`` and then ``more``)."""
+    __slots__ = ("part", "offset", "data", "info", "crc", "part_nbytes", "more")
 
-    def __init__(self, part, offset, data, info, crc, part_nbytes):
+    def __init__(self, part, offset, data, info, crc, part_nbytes, more=()):
         self.part = part
         self.offset = offset
         self.data = data
         self.info = info
         self.crc = crc
         self.part_nbytes = part_nbytes
+        self.more = tuple(more)
+
+    @property
+    def last_part(self) -> int:
+        return self.part + len(self.more)
 
     @property
     def ends_part(self) -> bool:
-        return self.offset + len(self.data) >= self.part_nbytes
+        return bool(self.more) or self.offset + len(self.data) >= self.part_nbytes
+
+    def spans(self):
+        """(part, offset, PartInfo or None, start, length) of each part's bytes in ``data``."""
+        first = len(self.data) - sum(m.nbytes for m in self.more)
+        yield self.part, self.offset, self.info, 0, first
+        start = first
+        for m in self.more:
+            yield m.index, 0, m, start, m.nbytes
+            start += m.nbytes
+
+
+def check_packed(c: pb.Chunk, n: int) -> Optional[str]:
+    """Why the packed chunk ``c`` with ``n`` bytes of data is malformed (None: it is not)."""
+    if c.offset or not c.HasField("info"):
+        return f"packed chunk of part {c.part} does not start a part"
+    total = c.info.nbytes
+    for k, m in enumerate(c.more, 1):
+        err = check_part_info(m, c.part + k)
+        if err:
+            return err
+        total += m.nbytes
+    if total != n:
+        return f"packed chunk of parts {c.part}..{c.part + len(c.more)} has {n} bytes, its parts {total}"
+    return None
 
 
 class InTransfer:
@@ -86,7 +117,7 @@ class InTransfer:
             return 0, 0, None
         last = self.chunks[-1]
         if last.ends_part:
-            return last.part + 1, 0, None
+            return last.last_part + 1, 0, None
         return last.part, last.offset + len(last.data), last.part_nbytes
 
 
@@ -416,7 +447,9 @@ class PeerService:
             else:
                 error = check_part_info(c.info, part)
                 part_nbytes = c.info.nbytes
-        if error is None and (offset + len(data) > part_nbytes or (not data and part_nbytes)):
+        if error is None and c.more:
+            error = check_packed(c, len(data))
+        elif error is None and (offset + len(data) > part_nbytes or (not data and part_nbytes)):
             error = f"chunk of part {part} at offset {offset} with {len(data)} bytes overruns {part_nbytes}"
         if error is not None:
             self.store.fail(entry, grpc.StatusCode.INVALID_ARGUMENT, error)
@@ -425,7 +458,7 @@ class PeerService:
         if not self.sc.budget.try_reserve(source, len(data)):
             yield ack(pb.ACK_BUSY, message="receiver over its memory cap")
             return
-        chunk = InChunk(c.part, c.offset, data, c.info if offset == 0 else None, c.crc32c, part_nbytes)
+        chunk = InChunk(c.part, c.offset, data, c.info if offset == 0 else None, c.crc32c, part_nbytes, c.more)
         entry.chunks.append(chunk)
         entry.bytes += len(data)
         entry.last_activity = time.monotonic()
@@ -460,7 +493,7 @@ class PeerService:
         error = None
         if entry.num_parts:
             last = entry.chunks[-1] if entry.chunks else None
-            if last is None or last.part != entry.num_parts - 1 or not last.ends_part:
+            if last is None or last.last_part != entry.num_parts - 1 or not last.ends_part:
                 error = f"commit of {entry.num_parts} parts, but the chunks do not end part {entry.num_parts - 1}"
         elif entry.chunks:
             error = "commit of 0 parts after chunks"

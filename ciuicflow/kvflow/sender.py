@@ -68,6 +68,7 @@ class OutChunk:
     data: bytes
     crc: int
     info: Optional[pb.PartInfo]
+    more: tuple = ()            # a packed chunk: the whole parts after the first (see pb.Chunk.more)
 
 
 class OutTransfer:
@@ -509,7 +510,7 @@ class PeerLink:
         self.metrics.bytes.labels(self.name, t.priority, "send").inc(len(chunk.data))
         self.metrics.chunks.labels(self.name, t.priority, "send").inc()
         head = pb.Chunk(tid=t.tid, seq=seq, sn=sn, part=chunk.part, offset=chunk.offset, crc32c=chunk.crc,
-                        info=chunk.info)
+                        info=chunk.info, more=chunk.more)
         if isinstance(call, WireCall):
             await call.write_chunk(chunk_frame_prefix(head, len(data)), data)     # no copy of the data here
         else:

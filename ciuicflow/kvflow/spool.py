@@ -3,7 +3,8 @@ acknowledged, so a receiving sidecar killed mid-transfer resumes from its last a
 comes back, and keeps completed-but-uncollected transfers (their lease restarts).
 
 Per transfer, named by the SHA-256 of its key: ``.meta`` (JSON), ``.data`` (chunk bytes back to back) and
-``.idx`` (one JSON line per chunk: seq, part, offset, length, crc32c, part bytes, PartInfo). On restore,
+``.idx`` (one JSON line per chunk: seq, part, offset, length, crc32c, part bytes, PartInfo, and for a packed
+chunk the PartInfos of its further parts). On restore,
 chunks are checked against their crc32c; the first bad or missing one ends what is kept.
 """
 from __future__ import annotations
@@ -65,11 +66,13 @@ class Spool:
     def append(self, entry, chunk, seq: int = None) -> None:
         data_fh, idx_fh = self._open(entry.key)
         seq = len(entry.chunks) - 1 if seq is None else seq
-        info = base64.b64encode(chunk.info.SerializeToString()).decode() if chunk.info is not None else None
+        info = _b64(chunk.info) if chunk.info is not None else None
         data_fh.write(chunk.data)
         data_fh.flush()
-        idx_fh.write((json.dumps([seq, chunk.part, chunk.offset, len(chunk.data), chunk.crc, chunk.part_nbytes,
-                                  info]) + "\n").encode())
+        record = [seq, chunk.part, chunk.offset, len(chunk.data), chunk.crc, chunk.part_nbytes, info]
+        if chunk.more:
+            record.append([_b64(m) for m in chunk.more])
+        idx_fh.write((json.dumps(record) + "\n").encode())
         idx_fh.flush()
 
     def rewrite(self, entry) -> None:
@@ -109,7 +112,7 @@ class Spool:
                 pos = 0
                 for seq, line in enumerate(lines):
                     try:
-                        s, part, offset, length, crc, part_nbytes, info = json.loads(line)
+                        s, part, offset, length, crc, part_nbytes, info, *more = json.loads(line)
                     except ValueError:
                         break
                     data = blob[pos:pos + length]
@@ -117,7 +120,8 @@ class Spool:
                         break
                     pos += length
                     pinfo = pb.PartInfo.FromString(base64.b64decode(info)) if info else None
-                    entry.chunks.append(InChunk(part, offset, data, pinfo, crc, part_nbytes))
+                    more = [pb.PartInfo.FromString(base64.b64decode(m)) for m in more[0]] if more else ()
+                    entry.chunks.append(InChunk(part, offset, data, pinfo, crc, part_nbytes, more))
                     entry.bytes += length
                 entry.total = meta.get("total")
                 entry.num_parts = meta.get("num_parts")
@@ -142,3 +146,7 @@ class Spool:
             self.rewrite(entry)      # drop whatever followed the last good chunk
             restored += 1
         return restored
+
+
+def _b64(info: pb.PartInfo) -> str:
+    return base64.b64encode(info.SerializeToString()).decode()

@@ -242,7 +242,7 @@ class TransferOpen(_message.Message):
     def __init__(self, tid: _Optional[int] = ..., key: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., deadline_s: _Optional[float] = ..., payload_kind: _Optional[str] = ..., uuid: _Optional[str] = ..., resume: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("tid", "seq", "sn", "part", "offset", "data", "crc32c", "info")
+    __slots__ = ("tid", "seq", "sn", "part", "offset", "data", "crc32c", "info", "more")
     TID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SN_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class Chunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     tid: int
     seq: int
     sn: int
@@ -259,7 +260,8 @@ class Chunk(_message.Message):
     data: bytes
     crc32c: int
     info: PartInfo
-    def __init__(self, tid: _Optional[int] = ..., seq: _Optional[int] = ..., sn: _Optional[int] = ..., part: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., info: _Optional[_Union[PartInfo, _Mapping]] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[PartInfo]
+    def __init__(self, tid: _Optional[int] = ..., seq: _Optional[int] = ..., sn: _Optional[int] = ..., part: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., info: _Optional[_Union[PartInfo, _Mapping]] = ..., more: _Optional[_Iterable[_Union[PartInfo, _Mapping]]] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("tid", "total_chunks", "num_parts")
