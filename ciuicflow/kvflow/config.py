@@ -29,7 +29,7 @@ class SidecarConfig:
     # chunking and flow control
     chunk_size: int = 256 << 10
     ingest_readahead: int = 4 << 20           # normal/low flow transfers: unsent bytes buffered ahead of the link
-    whole_part_bytes: int = 1 << 20           # a part up to this size goes as one chunk (no short tails)
+    whole_part_bytes: int = 1 << 20           # a part up to this size goes as one chunk (no short tails); packing limit
     min_cwnd: int = 0                         # bytes; 0 = max(2 chunks, 2MiB)
     quantum_normal: int = 3 << 20             # DRR quantum per turn, bytes
     quantum_low: int = 1 << 20
@@ -177,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ingest-readahead", default=S, help="normal/low flow transfers: read at most this many unsent bytes "
                                           "ahead from the local client (default 4MiB; 0: no limit)")
     a("--whole-part-bytes", default=S, help="a part (layer) up to this size goes as one chunk instead of being "
-                                          "cut at --chunk-size (default 1MiB; 0: always cut)")
+                                          "cut at --chunk-size, and whole parts read together from shared "
+                                          "memory are packed into chunks up to this size (default 1MiB; "
+                                          "0: --chunk-size)")
     a("--min-cwnd", default=S, help="smallest congestion window in bytes (default max(2 chunks, 2MiB))")
     a("--quantum-normal", default=S, help="DRR quantum of class normal per turn (default 3MiB)")
     a("--quantum-low", default=S, help="DRR quantum of class low per turn (default 1MiB)")

@@ -209,6 +209,30 @@ def test_kvflow_data_plane_needs_a_ticket_from_an_authenticated_sender(sidecars)
     assert "lost" not in a.log()        # other connections' trouble never touched a's link
 
 
+
+def test_kvflow_malformed_packed_chunk_fails_its_transfer(sidecars):
+    """A packed chunk whose parts do not add up to its bytes fails its transfer (never a wrong split)."""
+    import crc32c
+
+    from ciuicflow.kvflow.wire import HELLO, MSG, STATUS
+    b = sidecars.make("b", args=["--allow-unknown-peers"])
+    sidecars.start_all(b)
+    port = b.stats()["data_port"]
+    data = os.urandom(21)
+    frames = [pb.PeerFrame(open=pb.TransferOpen(tid=1, key="packed-bad", uuid="u")),
+              pb.PeerFrame(chunk=pb.Chunk(tid=1, seq=0, sn=1, part=0, offset=0, data=data, crc32c=crc32c.crc32c(data),
+                                          info=pb.PartInfo(index=0, nbytes=10),
+                                          more=[pb.PartInfo(index=1, nbytes=10)]))]
+    ticket = _ticket(b.listen, (("x-ciuic-peer", "a"),)).ticket
+    replies = _wire_session(port, [(HELLO, ticket)] + [(MSG, f.SerializeToString()) for f in frames])
+    assert replies[-1] == (STATUS, 0)
+    ack = pb.PeerReply.FromString(replies[1][1]).ack
+    assert ack.code == pb.ACK_FAILED and ack.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "has 21 bytes" in ack.message
+    with pytest.raises(KVFlowError) as err:
+        b.client().recv("packed-bad", timeout_s=5)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
 def test_kvflow_grpc_transport_on_request(sidecars):
     a, b = sidecars.pair(a_args=["--peer-transport", "grpc"], b_args=["--data-port", "-1", "--allow-unknown-peers"])
     payload = os.urandom(2 << 20)

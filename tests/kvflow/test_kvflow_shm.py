@@ -197,3 +197,23 @@ def test_encode_chunk_frame_matches_protobuf():
                                               info=info, data=data))
             assert pb.PeerFrame.FromString(encode_chunk_frame(c, data)) == ref
             assert pb.PeerFrame.FromString(encode_chunk_frame(c, memoryview(data))) == ref
+
+
+
+def test_small_parts_are_packed_and_arrive_whole(pair):
+    """Layers read together from shared memory share chunks; every part arrives whole, in order, through
+    shared memory and in-band alike."""
+    torch = pytest.importorskip("torch")
+    a, b = pair
+    torch.manual_seed(0)
+    tensors = [torch.randn(3 + 7 * i, 37) for i in range(61)]       # 444 B .. 63 KB, odd sizes
+    tensors[30] = torch.empty(0, 37)                                # an empty layer: goes in-band
+    tensors[40] = torch.randn(1000, 300)                            # 1.2 MB: cut into 19 chunks of 64 KiB
+    for shm in (True, False):
+        result = a.client().send("b", f"packed-{shm}", tensors).wait(30)
+        assert result.chunks < 40            # unpacked: 60 parts of one chunk each + 19 for the big one
+        parts = list(b.client(shm=shm).recv_stream(f"packed-{shm}", timeout_s=10))
+        assert [p.index for p in parts] == list(range(61))
+        for x, p in zip(tensors, parts):
+            assert p.value.dtype == x.dtype and p.value.shape == x.shape and torch.equal(p.value, x)
+    assert our_files() == []

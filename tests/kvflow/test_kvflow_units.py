@@ -374,3 +374,24 @@ def test_kvflow_bandwidth_is_the_max_over_the_last_rounds(samples):
         taken.append((cc.round_count, rate))
         horizon = cc.round_count - cc.bw_window_rounds
         assert cc.btl_bw == max(r for rnd, r in taken if rnd >= horizon)
+
+
+def test_kvflow_packed_chunk_spans_and_checks():
+    from ciuicflow.kvflow.receiver import InChunk, InTransfer, check_packed
+
+    infos = [pb.PartInfo(index=4 + k, nbytes=n) for k, n in enumerate((5, 0, 3))]
+    c = pb.Chunk(tid=1, seq=0, part=4, offset=0, info=infos[0], more=infos[1:])
+    assert check_packed(c, 8) is None
+    chunk = InChunk(4, 0, b"aaaaabbb", infos[0], 0, 5, c.more)
+    assert [(p, o, i.index, s, n) for p, o, i, s, n in chunk.spans()] == [(4, 0, 4, 0, 5), (5, 0, 5, 5, 0),
+                                                                         (6, 0, 6, 5, 3)]
+    assert chunk.ends_part and chunk.last_part == 6
+    entry = InTransfer("k", "a", "u", "normal", "tensors", 60, None)
+    entry.chunks.append(chunk)
+    assert entry.expected_next() == (7, 0, None)
+    # what a receiver refuses
+    assert "has 9 bytes" in check_packed(c, 9)
+    assert "does not start a part" in check_packed(pb.Chunk(part=4, offset=3, info=infos[0], more=infos[1:]), 8)
+    assert "does not start a part" in check_packed(pb.Chunk(part=4, more=infos[1:]), 3)
+    skipped = [pb.PartInfo(index=5, nbytes=0), pb.PartInfo(index=7, nbytes=3)]
+    assert check_packed(pb.Chunk(part=4, info=infos[0], more=skipped), 8) is not None
