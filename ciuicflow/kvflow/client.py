@@ -43,6 +43,7 @@ from . import shm as shmlib
 DEFAULT_MESSAGE_BYTES = 1 << 20      # largest SendData message: a KV layer of up to 1 MiB is one message
 BYTES_PART_BYTES = 256 << 10         # a bytes payload is cut into parts of this size
 SHM_WINDOW_BYTES = 4 << 20           # shared memory: bytes written ahead of what the sidecar has taken
+SHM_RECV_RING_BYTES = 8 << 20        # shared memory: bytes the sidecar writes ahead of what recv has read
 _END = object()
 
 
@@ -147,31 +148,28 @@ class _CallFinished(Exception):
 
 
 class _ShmWriter:
-    """The client's side of a shared-memory send: writes the parts into one file and makes their handles.
-    The file is unlinked by the sidecar once it has opened it, and here when the transfer ends (whichever
-    comes first), so nothing stays in /dev/shm.
+    """The client's side of a shared-memory send: writes the parts into one ring file (see shm.py) and
+    makes their handles. The file is unlinked by the sidecar once it has opened it, and here when the
+    transfer ends (whichever comes first), so nothing stays in /dev/shm.
 
-    Back-pressure: the sidecar frees the pages it has read (it punches them out of the file), so the
-    file's allocated size is what it has not taken yet. Writing waits while that is over ``window`` bytes
-    (as the in-band stream waits on HTTP/2 flow control), so a sidecar over its memory cap or a slow link
-    holds the sender back instead of the bytes piling up in /dev/shm."""
+    Back-pressure: the sidecar publishes in the file how far it has read, and writing waits while the ring
+    (``window`` bytes) has no room (as the in-band stream waits on HTTP/2 flow control), so a sidecar over
+    its memory cap or a slow link holds the sender back instead of the bytes piling up in /dev/shm."""
 
     def __init__(self, window: int, done=lambda: False):
-        self.fd, self.path = shmlib.create("s")
-        self.pos = 0
         self.window = max(int(window), 1 << 20)
-        self.piece = max(self.window // 2, 256 << 10)
-        self.tails = 0                       # parts whose last page is partial (never freed by the reader)
+        self.fd, self.path = shmlib.create_ring("s", self.window)
+        self.pos = 0                         # logical position of the next byte written
+        self.piece = self.window // 2        # room for two pieces: one being read while the next is written
         self._done = done
         self._lock = threading.Lock()
 
     def pending(self) -> int:
-        """Bytes written and not yet taken by the sidecar (a slight underestimate; 0 once closed)."""
+        """Bytes written and not yet taken by the sidecar (0 once closed)."""
         with self._lock:
             if self.fd < 0:
                 return 0
-            allocated = os.fstat(self.fd).st_blocks * 512
-        return max(0, allocated - self.tails * shmlib.PAGE)
+            return self.pos - shmlib.read_position(self.fd)
 
     def wait_room(self, limit: Optional[int] = None) -> None:
         """Wait until at most ``limit`` (default: the window) bytes are pending."""
@@ -183,27 +181,28 @@ class _ShmWriter:
             time.sleep(delay)
             delay = min(delay * 2, 0.002)
 
-    def data(self, info: pb.PartInfo, mv: memoryview) -> List[pb.SendData]:
-        """Write one part into the file (waiting for room); its SendData handles (in-band when empty)."""
+    def data(self, info: pb.PartInfo, mv: memoryview) -> Iterator[pb.SendData]:
+        """Write one part into the ring, piece by piece; the handle of each piece as it is written (a
+        piece's handle must reach the sidecar before the writer waits for room: the sidecar only frees
+        what it has been told about). An empty part goes in-band."""
         n = mv.nbytes
         if n == 0:
-            return [pb.SendData(part=info.index, offset=0, data=b"", info=info)]
-        out = []
+            yield pb.SendData(part=info.index, offset=0, data=b"", info=info)
+            return
         for start in range(0, n, self.piece):
             size = min(self.piece, n - start)
-            self.wait_room()
-            with self._lock:
-                if self.fd < 0:
-                    raise _CallFinished()
-                off = self.pos
-                shmlib.write_all(self.fd, mv[start:start + size], off)
-                # pieces start on a page: the reader frees whole pages, so pages are never shared
-                self.pos = (off + size + shmlib.PAGE - 1) // shmlib.PAGE * shmlib.PAGE
-                if size % shmlib.PAGE:
-                    self.tails += 1
-            out.append(pb.SendData(part=info.index, offset=start, info=info if start == 0 else None,
-                                   shm=pb.ShmRef(path=self.path, offset=off, length=size)))
-        return out
+            self.wait_room(self.window - size)
+            yield self._write(info, mv, start, size)
+
+    def _write(self, info: pb.PartInfo, mv: memoryview, start: int, size: int) -> pb.SendData:
+        with self._lock:
+            if self.fd < 0 or self._done():
+                raise _CallFinished()
+            pos = self.pos
+            shmlib.ring_write(self.fd, self.window, mv[start:start + size], pos)
+            self.pos = pos + size
+        return pb.SendData(part=info.index, offset=start, info=info if start == 0 else None,
+                           shm=pb.ShmRef(path=self.path, offset=pos, length=size, ring_bytes=self.window))
 
     def messages(self, info: pb.PartInfo, mv: memoryview) -> Iterator[pb.SendRequest]:
         for d in self.data(info, mv):
@@ -211,18 +210,25 @@ class _ShmWriter:
 
     def batches(self, parts) -> Iterator[pb.SendRequest]:
         """The parts of a transfer as few messages of handles: a batch goes when it has 256 handles or
-        when writing the next part has to wait for the sidecar. Writing then resumes once the sidecar has
-        taken half the window, so the next batch again holds several parts (the sidecar packs whole small
-        parts of one message into one chunk) instead of trickling one part per message."""
+        when the ring has no room for the next piece. Writing then resumes once the sidecar has taken half
+        the ring, so the next batch again holds several parts (the sidecar packs whole small parts of one
+        message into one chunk) instead of trickling one part per message."""
         batch = []
         for info, mv in parts:
-            full = self.pending() + mv.nbytes > self.window
-            if batch and (len(batch) >= 256 or full):
-                yield pb.SendRequest(batch=pb.SendBatch(data=batch))
-                batch = []
-                if full:
-                    self.wait_room(self.window // 2)
-            batch += self.data(info, mv)
+            if mv.nbytes == 0:
+                batch += self.data(info, mv)
+                continue
+            for start in range(0, mv.nbytes, self.piece):
+                size = min(self.piece, mv.nbytes - start)
+                if self.pending() + size > self.window:
+                    if batch:
+                        yield pb.SendRequest(batch=pb.SendBatch(data=batch))
+                        batch = []
+                    self.wait_room(min(self.window // 2, self.window - size))
+                batch.append(self._write(info, mv, start, size))
+                if len(batch) >= 256:
+                    yield pb.SendRequest(batch=pb.SendBatch(data=batch))
+                    batch = []
         if batch:
             yield pb.SendRequest(batch=pb.SendBatch(data=batch))
 
@@ -372,9 +378,10 @@ class SendStream:
 class RecvStream:
     """Iterator over the parts of a transfer as they arrive; ``header`` is set once the transfer is found."""
 
-    def __init__(self, call, shm_file=None):
+    def __init__(self, call, shm_file=None, ring: int = 0):
         self._call = call
-        self._shm = shm_file            # (fd, path): this client's file the sidecar writes chunks into
+        self._shm = shm_file            # (fd, path): this client's ring the sidecar writes chunks into
+        self._ring = ring
         self.header: Optional[RecvHeader] = None
         self._it = self._parts()
 
@@ -403,8 +410,8 @@ class RecvStream:
                 state["buf"] = None          # a part in one chunk: use the message's bytes as they are
                 state["info"] = None
                 if ref is not None:
-                    value = shmlib.read_exact(self._shm[0], n, ref.offset)
-                    shmlib.release(self._shm[0], ref.offset, n)
+                    value = shmlib.ring_read(self._shm[0], self._ring, ref.offset, n)
+                    shmlib.publish_read(self._shm[0], ref.offset + n)
                 else:
                     value = d.data
                 return Part(info.index, value, info.name, info.nbytes, False)
@@ -414,8 +421,7 @@ class RecvStream:
             raise KVFlowError(grpc.StatusCode.DATA_LOSS, f"chunk out of order from the sidecar "
                               f"(part {d.part} offset {d.offset})")
         if ref is not None:
-            shmlib.read_into(self._shm[0], memoryview(buf)[filled:filled + n], ref.offset)
-            shmlib.release(self._shm[0], ref.offset, n)
+            self._read_ring(ref, memoryview(buf)[filled:filled + n])
         else:
             buf[filled:filled + n] = d.data
         filled = state["filled"] = filled + n
@@ -424,6 +430,10 @@ class RecvStream:
             state["buf"] = None
             return Part(info.index, decode_part(info, buf), info.name, info.nbytes, info.is_tensor)
         return None
+
+    def _read_ring(self, ref: pb.ShmRef, out: memoryview) -> None:
+        shmlib.ring_read_into(self._shm[0], self._ring, out, ref.offset)
+        shmlib.publish_read(self._shm[0], ref.offset + ref.length)      # the sidecar may write there again
 
     def _close_shm(self) -> None:
         f, self._shm = self._shm, None
@@ -474,10 +484,11 @@ class Client:
 
     def __init__(self, address: str, *, flow: bool = True, token: Optional[str] = None,
                  message_bytes: int = DEFAULT_MESSAGE_BYTES, queue_messages: int = 8, shm: Optional[bool] = None,
-                 shm_window_bytes: int = SHM_WINDOW_BYTES):
+                 shm_window_bytes: int = SHM_WINDOW_BYTES, shm_recv_ring_bytes: int = SHM_RECV_RING_BYTES):
         self.address = address
         self.shm = shm
         self.shm_window_bytes = int(shm_window_bytes)
+        self.shm_recv_ring_bytes = max(int(shm_recv_ring_bytes), 1 << 20)
         self._shm_ok: Optional[bool] = None if shm is not False else False
         self._shm_lock = threading.Lock()
         self.flow = flow
@@ -514,13 +525,12 @@ class Client:
             return False, str(exc)
         try:
             nonce = os.urandom(16)
-            shmlib.write_all(fd, nonce + bytes(5 * shmlib.PAGE - len(nonce)), 0)
-            before = os.fstat(fd).st_blocks
+            shmlib.write_all(fd, nonce + bytes(2 * shmlib.PAGE - len(nonce)), 0)
             reply = self._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=nonce), metadata=self._metadata(False),
                                         timeout=30)
-            if reply.ok and os.fstat(fd).st_blocks >= before:
-                # the sender's back-pressure needs the sidecar to free the pages it has read
-                return False, "the sidecar cannot free pages of the shared-memory file (punch hole)"
+            if reply.ok and os.pread(fd, len(nonce), shmlib.PAGE) != nonce:
+                # the rings need the sidecar to write into this process's files
+                return False, "the sidecar cannot write into the shared-memory file"
             return reply.ok, reply.message
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNIMPLEMENTED,):
@@ -605,10 +615,12 @@ class Client:
     # ------------------------------------------------------------------ receiving
     def recv_stream(self, key: str, timeout_s: Optional[float] = None) -> RecvStream:
         """Parts of transfer ``key`` as they arrive (waits up to ``timeout_s`` for the whole transfer)."""
-        shm_file = shmlib.create("r") if self._use_shm() else None
+        ring = self.shm_recv_ring_bytes
+        shm_file = shmlib.create_ring("r", ring) if self._use_shm() else None
         try:
             call = self._stub.Recv(pb.RecvRequest(key=key, timeout_s=float(timeout_s or 0.0),
-                                                  shm_path=shm_file[1] if shm_file else ""),
+                                                  shm_path=shm_file[1] if shm_file else "",
+                                                  shm_ring_bytes=ring if shm_file else 0),
                                    metadata=self._metadata(False),
                                    timeout=None if not timeout_s else float(timeout_s) + 30.0)
         except BaseException:
@@ -616,7 +628,7 @@ class Client:
                 shmlib.unlink(shm_file[1])
                 os.close(shm_file[0])
             raise
-        return RecvStream(call, shm_file)
+        return RecvStream(call, shm_file, ring)
 
     def recv(self, key: str, timeout_s: Optional[float] = None) -> Union[bytes, List[Any]]:
         """The whole transfer ``key``: bytes for a bytes payload, else a list (tensors, bytes parts)."""

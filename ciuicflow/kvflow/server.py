@@ -35,6 +35,7 @@ from .wire import DataPlaneServer
 
 log = logging.getLogger("ciuicflow.kvflow")
 
+RING_POLL_S = 0.0005     # Recv into a full ring: first wait for the client to read (doubling up to 10x)
 MAX_PACKED_PARTS = 64   # most whole parts in one packed chunk (bounds its header)
 ABORT_FLUSH_S = 5.0     # on shutdown, how long a link may take to deliver its last frames (the aborts)
 
@@ -158,6 +159,46 @@ class _Cutter:
                                  f"SendEnd says {num_parts} parts, {self.part} were sent")
 
 
+class _RecvRing:
+    """The sidecar's side of a receiving client's ring (see shm.py): writes chunks into it, never more than
+    the ring ahead of what the client has read."""
+
+    def __init__(self, fd: int, ring: int):
+        self.fd, self.ring = fd, int(ring)
+        self.pos = 0              # logical position of the next byte written
+        self.read = 0             # how far the client has read, as last seen
+
+    def _room(self, n: int) -> bool:
+        if self.pos + n - self.read <= self.ring:
+            return True
+        self.read = min(shmlib.read_position(self.fd), self.pos)
+        return self.pos + n - self.read <= self.ring
+
+    def batch(self, chunks, pos: int):
+        """RecvData handles for ``chunks[pos:]``, as far as they fit (at most 1024 parts); the next pos.
+        A chunk larger than the whole ring goes in-band."""
+        out = []
+        while pos < len(chunks) and len(out) < 1024:
+            c = chunks[pos]
+            n = len(c.data)
+            in_ring = 0 < n <= self.ring
+            if in_ring and not self._room(n):
+                break
+            pos += 1
+            if in_ring:
+                shmlib.ring_write(self.fd, self.ring, c.data, self.pos)
+            for part, offset, info, start, length in c.spans():
+                if in_ring and length:
+                    out.append(pb.RecvData(part=part, offset=offset, info=info,
+                                           shm=pb.ShmRef(offset=self.pos + start, length=length)))
+                else:
+                    out.append(pb.RecvData(part=part, offset=offset, info=info,
+                                           data=bytes(c.data[start:start + length])))
+            if in_ring:
+                self.pos += n
+        return out, pos
+
+
 class LocalService:
     """``KVFlow``: the API of the inference server beside this sidecar."""
 
@@ -242,7 +283,7 @@ class LocalService:
             if len(files) >= 16:
                 raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, "too many shared-memory files in one Send")
             try:
-                fd = shmlib.open_checked(path, shmlib.shm_dir(), write=True)   # write: to free read pages
+                fd = shmlib.open_checked(path, shmlib.shm_dir(), write=True)   # write: to say what it has read
             except (OSError, ValueError) as exc:
                 raise TransferFailed(grpc.StatusCode.FAILED_PRECONDITION,
                                      f"cannot open shared-memory file: {exc}") from None
@@ -267,16 +308,26 @@ class LocalService:
         cutter.check(d.part, d.offset, d.info if d.HasField("info") else None, ref.length)
         fd = self._open_shm(files, ref.path)
         pos, end = ref.offset, ref.offset + ref.length
-        step = max(cutter.piece_bytes // shmlib.PAGE * shmlib.PAGE, shmlib.PAGE)   # frees whole pages
         while pos < end:
-            n = min(step, end - pos)
-            try:
-                data = shmlib.read_exact(fd, n, pos)
-            except (OSError, EOFError) as exc:
-                raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, f"reading shared memory: {exc}") from None
-            shmlib.release(fd, pos, n)
+            n = min(cutter.piece_bytes, end - pos)
+            data = self._read_ring(fd, ref, pos, n)
             pos += n
             yield from cutter.feed_bytes(data)
+
+    @staticmethod
+    def _read_ring(fd: int, ref: pb.ShmRef, pos: int, n: int, into: Optional[memoryview] = None):
+        """``n`` bytes at logical position ``pos`` of the client's ring (into ``into`` when given); the
+        client may then write there again."""
+        try:
+            if into is None:
+                data = shmlib.ring_read(fd, ref.ring_bytes, pos, n)
+            else:
+                shmlib.ring_read_into(fd, ref.ring_bytes, into, pos)
+                data = into
+            shmlib.publish_read(fd, pos + n)
+        except (OSError, EOFError, ValueError) as exc:
+            raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, f"reading shared memory: {exc}") from None
+        return data
 
     def _packed_chunk(self, cutter: "_Cutter", group, files: Dict[str, int]) -> OutChunk:
         """Whole small parts from shared memory read into one chunk: one checksum, one frame and one ack
@@ -289,12 +340,7 @@ class LocalService:
         for d in group:
             cutter.take_whole(d)
             n = d.shm.length
-            fd = self._open_shm(files, d.shm.path)
-            try:
-                shmlib.read_into(fd, view[pos:pos + n], d.shm.offset)
-            except (OSError, EOFError) as exc:
-                raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, f"reading shared memory: {exc}") from None
-            shmlib.release(fd, d.shm.offset, n)
+            self._read_ring(self._open_shm(files, d.shm.path), d.shm, d.shm.offset, n, view[pos:pos + n])
             pos += n
         infos = [d.info for d in group]
         return OutChunk(first, 0, buf, crc32c.crc32c(buf), infos[0], tuple(infos[1:]))
@@ -397,11 +443,11 @@ class LocalService:
             await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
                                f"transfer {request.key!r} is already being received")
         entry.readers += 1
-        shm_fd = -1
-        shm_pos = 0
-        if request.shm_path and self.sc.cfg.local_shm:
+        ring = None
+        if request.shm_path and self.sc.cfg.local_shm and request.shm_ring_bytes:
             try:
-                shm_fd = shmlib.open_checked(request.shm_path, shmlib.shm_dir(), write=True)
+                ring = _RecvRing(shmlib.open_checked(request.shm_path, shmlib.shm_dir(), write=True),
+                                 request.shm_ring_bytes)
                 shmlib.unlink(request.shm_path)
             except (OSError, ValueError) as exc:
                 log.info("Recv %r: shared memory not possible, sending in-band: %s", request.key, exc)
@@ -412,6 +458,7 @@ class LocalService:
                                                               "low": pb.LOW}[entry.priority]))
             pos = 0
             generation = entry.generation
+            ring_wait = RING_POLL_S
             while True:
                 if entry.generation != generation:
                     if any(g > generation and seq < pos for g, seq in entry.truncations):
@@ -419,25 +466,21 @@ class LocalService:
                                             f"transfer {entry.key!r} was resumed with different content; "
                                             "receive it again")
                     generation = entry.generation
-                if shm_fd >= 0 and pos < len(entry.chunks):
-                    # Shared memory: the chunks that arrived so far go in one message of handles.
-                    batch = []
-                    while pos < len(entry.chunks) and len(batch) < 1024:
-                        c = entry.chunks[pos]
-                        pos += 1
-                        if c.data:
-                            try:
-                                shmlib.write_all(shm_fd, c.data, shm_pos)
-                            except OSError as exc:
-                                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                    f"writing shared memory for {entry.key!r}: {exc}")
-                        for part, offset, info, start, n in c.spans():
-                            batch.append(pb.RecvData(part=part, offset=offset, info=info,
-                                                     shm=pb.ShmRef(offset=shm_pos + start, length=n) if n else None))
-                        shm_pos += len(c.data)
-                    yield pb.RecvReply(batch=pb.RecvBatch(data=batch))
-                    continue
-                while pos < len(entry.chunks):
+                ring_full = False
+                if ring is not None and pos < len(entry.chunks):
+                    # Shared memory: the chunks that arrived so far (as many as the ring has room for) go
+                    # in one message of handles.
+                    try:
+                        batch, pos = ring.batch(entry.chunks, pos)
+                    except OSError as exc:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"writing shared memory for {entry.key!r}: {exc}")
+                    if batch:
+                        ring_wait = RING_POLL_S
+                        yield pb.RecvReply(batch=pb.RecvBatch(data=batch))
+                        continue
+                    ring_full = True
+                while ring is None and pos < len(entry.chunks):
                     c = entry.chunks[pos]
                     pos += 1
                     for part, offset, info, start, n in c.spans():
@@ -456,10 +499,14 @@ class LocalService:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"transfer {entry.key!r} incomplete after {request.timeout_s:g}s "
                                         f"({len(entry.chunks)} chunks arrived)")
-                await entry.changed(1.0 if timeout is None else min(timeout, 1.0))
+                if ring_full:       # wait for the client to read (it says so only in the ring's header)
+                    await asyncio.sleep(ring_wait)
+                    ring_wait = min(2 * ring_wait, 10 * RING_POLL_S)
+                else:
+                    await entry.changed(1.0 if timeout is None else min(timeout, 1.0))
         finally:
-            if shm_fd >= 0:
-                os.close(shm_fd)
+            if ring is not None:
+                os.close(ring.fd)
             entry.readers -= 1
             entry.last_activity = time.monotonic()
 
@@ -481,8 +528,11 @@ class LocalService:
             return pb.ShmProbeReply(ok=False, message=f"cannot open {request.path!r}: {exc}")
         try:
             seen = os.pread(fd, len(request.nonce), 0)
-            # pages after the first are freed as a sent chunk's are: the client checks that they were
-            shmlib.release(fd, shmlib.PAGE, max(0, os.fstat(fd).st_size - shmlib.PAGE))
+            if request.nonce and seen == request.nonce:
+                # written back after the first page: the client checks that this sidecar can write its files
+                os.pwrite(fd, seen, shmlib.PAGE)
+        except OSError as exc:
+            return pb.ShmProbeReply(ok=False, message=f"cannot use {request.path!r}: {exc}")
         finally:
             os.close(fd)
         if not request.nonce or seen != request.nonce:

@@ -10,10 +10,9 @@ bytes go in-band in the gRPC messages as before.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import stat
+import struct
 import uuid as uuidlib
 from typing import Optional
 
@@ -109,33 +108,61 @@ def read_into(fd: int, buf: memoryview, offset: int) -> None:
         done += n
 
 
-# ---------------------------------------------------------------------- freeing pages already consumed
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_libc = None
+# ---------------------------------------------------------------------- rings
+# A transfer's file is a ring: a header page, then ``ring`` bytes of data. Writers place bytes at a logical
+# position (which only grows; ``HEADER + pos % ring`` in the file, wrapping at the end) and never more than
+# ``ring`` ahead of the reader, who publishes in the header how far it has read. The same pages are written
+# again and again: a fresh tmpfs page costs more to fill than the copy itself, and freeing read pages
+# (punching holes, as before rings) cost as much again.
 PAGE = 4096
+HEADER = PAGE
+_POS = struct.Struct("<Q")
 
 
-def _get_libc():
-    global _libc
-    if _libc is None:
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            fn = lib.fallocate
-            fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
-            fn.restype = ctypes.c_int
-            _libc = fn
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc
+def create_ring(tag: str, ring: int) -> "tuple[int, str]":
+    """A new ring file of ``ring`` data bytes: (fd open read-write, path)."""
+    fd, path = create(tag)
+    try:
+        os.ftruncate(fd, HEADER + ring)
+    except BaseException:
+        unlink(path)
+        os.close(fd)
+        raise
+    return fd, path
 
 
-def release(fd: int, offset: int, length: int) -> None:
-    """Best effort: give back the memory of bytes already consumed (punch a hole, whole pages only)."""
-    start = (offset + PAGE - 1) // PAGE * PAGE
-    end = (offset + length) // PAGE * PAGE
-    if end <= start:
-        return
-    fn = _get_libc()
-    if fn:
-        fn(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, end - start)
+def _spans(ring: int, pos: int, n: int):
+    """(file offset, start, length) pieces of ``n`` bytes at logical ``pos`` in a ring of ``ring`` bytes."""
+    if ring <= 0 or n > ring:
+        raise ValueError(f"{n} bytes do not fit a ring of {ring}")
+    at = pos % ring
+    first = min(n, ring - at)
+    yield HEADER + at, 0, first
+    if first < n:
+        yield HEADER, first, n - first
+
+
+def ring_write(fd: int, ring: int, data, pos: int) -> None:
+    mv = memoryview(data).cast("B")
+    for offset, start, length in _spans(ring, pos, mv.nbytes):
+        write_all(fd, mv[start:start + length], offset)
+
+
+def ring_read_into(fd: int, ring: int, buf: memoryview, pos: int) -> None:
+    for offset, start, length in _spans(ring, pos, buf.nbytes):
+        read_into(fd, buf[start:start + length], offset)
+
+
+def ring_read(fd: int, ring: int, pos: int, n: int) -> bytes:
+    pieces = [read_exact(fd, length, offset) for offset, _, length in _spans(ring, pos, n)]
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def publish_read(fd: int, pos: int) -> None:
+    """The reader has taken everything before logical position ``pos``."""
+    os.pwrite(fd, _POS.pack(pos), 0)
+
+
+def read_position(fd: int) -> int:
+    data = os.pread(fd, _POS.size, 0)
+    return _POS.unpack(data)[0] if len(data) == _POS.size else 0

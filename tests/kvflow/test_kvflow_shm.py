@@ -2,6 +2,7 @@
 fallback to in-band bytes, refusal of foreign paths, back-pressure, and no files left behind."""
 import glob
 import os
+import random
 import threading
 import time
 
@@ -119,20 +120,21 @@ def test_send_shm_path_outside_dir_is_refused(pair):
     with pytest.raises(grpc.RpcError) as rpc:
         ca._stub.Send(iter(req), metadata=(("x-ciuic-flow", "enabled"),), timeout=10)
     assert rpc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    # a handle past the end of the file
-    fd, path = shmlib.create("t")
-    try:
-        os.write(fd, b"abc")
-        req[0] = pb.SendRequest(header=pb.SendHeader(dest="b", key="bad-2", payload_kind="bytes"))
-        req[1] = pb.SendRequest(data=pb.SendData(part=0, offset=0, info=pb.PartInfo(index=0, nbytes=10),
-                                                 shm=pb.ShmRef(path=path, offset=0, length=10)))
-        with pytest.raises(grpc.RpcError) as rpc:
-            ca._stub.Send(iter(req), timeout=10)
-        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    finally:
-        shmlib.unlink(path)
-        os.close(fd)
-
+    # a handle past the end of the file, or without a ring size, or longer than its ring
+    for k, (ring, length) in enumerate(((1 << 20, 10), (0, 10), (8, 10))):
+        fd, path = shmlib.create("t")       # the sidecar unlinks it once open: a new one each time
+        try:
+            os.write(fd, b"abc")
+            req[0] = pb.SendRequest(header=pb.SendHeader(dest="b", key=f"bad-2-{k}", payload_kind="bytes"))
+            req[1] = pb.SendRequest(data=pb.SendData(part=0, offset=0, info=pb.PartInfo(index=0, nbytes=10),
+                                                     shm=pb.ShmRef(path=path, offset=0, length=length,
+                                                                   ring_bytes=ring)))
+            with pytest.raises(grpc.RpcError) as rpc:
+                ca._stub.Send(iter(req), timeout=10)
+            assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            shmlib.unlink(path)
+            os.close(fd)
 
 def test_no_shm_files_left_after_failures(sidecars):
     """Failed sends (unknown peer, sidecar killed mid-transfer), a cancelled receive and an abandoned
@@ -152,6 +154,24 @@ def test_no_shm_files_left_after_failures(sidecars):
     with pytest.raises(KVFlowError):
         h.wait(30)
     time.sleep(0.3)
+    assert our_files() == []
+
+
+def test_rings_wrap_and_a_slow_reader_holds_the_sidecar(sidecars):
+    """Both rings (1 MiB here) wrap many times; the sidecar writes into the receiving client's ring only
+    as far as the client has read, and a chunk larger than that ring goes in-band."""
+    a, b = sidecars.pair(a_args=["--chunk-size", "2MiB"])
+    ca, cb = a.client(shm_window_bytes=1 << 20), b.client(shm_recv_ring_bytes=1 << 20)
+    rng = random.Random(5)
+    parts = [os.urandom(rng.choice((1, 4095, 4097, 100_003, 777_777, 1 << 20))) for _ in range(24)]
+    parts.insert(7, os.urandom((3 << 20) + 5))             # a 2 MiB chunk: more than the receiving ring
+    ca.send("b", "ring-1", parts).wait(60)
+    got = []
+    for part in cb.recv_stream("ring-1", timeout_s=60):     # everything is there: the ring fills at once
+        got.append(part.value)
+        time.sleep(0.01)
+    assert len(got) == len(parts) and all(x == y for x, y in zip(got, parts))
+    time.sleep(0.2)
     assert our_files() == []
 
 

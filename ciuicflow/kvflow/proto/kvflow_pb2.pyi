@@ -48,14 +48,16 @@ class PartInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., is_tensor: _Optional[bool] = ...) -> None: ...
 
 class ShmRef(_message.Message):
-    __slots__ = ("path", "offset", "length")
+    __slots__ = ("path", "offset", "length", "ring_bytes")
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    RING_BYTES_FIELD_NUMBER: _ClassVar[int]
     path: str
     offset: int
     length: int
-    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    ring_bytes: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., ring_bytes: _Optional[int] = ...) -> None: ...
 
 class ShmProbeRequest(_message.Message):
     __slots__ = ("path", "nonce")
@@ -148,14 +150,16 @@ class SendReply(_message.Message):
     def __init__(self, key: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., retransmits: _Optional[int] = ..., resumed_chunks: _Optional[int] = ..., seconds: _Optional[float] = ..., flow: _Optional[bool] = ...) -> None: ...
 
 class RecvRequest(_message.Message):
-    __slots__ = ("key", "timeout_s", "shm_path")
+    __slots__ = ("key", "timeout_s", "shm_path", "shm_ring_bytes")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    SHM_RING_BYTES_FIELD_NUMBER: _ClassVar[int]
     key: str
     timeout_s: float
     shm_path: str
-    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ..., shm_path: _Optional[str] = ...) -> None: ...
+    shm_ring_bytes: int
+    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_ring_bytes: _Optional[int] = ...) -> None: ...
 
 class RecvHeader(_message.Message):
     __slots__ = ("key", "source", "payload_kind", "priority")

@@ -89,8 +89,9 @@ class KVFlowServicer:
 
     def ShmProbe(self, request, context):
         """Shared-memory check: can this sidecar open the client's file (same host, same /dev/shm)? The client
-        writes a nonce into a file of its own and asks the sidecar to read it back. ok=true: SendData.shm and
-        RecvRequest.shm_path may be used.
+        writes a nonce into a file of its own and asks the sidecar to read it back and write it again after the
+        first page (the sidecar writes into clients' files). ok=true: SendData.shm and RecvRequest.shm_path
+        may be used.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
