@@ -199,9 +199,26 @@ def sender_worker(plan: dict, api: str, sync: str) -> None:
         _write(os.path.join(sync, f"{name}.sender.json"), json.dumps(out))
 
 
+def _memcmp_equal(buf: bytes):
+    """same(off, value): whether ``value`` equals ``buf[off:off + len(value)]``, by one memcmp (slicing
+    bytes copies the slice first; a memoryview compares item by item, 40x slower)."""
+    import ctypes
+    memcmp = ctypes.CDLL(None).memcmp
+    memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    memcmp.restype = ctypes.c_int
+    base = ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value
+
+    def same(off: int, value: bytes) -> bool:
+        if off < 0 or off + len(value) > len(buf):
+            return False
+        return memcmp(base + off, ctypes.c_char_p(value), len(value)) == 0
+    return same
+
+
 def receiver_worker(plan: dict, api: str, sync: str) -> None:
     from ciuicflow.kvflow import Client
-    buf = payload_buffer(plan["seed"])      # bytes: slicing + == is a memcmp (a memoryview compares per item)
+    buf = payload_buffer(plan["seed"])
+    same = _memcmp_equal(buf)
     client = Client(api)
     client.wait_ready(60)
     client.recv("__warmup__", timeout_s=plan["timeout"])
@@ -219,7 +236,7 @@ def receiver_worker(plan: dict, api: str, sync: str) -> None:
                 n = 0
                 for part in client.recv_stream(req["key"], timeout_s=plan["timeout"]):
                     off, size = expected[part.index]
-                    if part.nbytes != size or buf[off:off + size] != bytes(part.value):
+                    if part.nbytes != size or not same(off, bytes(part.value)):
                         raise ValueError(f"part {part.index} differs from what was sent")
                     n += 1
                     rec["bytes"] += size

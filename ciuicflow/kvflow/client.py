@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Union
 
 import grpc
 
-from .common import AUTH_METADATA, FLOW_METADATA, PRIORITY_NAMES, priority_from_pb, priority_to_pb
+from .common import AUTH_METADATA, FLOW_METADATA, PRIORITY_NAMES, priority_from_pb, priority_to_pb, uninitialized
 from .proto import kvflow_pb2 as pb
 from .proto import kvflow_pb2_grpc as pb_grpc
 from . import shm as shmlib
@@ -415,7 +415,7 @@ class RecvStream:
                 else:
                     value = d.data
                 return Part(info.index, value, info.name, info.nbytes, False)
-            state["buf"] = bytearray(info.nbytes)
+            state["buf"] = uninitialized(info.nbytes)
         info, buf, filled = state["info"], state["buf"], state["filled"]
         if info is None or d.part != info.index or d.offset != filled or filled + n > info.nbytes:
             raise KVFlowError(grpc.StatusCode.DATA_LOSS, f"chunk out of order from the sidecar "

@@ -129,3 +129,13 @@ def format_hostport(host: str, port: int) -> str:
 
 def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def uninitialized(n: int):
+    """A writable buffer of ``n`` bytes that is about to be filled (a chunk from a socket or shared memory):
+    not zeroed first. Zeroing a chunk-sized buffer costs about as much memory bandwidth as the copy that
+    then fills it (~110 us per 885 KB here). Small ones are plain bytearrays."""
+    if n < 1 << 16:
+        return bytearray(n)
+    import numpy
+    return memoryview(numpy.empty(n, numpy.uint8))

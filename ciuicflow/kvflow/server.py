@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .budget import MemoryBudget
 from .common import (AUTH_METADATA, FLOW_METADATA, LOCAL_SERVICE, PAYLOAD_KINDS, PEER_SERVICE, check_key,
-                     check_part_info, format_hostport, parse_hostport, priority_from_pb)
+                     check_part_info, format_hostport, parse_hostport, priority_from_pb, uninitialized)
 from .config import SidecarConfig, load_config
 from .metrics import Metrics
 from .proto import kvflow_pb2 as pb
@@ -334,7 +334,7 @@ class LocalService:
         for all of them instead of each (the per-chunk work of two sidecars and two clients is about half
         the CPU of a transfer of 300 KB layers)."""
         first = cutter.part
-        buf = bytearray(sum(d.shm.length for d in group))
+        buf = uninitialized(sum(d.shm.length for d in group))
         view = memoryview(buf)
         pos = 0
         for d in group:

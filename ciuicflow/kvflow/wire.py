@@ -30,7 +30,7 @@ from typing import Dict, Optional, Tuple
 
 import grpc
 
-from .common import status_code
+from .common import status_code, uninitialized
 from .proto import kvflow_pb2 as pb
 
 log = logging.getLogger("ciuicflow.kvflow.wire")
@@ -285,6 +285,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.transport = None
         self.frames: asyncio.Queue = asyncio.Queue()
         self.head = bytearray(HEAD.size)
+        self.payload = None
         self.buf = memoryview(self.head)
         self.filled = 0
         self.kind = None
@@ -314,10 +315,11 @@ class _Connection(asyncio.BufferedProtocol):
                                               f"frame of {n} bytes over the limit of {self.plane.max_frame_bytes}"))
                 self.transport.pause_reading()
                 return
-            self.kind, self.buf, self.filled = kind, memoryview(bytearray(n)), 0
+            self.payload = uninitialized(n)
+            self.kind, self.buf, self.filled = kind, memoryview(self.payload), 0
             if n:
                 return
-        self.frames.put_nowait((self.kind, self.buf.obj))
+        self.frames.put_nowait((self.kind, self.payload))
         self.kind, self.buf, self.filled = None, memoryview(self.head), 0
         if self.frames.qsize() >= QUEUE_HIGH and not self.paused:
             self.paused = True
