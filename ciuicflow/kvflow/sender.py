@@ -36,6 +36,7 @@ FATAL_LINK_CODES = {
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
 }
+PACK_S = 0.02                   # a packed chunk takes at most this long on the link (see pack_bytes)
 DATA_PLANE_CONNECT_S = 5.0      # a data port that does not answer within this: fall back to gRPC
 DATA_PLANE_RETRY_S = 60.0       # ... and try it again after this long (on the next reconnect)
 
@@ -226,6 +227,15 @@ class PeerLink:
         t.chunks.append(chunk)
         t.bytes += len(chunk.data)
         self._refresh(t)
+
+    def pack_bytes(self, chunk_size: int, whole_part_bytes: int) -> int:
+        """Largest packed chunk for this link: what it carries in PACK_S (so a high-priority chunk never
+        waits longer than that behind one), at least ``chunk_size`` and at most ``whole_part_bytes``. On a
+        100 Mbit/s link that is one chunk size; on a fast one, the whole-part size."""
+        bw = self.cc.btl_bw
+        if bw <= 0:
+            return chunk_size
+        return int(min(whole_part_bytes, max(chunk_size, bw * PACK_S)))
 
     async def wait_readahead(self, t: OutTransfer, limit: int) -> None:
         """Ingest back-pressure: hold the local client's stream of a normal/low flow transfer while more

@@ -345,15 +345,15 @@ class LocalService:
         infos = [d.info for d in group]
         return OutChunk(first, 0, buf, crc32c.crc32c(buf), infos[0], tuple(infos[1:]))
 
-    def _batch_chunks(self, cutter: "_Cutter", datas, files: Dict[str, int]):
+    def _batch_chunks(self, cutter: "_Cutter", datas, files: Dict[str, int], pack_bytes: int):
         """The chunks of one message's SendData items, in order; runs of whole small parts in shared memory
-        are packed (up to ``whole_part_bytes`` and MAX_PACKED_PARTS per chunk)."""
+        are packed (up to ``pack_bytes`` and MAX_PACKED_PARTS per chunk)."""
         i = 0
         while i < len(datas):
             group, total = [], 0
             while i + len(group) < len(datas) and len(group) < MAX_PACKED_PARTS:
                 n = cutter.packable(datas[i + len(group)])
-                if not n or total + n > cutter.whole_part_bytes:
+                if not n or total + n > pack_bytes:
                     break
                 group.append(datas[i + len(group)])
                 total += n
@@ -379,7 +379,8 @@ class LocalService:
             else:
                 datas = ()
             if datas:
-                for chunk in self._batch_chunks(cutter, datas, files):
+                pack_bytes = link.pack_bytes(cutter.base_chunk, cutter.whole_part_bytes)
+                for chunk in self._batch_chunks(cutter, datas, files, pack_bytes):
                     await link.wait_readahead(t, sc.cfg.ingest_readahead)
                     if t.finished:
                         return

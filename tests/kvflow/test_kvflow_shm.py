@@ -229,6 +229,10 @@ def test_small_parts_are_packed_and_arrive_whole(pair):
     tensors = [torch.randn(3 + 7 * i, 37) for i in range(61)]       # 444 B .. 63 KB, odd sizes
     tensors[30] = torch.empty(0, 37)                                # an empty layer: goes in-band
     tensors[40] = torch.randn(1000, 300)                            # 1.2 MB: cut into 19 chunks of 64 KiB
+    # Chunks are packed up to what the link carries in 20 ms: one chunk size until a first transfer has
+    # measured the link, then (on loopback) --whole-part-bytes, 1 MiB.
+    first = a.client().send("b", "packed-first", tensors[:20]).wait(30)
+    assert first.chunks < 20
     for shm in (True, False):
         result = a.client().send("b", f"packed-{shm}", tensors).wait(30)
         assert result.chunks < 40            # unpacked: 60 parts of one chunk each + 19 for the big one
