@@ -52,9 +52,9 @@ def test_kvflow_receiver_killed_mid_transfer_then_restarted(sidecars, tmp_path, 
     assert sha(got) == sha(payload)
     assert a.client().stats()["peers"]["b"]["connects"] >= 2
     if spool:
-        # resumed from the last acknowledged chunk: what b had spooled (over 1 MiB: at least one chunk of
-        # four packed 256 KiB parts) was not sent again
-        assert result.chunks == 6 and result.resumed_chunks >= 1
+        # resumed from the last acknowledged chunk: what b had spooled (over 1 MiB) was not sent again
+        # (chunks are 256 KiB parts, or four of them packed once the link's rate is known)
+        assert result.resumed_chunks * (len(payload) // result.chunks) >= 1 << 20
         assert "restored 1 transfer" in b.log()
     else:
         assert result.resumed_chunks == 0            # b lost everything; a still had it all
@@ -73,13 +73,13 @@ def test_kvflow_sender_killed_mid_transfer_then_retried_with_resume(sidecars):
     assert held >= 2 << 20                            # b keeps the partial transfer for a resume
     a.restart()
     result = a.client().send("b", "resume-2", payload, priority="high", resume=True).wait(60)
-    chunk = len(payload) // result.chunks              # 1 MiB: four 256 KiB parts packed
+    chunk = len(payload) // result.chunks              # 256 KiB parts (packed ones on a faster link)
     assert result.resumed_chunks * chunk >= held - chunk
     assert sha(b.client().recv("resume-2", timeout_s=30)) == sha(payload)
 
 
 def test_kvflow_checksum_mismatch_is_retransmitted(sidecars):
-    a, b = sidecars.pair(a_args=["--test-corrupt-every", "3", "--chunk-size", "64KiB"])
+    a, b = sidecars.pair(a_args=["--test-corrupt-every", "3", "--chunk-size", "64KiB", "--whole-part-bytes", "0"])
     ca, cb = a.client(), b.client()
     payload = os.urandom(3 << 20)
     for flow in (True, False):
