@@ -479,7 +479,8 @@ class Client:
     congestion-controlled; ``flow=False`` gives the plain FIFO baseline. ``token``: the sidecar's
     ``--api-token`` if it has one. ``shm``: hand the bytes over in shared memory (/dev/shm) when the sidecar
     can open this process's files (None, the default: check once and fall back to in-band bytes; False:
-    always in-band; True: fail if the sidecar cannot).
+    always in-band; True: fail if the sidecar cannot). ``shm_window_bytes`` and ``shm_recv_ring_bytes``:
+    the sizes of a transfer's shared-memory ring when sending and receiving (see shm.py).
     """
 
     def __init__(self, address: str, *, flow: bool = True, token: Optional[str] = None,
