@@ -159,8 +159,10 @@ def sender_worker(plan: dict, api: str, sync: str) -> None:
     clients = {"flow": Client(api, flow=True), "fifo": Client(api, flow=False)}
     for c in clients.values():
         c.wait_ready(60)
-    # Connect the sidecars' peer link before any clock starts (the plain gRPC client, too, connects first).
-    clients["fifo"].send(plan["dest"], "__warmup__", b"warm-up").wait(plan["timeout"])
+    # Connect the sidecars' peer link before any clock starts (the plain gRPC client, too, connects first),
+    # with enough bytes (61 layers of 64 KiB) for the link's controller to measure its rate, as it has in a
+    # sidecar that has been running for a while.
+    clients["flow"].send(plan["dest"], "__warmup__", [bytes(64 << 10)] * LAYERS).wait(plan["timeout"])
     for phase in plan["phases"]:
         name = phase["name"]
         _write(os.path.join(sync, f"{name}.sender.ready"), "ready")
