@@ -96,3 +96,17 @@ def test_kvflow_unrecoverable_corruption_is_data_loss_on_both_sides(sidecars):
     with pytest.raises(KVFlowError) as e:
         b.client().recv("broken-1", timeout_s=10)
     assert e.value.code == grpc.StatusCode.DATA_LOSS
+
+
+def test_kvflow_packed_chunks_survive_a_spooled_receiver_restart(sidecars, tmp_path):
+    """A completed transfer of packed chunks, not yet collected, is restored from the spool after the
+    receiver is killed, part by part."""
+    a, b = sidecars.pair(b_args=["--spool-dir", str(tmp_path / "spool")])
+    layers = [os.urandom(30_000 + 7 * i) for i in range(61)]
+    a.client().send("b", "warm", [b"x" * 65536] * 61).wait(30)       # the link's rate is known: packing on
+    result = a.client().send("b", "packed-spool", layers).wait(30)
+    assert result.chunks < 20                                         # 61 layers of ~30 KB, packed
+    b.kill9()
+    b.restart()
+    assert "restored" in b.log()
+    assert b.client().recv("packed-spool", timeout_s=10) == layers
