@@ -181,17 +181,20 @@ class _ShmWriter:
             time.sleep(delay)
             delay = min(delay * 2, 0.002)
 
-    def data(self, info: pb.PartInfo, mv: memoryview) -> Iterator[pb.SendData]:
-        """Write one part into the ring, piece by piece; the handle of each piece as it is written (a
-        piece's handle must reach the sidecar before the writer waits for room: the sidecar only frees
-        what it has been told about). An empty part goes in-band."""
+    def _pieces(self, info: pb.PartInfo, mv: memoryview, resume_at: Optional[int] = None) -> Iterator:
+        """Write one part into the ring, piece by piece: the SendData handle of each piece as it is written,
+        and None just before waiting for room, so the caller sends the handles it holds first (the sidecar
+        only takes what it has been told about). The wait lasts until at most ``resume_at`` bytes (default:
+        as much as leaves room for the piece) are pending. An empty part goes in-band."""
         n = mv.nbytes
         if n == 0:
             yield pb.SendData(part=info.index, offset=0, data=b"", info=info)
             return
         for start in range(0, n, self.piece):
             size = min(self.piece, n - start)
-            self.wait_room(self.window - size)
+            if self.pending() + size > self.window:
+                yield None
+                self.wait_room(self.window - size if resume_at is None else resume_at)
             yield self._write(info, mv, start, size)
 
     def _write(self, info: pb.PartInfo, mv: memoryview, start: int, size: int) -> pb.SendData:
@@ -205,8 +208,9 @@ class _ShmWriter:
                            shm=pb.ShmRef(path=self.path, offset=pos, length=size, ring_bytes=self.window))
 
     def messages(self, info: pb.PartInfo, mv: memoryview) -> Iterator[pb.SendRequest]:
-        for d in self.data(info, mv):
-            yield pb.SendRequest(data=d)
+        for d in self._pieces(info, mv):
+            if d is not None:
+                yield pb.SendRequest(data=d)
 
     def batches(self, parts) -> Iterator[pb.SendRequest]:
         """The parts of a transfer as few messages of handles: a batch goes when it has 256 handles or
@@ -215,18 +219,10 @@ class _ShmWriter:
         message into one chunk) instead of trickling one part per message."""
         batch = []
         for info, mv in parts:
-            if mv.nbytes == 0:
-                batch += self.data(info, mv)
-                continue
-            for start in range(0, mv.nbytes, self.piece):
-                size = min(self.piece, mv.nbytes - start)
-                if self.pending() + size > self.window:
-                    if batch:
-                        yield pb.SendRequest(batch=pb.SendBatch(data=batch))
-                        batch = []
-                    self.wait_room(min(self.window // 2, self.window - size))
-                batch.append(self._write(info, mv, start, size))
-                if len(batch) >= 256:
+            for d in self._pieces(info, mv, resume_at=self.window // 2):
+                if d is not None:
+                    batch.append(d)
+                if batch and (d is None or len(batch) >= 256):
                     yield pb.SendRequest(batch=pb.SendBatch(data=batch))
                     batch = []
         if batch:

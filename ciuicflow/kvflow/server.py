@@ -185,18 +185,21 @@ class _RecvRing:
             if in_ring and not self._room(n):
                 break
             pos += 1
-            if in_ring:
-                shmlib.ring_write(self.fd, self.ring, c.data, self.pos)
+            if not in_ring:
+                out += in_band(c)
+                continue
+            shmlib.ring_write(self.fd, self.ring, c.data, self.pos)
             for part, offset, info, start, length in c.spans():
-                if in_ring and length:
-                    out.append(pb.RecvData(part=part, offset=offset, info=info,
-                                           shm=pb.ShmRef(offset=self.pos + start, length=length)))
-                else:
-                    out.append(pb.RecvData(part=part, offset=offset, info=info,
-                                           data=bytes(c.data[start:start + length])))
-            if in_ring:
-                self.pos += n
+                ref = pb.ShmRef(offset=self.pos + start, length=length) if length else None
+                out.append(pb.RecvData(part=part, offset=offset, info=info, shm=ref))
+            self.pos += n
         return out, pos
+
+
+def in_band(c) -> List[pb.RecvData]:
+    """The parts of chunk ``c`` with their bytes in the messages themselves."""
+    return [pb.RecvData(part=part, offset=offset, info=info, data=bytes(c.data[start:start + length]))
+            for part, offset, info, start, length in c.spans()]
 
 
 class LocalService:
@@ -484,9 +487,8 @@ class LocalService:
                 while ring is None and pos < len(entry.chunks):
                     c = entry.chunks[pos]
                     pos += 1
-                    for part, offset, info, start, n in c.spans():
-                        yield pb.RecvReply(data=pb.RecvData(part=part, offset=offset, info=info,
-                                                            data=bytes(c.data[start:start + n])))
+                    for d in in_band(c):
+                        yield pb.RecvReply(data=d)
                 if entry.failed:
                     code, message = entry.failed
                     await context.abort(code, message)
