@@ -54,18 +54,25 @@ class _Cutter:
     checking that parts come in order and match their description."""
 
     def __init__(self, chunk_size: int, whole_part_bytes: int = 0):
-        self.base_chunk = chunk_size
-        self.chunk_size = chunk_size
+        self.base_chunk = chunk_size  # the link's chunk size (set_link_chunk), for parts that start from now on
+        self.chunk_size = chunk_size  # the current part's
         # A part no larger than this goes as one chunk (no short tail chunk with its own ack): KV layers
         # are often a little over a chunk (e.g. 288 KiB), and cutting them in 256 KiB + 32 KiB doubles the
         # per-chunk cost for no gain in preemption.
-        self.whole_part_bytes = max(int(whole_part_bytes), chunk_size)
+        self.min_whole_bytes = max(int(whole_part_bytes), chunk_size)
+        self.whole_part_bytes = self.min_whole_bytes
         self.part = 0                 # the part being filled
         self.offset = 0               # bytes of it received
         self.nbytes: Optional[int] = None
         self.info: Optional[pb.PartInfo] = None
         self.buf = bytearray()
         self.buf_offset = 0           # part offset of buf[0]
+
+    def set_link_chunk(self, size: int) -> None:
+        """The link's chunk size now (PeerLink.chunk_bytes): parts that start from now on are cut at it,
+        and whole parts may be as large."""
+        self.base_chunk = size
+        self.whole_part_bytes = max(self.min_whole_bytes, size)
 
     def feed(self, d: pb.SendData) -> List[OutChunk]:
         self.check(d.part, d.offset, d.info if d.HasField("info") else None, len(d.data))
@@ -371,6 +378,7 @@ class LocalService:
     async def _ingest_stream(self, link: PeerLink, t, iterator, files: Dict[str, int]) -> None:
         sc = self.sc
         cutter = _Cutter(sc.cfg.chunk_size, sc.cfg.whole_part_bytes)
+        chunk_limit = sc.cfg.max_message_bytes - (64 << 10)     # what the receiver's message limit accepts
         async for req in iterator:
             if t.finished:
                 return
@@ -382,7 +390,8 @@ class LocalService:
             else:
                 datas = ()
             if datas:
-                pack_bytes = link.pack_bytes(cutter.base_chunk, cutter.whole_part_bytes)
+                pack_bytes = link.chunk_bytes(sc.cfg.chunk_size, chunk_limit)
+                cutter.set_link_chunk(pack_bytes)
                 for chunk in self._batch_chunks(cutter, datas, files, pack_bytes):
                     await link.wait_readahead(t, sc.cfg.ingest_readahead)
                     if t.finished:

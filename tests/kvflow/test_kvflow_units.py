@@ -395,3 +395,35 @@ def test_kvflow_packed_chunk_spans_and_checks():
     assert "does not start a part" in check_packed(pb.Chunk(part=4, more=infos[1:]), 3)
     skipped = [pb.PartInfo(index=5, nbytes=0), pb.PartInfo(index=7, nbytes=3)]
     assert check_packed(pb.Chunk(part=4, info=infos[0], more=skipped), 8) is not None
+
+
+def test_kvflow_chunks_grow_with_the_link_rate():
+    """A chunk is what the link carries in 20 ms, as --chunk-size doubled, up to 2 MiB and the message limit;
+    the cutter applies a new size to parts that start after it."""
+    from types import SimpleNamespace
+
+    from ciuicflow.kvflow.sender import LINK_CHUNK_MAX, PeerLink
+    from ciuicflow.kvflow.server import _Cutter
+
+    def size(rate_Bps, chunk=256 << 10, limit=4 << 20):
+        return PeerLink.chunk_bytes(SimpleNamespace(cc=SimpleNamespace(btl_bw=rate_Bps)), chunk, limit)
+
+    assert size(0) == 256 << 10                      # no measurement yet
+    assert size(12.5e6) == 256 << 10                 # 100 Mbit/s: 250 KB in 20 ms
+    assert size(30e6) == 512 << 10                   # 600 KB in 20 ms
+    assert size(1e9) == LINK_CHUNK_MAX == 2 << 20
+    assert size(1e9, limit=1 << 20) == 1 << 20
+    assert size(1e9, chunk=48 << 10) == 1536 << 10   # doubling from an odd chunk size stays under the cap
+
+    cutter = _Cutter(256 << 10, 300 << 10)
+    part = bytes(range(256)) * 4096                  # 1 MiB
+    sizes = []
+    for index, link_chunk in enumerate((256 << 10, 512 << 10)):
+        cutter.set_link_chunk(link_chunk)
+        info = pb.PartInfo(index=index, nbytes=len(part))
+        sizes.append([len(c.data) for c in cutter.feed(pb.SendData(part=index, offset=0, data=part, info=info))])
+    assert sizes == [[256 << 10] * 4, [512 << 10] * 2]
+    cutter.set_link_chunk(1 << 20)                   # a part up to the link's chunk goes whole
+    info = pb.PartInfo(index=2, nbytes=len(part))
+    chunks = cutter.feed(pb.SendData(part=2, offset=0, data=part, info=info))
+    assert [len(c.data) for c in chunks] == [1 << 20] and bytes(chunks[0].data) == part
