@@ -26,6 +26,7 @@ the default checks once that the sidecar can open this process's files and other
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import threading
@@ -40,10 +41,13 @@ from .proto import kvflow_pb2 as pb
 from .proto import kvflow_pb2_grpc as pb_grpc
 from . import shm as shmlib
 
+log = logging.getLogger("ciuicflow.kvflow.client")
+
 DEFAULT_MESSAGE_BYTES = 1 << 20      # largest SendData message: a KV layer of up to 1 MiB is one message
 BYTES_PART_BYTES = 256 << 10         # a bytes payload is cut into parts of this size
 SHM_WINDOW_BYTES = 4 << 20           # shared memory: bytes written ahead of what the sidecar has taken
 SHM_RECV_RING_BYTES = 4 << 20        # shared memory: bytes the sidecar writes ahead of what recv has read
+SHM_POOL_RINGS = 8                   # shared memory: idle rings kept for reuse, of each kind (send, receive)
 _END = object()
 
 
@@ -147,6 +151,65 @@ class _CallFinished(Exception):
     """The Send call ended (e.g. the sidecar failed the transfer) while its request iterator still ran."""
 
 
+class _RingPool:
+    """A client's shared-memory rings (shm.py). When the sidecar opens them by descriptor
+    (``by_fd``), rings of finished transfers are kept, up to ``keep`` of each kind, and reused: a
+    transfer then writes into pages that exist already instead of fresh tmpfs pages, which cost about as
+    much to allocate, zero and free as the copy into them. Otherwise each transfer has a new, named file.
+
+    A ring is kept only after its transfer ended well, when the sidecar no longer touches it; a reused send
+    ring continues from its last logical position (so a late position written by an old transfer could
+    only make the writer wait, never overwrite unread bytes), a reused receive ring starts again at 0 (the
+    sidecar's writes start there)."""
+
+    def __init__(self, keep: int):
+        self.keep = max(int(keep), 0)
+        self.by_fd = False
+        self._idle = {}           # (kind, size) -> [(fd, pos)]
+        self._lock = threading.Lock()
+
+    def take(self, kind: str, size: int) -> "tuple[int, str, int]":
+        """A ring of ``size`` data bytes: (fd, path for the sidecar, logical position to start at)."""
+        with self._lock:
+            idle = self._idle.get((kind, size))
+            fd, pos = idle.pop() if idle else (-1, 0)
+        if fd < 0:
+            fd, path = shmlib.create_ring(kind, size)
+            if not self.by_fd:
+                return fd, path, 0
+            shmlib.unlink(path)
+        elif kind == "r":
+            shmlib.publish_read(fd, 0)
+            pos = 0
+        return fd, shmlib.fd_path(fd), pos
+
+    def give(self, kind: str, size: int, fd: int, path: str, pos: int, reusable: bool) -> None:
+        """A ring whose transfer has ended (``reusable``: well, and the reader has read up to ``pos``)."""
+        if reusable and self.by_fd and shmlib.is_fd_path(path):
+            try:
+                reusable = kind == "r" or shmlib.read_position(fd) == pos
+            except OSError:
+                reusable = False
+            with self._lock:
+                idle = self._idle.setdefault((kind, size), [])
+                if reusable and len(idle) < self.keep:
+                    idle.append((fd, pos))
+                    return
+        shmlib.unlink(path)
+        os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            rings = [fd for idle in self._idle.values() for fd, _ in idle]
+            self._idle.clear()
+        for fd in rings:
+            os.close(fd)
+
+
+def _succeeded(future) -> bool:
+    return future is not None and future.done() and not future.cancelled() and future.exception() is None
+
+
 class _ShmWriter:
     """The client's side of a shared-memory send: writes the parts into one ring file (see shm.py) and
     makes their handles. The file is unlinked by the sidecar once it has opened it, and here when the
@@ -156,10 +219,10 @@ class _ShmWriter:
     (``window`` bytes) has no room (as the in-band stream waits on HTTP/2 flow control), so a sidecar over
     its memory cap or a slow link holds the sender back instead of the bytes piling up in /dev/shm."""
 
-    def __init__(self, window: int, done=lambda: False):
+    def __init__(self, window: int, done=lambda: False, rings: Optional[_RingPool] = None):
         self.window = max(int(window), 1 << 20)
-        self.fd, self.path = shmlib.create_ring("s", self.window)
-        self.pos = 0                         # logical position of the next byte written
+        self._rings = rings or _RingPool(0)
+        self.fd, self.path, self.pos = self._rings.take("s", self.window)   # pos: of the next byte written
         self.piece = self.window // 2        # room for two pieces: one being read while the next is written
         self._done = done
         self._lock = threading.Lock()
@@ -228,11 +291,12 @@ class _ShmWriter:
         if batch:
             yield pb.SendRequest(batch=pb.SendBatch(data=batch))
 
-    def close(self, *_):
+    def close(self, future=None):
+        """The transfer has ended (``future``: its call, when it ended by itself): the ring goes back to
+        the pool if the transfer succeeded."""
         with self._lock:
-            shmlib.unlink(self.path)
             if self.fd >= 0:
-                os.close(self.fd)
+                self._rings.give("s", self.window, self.fd, self.path, self.pos, _succeeded(future))
                 self.fd = -1
 
 
@@ -295,7 +359,8 @@ class SendStream:
         self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, queue_messages))
         self._parts = 0
         self._closed = False
-        self._shm = _ShmWriter(client.shm_window_bytes, lambda: self.handle.done()) if client._use_shm() else None
+        self._shm = (_ShmWriter(client.shm_window_bytes, lambda: self.handle.done(), client._rings)
+                     if client._use_shm() else None)
         header = pb.SendRequest(header=pb.SendHeader(
             dest=dest, key=key, priority=priority_to_pb(priority), deadline_s=float(deadline_s or 0.0),
             payload_kind=payload_kind, resume=resume, lease_s=float(lease_s or 0.0)))
@@ -374,10 +439,12 @@ class SendStream:
 class RecvStream:
     """Iterator over the parts of a transfer as they arrive; ``header`` is set once the transfer is found."""
 
-    def __init__(self, call, shm_file=None, ring: int = 0):
+    def __init__(self, call, shm_file=None, ring: int = 0, rings: Optional[_RingPool] = None):
         self._call = call
         self._shm = shm_file            # (fd, path): this client's ring the sidecar writes chunks into
         self._ring = ring
+        self._rings = rings or _RingPool(0)
+        self._ended_well = False        # the sidecar ended the stream with OK: it writes no more
         self.header: Optional[RecvHeader] = None
         self._it = self._parts()
 
@@ -434,8 +501,7 @@ class RecvStream:
     def _close_shm(self) -> None:
         f, self._shm = self._shm, None
         if f is not None:
-            shmlib.unlink(f[1])
-            os.close(f[0])
+            self._rings.give("r", self._ring, f[0], f[1], 0, self._ended_well)
 
     def __del__(self):
         try:
@@ -458,6 +524,7 @@ class RecvStream:
                     part = self._take(d, state)
                     if part is not None:
                         yield part
+            self._ended_well = state["info"] is None
         except grpc.RpcError as exc:
             raise KVFlowError.from_rpc(exc) from None
         except OSError as exc:
@@ -481,8 +548,10 @@ class Client:
 
     def __init__(self, address: str, *, flow: bool = True, token: Optional[str] = None,
                  message_bytes: int = DEFAULT_MESSAGE_BYTES, queue_messages: int = 8, shm: Optional[bool] = None,
-                 shm_window_bytes: int = SHM_WINDOW_BYTES, shm_recv_ring_bytes: int = SHM_RECV_RING_BYTES):
+                 shm_window_bytes: int = SHM_WINDOW_BYTES, shm_recv_ring_bytes: int = SHM_RECV_RING_BYTES,
+                 shm_pool_rings: int = SHM_POOL_RINGS):
         self.address = address
+        self._rings = _RingPool(shm_pool_rings)
         self.shm = shm
         self.shm_window_bytes = int(shm_window_bytes)
         self.shm_recv_ring_bytes = max(int(shm_recv_ring_bytes), 1 << 20)
@@ -514,13 +583,26 @@ class Client:
         return self._shm_ok
 
     def _probe_shm(self):
+        """Whether the sidecar can open and write this process's shared-memory files: first named by
+        descriptor (then rings are reused, see _RingPool), else by name; (ok, why not)."""
         if not shmlib.available():
             return False, f"{shmlib.shm_dir()} is not writable"
+        ok, why = self._probe_shm_file(by_fd=True)
+        if not ok:
+            log.debug("shared memory by descriptor not possible (%s); trying by name", why)
+            ok, why = self._probe_shm_file(by_fd=False)
+        self._rings.by_fd = ok and self._rings.by_fd
+        return ok, why
+
+    def _probe_shm_file(self, by_fd: bool):
         try:
             fd, path = shmlib.create("p")
         except OSError as exc:
             return False, str(exc)
         try:
+            if by_fd:
+                shmlib.unlink(path)
+                path = shmlib.fd_path(fd)
             nonce = os.urandom(16)
             shmlib.write_all(fd, nonce + bytes(2 * shmlib.PAGE - len(nonce)), 0)
             reply = self._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=nonce), metadata=self._metadata(False),
@@ -528,6 +610,7 @@ class Client:
             if reply.ok and os.pread(fd, len(nonce), shmlib.PAGE) != nonce:
                 # the rings need the sidecar to write into this process's files
                 return False, "the sidecar cannot write into the shared-memory file"
+            self._rings.by_fd = by_fd and reply.ok
             return reply.ok, reply.message
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNIMPLEMENTED,):
@@ -575,7 +658,8 @@ class Client:
             payload_kind=kind, resume=resume, lease_s=float(lease_s or 0.0)))
         message_bytes = self.message_bytes
         box = []
-        writer = _ShmWriter(self.shm_window_bytes, lambda: bool(box) and box[0].done()) if self._use_shm() else None
+        writer = (_ShmWriter(self.shm_window_bytes, lambda: bool(box) and box[0].done(), self._rings)
+                  if self._use_shm() else None)
 
         def requests():
             yield header
@@ -613,7 +697,7 @@ class Client:
     def recv_stream(self, key: str, timeout_s: Optional[float] = None) -> RecvStream:
         """Parts of transfer ``key`` as they arrive (waits up to ``timeout_s`` for the whole transfer)."""
         ring = self.shm_recv_ring_bytes
-        shm_file = shmlib.create_ring("r", ring) if self._use_shm() else None
+        shm_file = self._rings.take("r", ring)[:2] if self._use_shm() else None
         try:
             call = self._stub.Recv(pb.RecvRequest(key=key, timeout_s=float(timeout_s or 0.0),
                                                   shm_path=shm_file[1] if shm_file else "",
@@ -622,10 +706,9 @@ class Client:
                                    timeout=None if not timeout_s else float(timeout_s) + 30.0)
         except BaseException:
             if shm_file is not None:
-                shmlib.unlink(shm_file[1])
-                os.close(shm_file[0])
+                self._rings.give("r", ring, shm_file[0], shm_file[1], 0, False)
             raise
-        return RecvStream(call, shm_file, ring)
+        return RecvStream(call, shm_file, ring, self._rings)
 
     def recv(self, key: str, timeout_s: Optional[float] = None) -> Union[bytes, List[Any]]:
         """The whole transfer ``key``: bytes for a bytes payload, else a list (tensors, bytes parts)."""
@@ -651,6 +734,7 @@ class Client:
     def close(self) -> None:
         self._channel.close()
         self._high_channel.close()
+        self._rings.close()
 
     def __enter__(self) -> "Client":
         return self

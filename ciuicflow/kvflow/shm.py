@@ -3,14 +3,24 @@
 The bytes of a transfer go through a file in the shared-memory directory (``/dev/shm``, a tmpfs) instead
 of through gRPC messages on the local API: the client writes them once, the sidecar reads them once, and
 only small ``ShmRef`` handles cross the loopback gRPC connection. Files are always created by the client
-(mode 0600, name ``ciuicflow-kv-*``) and unlinked as soon as both sides hold them open, so nothing is left
-in ``/dev/shm`` when either process dies. The client checks once per ``Client`` that the sidecar can open
-its files (``ShmProbe``); when it cannot (another host, a container without the same ``/dev/shm``), the
-bytes go in-band in the gRPC messages as before.
+(mode 0600, name ``ciuicflow-kv-*``), and nothing is left in ``/dev/shm`` when either process dies. The
+client names a file to the sidecar in one of two ways:
+
+- by its descriptor, ``/proc/<client pid>/fd/<fd>`` (``fd_path``), when the sidecar sees the client's
+  processes (same PID namespace): the client unlinks the file as soon as it is created, and keeps the
+  ring for its next transfers (``Client``'s ring pool), so a transfer does not pay for fresh tmpfs pages
+  (allocating, zeroing and freeing them cost about as much as the copy into them);
+- by its name in ``/dev/shm`` otherwise (a container that shares only ``/dev/shm``): the sidecar unlinks
+  it once both sides hold it open, and each transfer has a new file.
+
+The sidecar opens only files named ``ciuicflow-kv-*`` directly in the shared-memory directory, whichever
+way they are named (``open_checked``). The client checks once per ``Client`` which way works
+(``ShmProbe``); when neither does (another host), the bytes go in-band in the gRPC messages as before.
 """
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 import uuid as uuidlib
@@ -38,7 +48,8 @@ def create(tag: str = "") -> "tuple[int, str]":
 
 
 def unlink(path: Optional[str]) -> None:
-    if not path:
+    """Remove the file's name (nothing to do for a /proc/PID/fd/N path: the client unlinked it already)."""
+    if not path or is_fd_path(path):
         return
     try:
         os.unlink(path)
@@ -46,11 +57,32 @@ def unlink(path: Optional[str]) -> None:
         pass
 
 
+_FD_PATH = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
+_DELETED = " (deleted)"
+
+
+def fd_path(fd: int) -> str:
+    """How the sidecar opens this process's file ``fd`` (unlinked or not)."""
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def is_fd_path(path: str) -> bool:
+    return bool(_FD_PATH.fullmatch(path))
+
+
 def check_path(path: str, allowed_dir: str) -> Optional[str]:
     """Why the sidecar must not open ``path`` (None: it may). Only files named ``ciuicflow-kv-*`` directly
-    in the shared-memory directory."""
+    in the shared-memory directory (for a ``/proc/PID/fd/N`` path: the file it leads to, checked once open)."""
     if not path or "\x00" in path:
         return "empty shared-memory path"
+    if path.startswith("/proc/"):
+        target = os.readlink(path) if is_fd_path(path) and os.path.islink(path) else ""
+        if target.endswith(_DELETED):
+            target = target[:-len(_DELETED)]
+        if not target:
+            return f"{path!r} is not a /proc/PID/fd/N link"
+        err = check_path(target, allowed_dir)
+        return f"{path!r} leads to a file the sidecar may not open: {err}" if err else None
     name = os.path.basename(path)
     if not name.startswith(PREFIX) or name in (".", ".."):
         return f"shared-memory file {path!r} is not named {PREFIX}*"
@@ -64,10 +96,15 @@ def open_checked(path: str, allowed_dir: str, write: bool = False) -> int:
     err = check_path(path, allowed_dir)
     if err:
         raise ValueError(err)
-    fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd_link = is_fd_path(path)      # a /proc fd link is a symlink by nature: it is followed, then re-checked
+    fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | (0 if fd_link else os.O_NOFOLLOW) | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"shared-memory file {path!r} is not a regular file")
+        if fd_link:     # what was opened, not what the link said a moment before
+            err = check_path(fd_path(fd), allowed_dir)
+            if err:
+                raise ValueError(err)
     except BaseException:
         os.close(fd)
         raise

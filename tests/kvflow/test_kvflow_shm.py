@@ -99,6 +99,12 @@ def test_probe_refuses_foreign_paths(pair):
         assert not r.ok
     finally:
         os.unlink(link)
+    # a descriptor path must lead to one of our files in the shared-memory directory
+    with open("/etc/hostname", "rb") as fh, open(os.path.join(os.path.dirname(__file__), "conftest.py"), "rb") as py:
+        for path in (shmlib.fd_path(fh.fileno()), shmlib.fd_path(py.fileno()), "/proc/1/root/etc/passwd",
+                     f"/proc/{os.getpid()}/fd/../../environ", f"/proc/{os.getpid()}/fd/99999"):
+            r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"x"), timeout=10)
+            assert not r.ok, path
     # wrong content: another host or mount namespace with a file of the same name
     fd, path = shmlib.create("t")
     try:
@@ -240,4 +246,47 @@ def test_small_parts_are_packed_and_arrive_whole(pair):
         assert [p.index for p in parts] == list(range(61))
         for x, p in zip(tensors, parts):
             assert p.value.dtype == x.dtype and p.value.shape == x.shape and torch.equal(p.value, x)
+    assert our_files() == []
+
+
+def test_rings_are_named_by_descriptor_and_reused(pair):
+    """Where the sidecar sees this process, rings are unlinked at once, named /proc/PID/fd/N, and kept for
+    the next transfers (no fresh tmpfs pages); a ring of a transfer that did not end well is not kept."""
+    a, b = pair
+    ca, cb = a.client(), b.client()
+    assert ca._use_shm() and cb._use_shm() and ca._rings.by_fd and cb._rings.by_fd
+    sizes = (5 * CHUNK + 3, 2 << 20, 17)
+    used = set()
+    for i, n in enumerate(sizes * 2):
+        payload = os.urandom(n)
+        ca.send("b", f"pool-{i}", [payload[:n // 2], payload[n // 2:]]).wait(30)
+        assert b"".join(cb.recv(f"pool-{i}", timeout_s=10)) == payload
+        assert our_files() == []            # never a name in /dev/shm
+        used |= {fd for idle in (ca._rings._idle, cb._rings._idle) for rings in idle.values() for fd, _ in rings}
+    assert len(ca._rings._idle[("s", ca.shm_window_bytes)]) == 1      # one send ring, used six times
+    assert len(cb._rings._idle[("r", cb.shm_recv_ring_bytes)]) == 1
+    assert len(used) == 2
+    # a receive that is given up (the transfer is not there) does not keep its ring
+    with pytest.raises(KVFlowError):
+        cb.recv("absent", timeout_s=0.3)
+    assert len(cb._rings._idle[("r", cb.shm_recv_ring_bytes)]) == 0
+    ca.close()
+    cb.close()
+    assert ca._rings._idle == {} and cb._rings._idle == {}
+
+
+def test_rings_by_name_when_descriptors_are_not_possible(pair):
+    """The fallback for a sidecar that cannot open /proc/PID/fd/N (another PID namespace): named files,
+    one per transfer, unlinked once both sides hold them."""
+    a, b = pair
+    ca, cb = a.client(), b.client()
+    for c in (ca, cb):
+        assert c._probe_shm_file(by_fd=False)[0]
+        c._shm_ok = True
+        assert not c._rings.by_fd
+    payload = os.urandom(3 * CHUNK + 1)
+    ca.send("b", "named-1", payload).wait(30)
+    assert cb.recv("named-1", timeout_s=10) == payload
+    assert ca._rings._idle == {} and cb._rings._idle == {}
+    time.sleep(0.2)
     assert our_files() == []
