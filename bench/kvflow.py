@@ -18,7 +18,8 @@
    process holds, and has compared with what was sent, the last part of every request; its clients hand the
    bytes to their own sidecar in shared memory when they can (same host), and the sidecar-to-sidecar hop is
    gRPC over TCP on 127.0.0.1. Plain gRPC: from the first request issued until the receiving server has
-   answered for every stream (it answers once it holds all of a stream's bytes; it does not compare them).
+   answered for every stream (it answers once it holds all of a stream's bytes and has compared each
+   message with what was sent, as ciuicflow's receiver does).
    Throughput = payload bytes / that time; best of --raw-reps. --raw-only runs just this part.
 
 Writes a list of records as JSON (--json), a markdown table and a PNG latency chart next to it.
@@ -264,14 +265,22 @@ PLAIN_METHOD = "/bench.PlainKV/Push"
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
-def plain_server(port_file: str) -> None:
+def plain_server(port_file: str, seed: int) -> None:
     """A minimal streaming service: each request stream is one transfer, one message per part, bytes held
-    in memory until the stream ends (as a decode server would), answered with the byte count."""
+    in memory until the stream ends (as a decode server would) and compared with what was sent (as
+    ciuicflow's receiving worker does), answered with the byte count."""
     from concurrent.futures import ThreadPoolExecutor
     import grpc
+    same = _memcmp_equal(payload_buffer(seed))
 
     def push(request_iterator, context):
-        held = [msg for msg in request_iterator]
+        md = dict(context.invocation_metadata())
+        expected = request_parts({"key": md.get("x-key", ""), "tokens": int(md.get("x-tokens", 0))})
+        held = []
+        for msg in request_iterator:
+            if len(held) >= len(expected) or len(msg) != expected[len(held)][1] or not same(expected[len(held)][0], msg):
+                context.abort(grpc.StatusCode.DATA_LOSS, f"part {len(held)} differs from what was sent")
+            held.append(msg)
         return struct.pack("<Q", sum(len(m) for m in held))
 
     server = grpc.server(ThreadPoolExecutor(max_workers=32), options=GRPC_OPTIONS)
@@ -294,7 +303,8 @@ def plain_client(address: str, requests, seed: int) -> dict:
     futures = []
     for req in requests:
         parts = request_parts(req)
-        futures.append(push.future((bytes(buf[off:off + n]) for off, n in parts)))
+        futures.append(push.future((bytes(buf[off:off + n]) for off, n in parts),
+                                   metadata=(("x-key", req["key"]), ("x-tokens", str(req["tokens"])))))
     total = sum(struct.unpack("<Q", f.result())[0] for f in futures)
     seconds = time.monotonic() - t0
     cpu = time.process_time() - cpu0
@@ -312,9 +322,10 @@ def worker_main(argv) -> int:
     p.add_argument("--port-file")
     p.add_argument("--address")
     p.add_argument("--out")
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.worker == "plain-server":
-        plain_server(a.port_file)
+        plain_server(a.port_file, a.seed)
         return 0
     with open(a.plan) as fh:
         plan = json.load(fh)
@@ -578,13 +589,13 @@ def raw_phases(args) -> list:
 class PlainServer:
     """The plain gRPC receiving process (started early: it imports grpc while the sidecars start)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, seed: int):
         self.dir = os.path.join(workdir, "plain")
         os.makedirs(self.dir, exist_ok=True)
         self.port_file = os.path.join(self.dir, "port")
         self._log = open(os.path.join(self.dir, "server.log"), "wb")
         self.proc = _host_launch([sys.executable, os.path.abspath(__file__), "--worker", "plain-server",
-                                  "--port-file", self.port_file], stdout=self._log, stderr=subprocess.STDOUT)
+                                  "--port-file", self.port_file, "--seed", str(seed)], stdout=self._log, stderr=subprocess.STDOUT)
 
     def run_once(self, args, requests, rep: int) -> dict:
         """The plain client process sends the same bytes once; its measurement."""
@@ -669,7 +680,7 @@ def main(argv=None) -> int:
         for tb in testbeds:
             tb.start_sidecars()
         if raw is not None:
-            plain_server = PlainServer(workdir)
+            plain_server = PlainServer(workdir, args.seed)
         phases = shaped_phases(args, rate_Bps) if shaped is not None else []
         plan = {"seed": args.seed, "dest": "decode0", "timeout": args.timeout, "phases": phases}
         if shaped is not None:
@@ -832,7 +843,7 @@ def markdown(records, summary, testbed_line, args) -> str:
     if any(r["phase"] == "raw_loopback" for r in records):
         lines += ["", "Raw loopback rows: best of the repetitions (goodput = payload bytes / time from issuing "
                   "all requests at once until the receiving process holds them all; ciuicflow's receiver also "
-                  "compares every part with what was sent, plain gRPC's does not)."]
+                  "compares every part with what was sent, as plain gRPC's server does)."]
         cpu = [f"{r['mode']} {r['cpu_s_per_gb']:.2f}" for r in records
                if r["phase"] == "raw_loopback" and r.get("cpu_s_per_gb") is not None]
         if cpu:
