@@ -165,6 +165,7 @@ class _RingPool:
     def __init__(self, keep: int):
         self.keep = max(int(keep), 0)
         self.by_fd = False
+        self._closed = False
         self._idle = {}           # (kind, size) -> [(fd, pos)]
         self._lock = threading.Lock()
 
@@ -192,14 +193,16 @@ class _RingPool:
                 reusable = False
             with self._lock:
                 idle = self._idle.setdefault((kind, size), [])
-                if reusable and len(idle) < self.keep:
+                if reusable and not self._closed and len(idle) < self.keep:
                     idle.append((fd, pos))
                     return
         shmlib.unlink(path)
         os.close(fd)
 
     def close(self) -> None:
+        """Free the idle rings; rings still in use are freed when their transfers end."""
         with self._lock:
+            self._closed = True
             rings = [fd for idle in self._idle.values() for fd, _ in idle]
             self._idle.clear()
         for fd in rings:
@@ -211,9 +214,10 @@ def _succeeded(future) -> bool:
 
 
 class _ShmWriter:
-    """The client's side of a shared-memory send: writes the parts into one ring file (see shm.py) and
-    makes their handles. The file is unlinked by the sidecar once it has opened it, and here when the
-    transfer ends (whichever comes first), so nothing stays in /dev/shm.
+    """The client's side of a shared-memory send: writes the parts into one ring (see shm.py, taken from
+    and given back to the client's _RingPool) and makes their handles. A ring named by its path is unlinked
+    by the sidecar once it has opened it, and here when the transfer ends (whichever comes first), so
+    nothing stays in /dev/shm.
 
     Back-pressure: the sidecar publishes in the file how far it has read, and writing waits while the ring
     (``window`` bytes) has no room (as the in-band stream waits on HTTP/2 flow control), so a sidecar over

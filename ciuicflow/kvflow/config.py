@@ -29,7 +29,8 @@ class SidecarConfig:
     # chunking and flow control
     chunk_size: int = 256 << 10
     ingest_readahead: int = 4 << 20           # normal/low flow transfers: unsent bytes buffered ahead of the link
-    whole_part_bytes: int = 1 << 20           # a part up to this size goes as one chunk (no short tails); packing limit
+    max_chunk_size: int = 2 << 20             # on a fast link chunks grow from chunk_size up to this (see chunk_bytes)
+    whole_part_bytes: int = 1 << 20           # a part up to this size goes as one chunk (no short tails)
     min_cwnd: int = 0                         # bytes; 0 = max(2 chunks, 2MiB)
     quantum_normal: int = 3 << 20             # DRR quantum per turn, bytes
     quantum_low: int = 1 << 20
@@ -96,7 +97,7 @@ class SidecarConfig:
         return self
 
 
-_SIZE_FIELDS = {"chunk_size", "ingest_readahead", "whole_part_bytes", "min_cwnd", "quantum_normal", "quantum_low", "link_rate", "max_total_bytes",
+_SIZE_FIELDS = {"chunk_size", "max_chunk_size", "ingest_readahead", "whole_part_bytes", "min_cwnd", "quantum_normal", "quantum_low", "link_rate", "max_total_bytes",
                 "max_peer_bytes", "max_message_bytes"}
 _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
 
@@ -173,12 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "(default 0: any free port; -1: none, peers use gRPC)")
     a("--metrics-port", type=int, default=S, help="Prometheus metrics port (0: off)")
     a("--metrics-host", default=S, help="metrics address (default 127.0.0.1)")
-    a("--chunk-size", default=S, help="chunk size, e.g. 256KiB (256KiB..1MiB recommended)")
+    a("--chunk-size", default=S, help="chunk size on a slow link, e.g. 256KiB (256KiB..1MiB recommended)")
+    a("--max-chunk-size", default=S, help="on a fast link chunks grow from --chunk-size (doubling) to what the "
+                                        "link carries in 20 ms, up to this (default 2MiB; at most "
+                                        "--chunk-size: chunks keep that size)")
     a("--ingest-readahead", default=S, help="normal/low flow transfers: read at most this many unsent bytes "
                                           "ahead from the local client (default 4MiB; 0: no limit)")
-    a("--whole-part-bytes", default=S, help="a part (layer) up to this size goes as one chunk instead of being "
-                                          "cut at --chunk-size, and whole parts read together from shared "
-                                          "memory are packed into chunks up to this size (default 1MiB; "
+    a("--whole-part-bytes", default=S, help="a part (layer) up to this size (or up to the link's chunk size) "
+                                          "goes as one chunk instead of being cut (default 1MiB; "
                                           "0: --chunk-size)")
     a("--min-cwnd", default=S, help="smallest congestion window in bytes (default max(2 chunks, 2MiB))")
     a("--quantum-normal", default=S, help="DRR quantum of class normal per turn (default 3MiB)")

@@ -37,8 +37,6 @@ FATAL_LINK_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
 }
 PACK_S = 0.02                   # a chunk takes at most this long on the link (see chunk_bytes)
-LINK_CHUNK_MAX = 2 << 20        # largest chunk on a fast link: the piece a client writes into its default
-                                # shared-memory window (4 MiB, two pieces), so pieces split into whole chunks
 DATA_PLANE_CONNECT_S = 5.0      # a data port that does not answer within this: fall back to gRPC
 DATA_PLANE_RETRY_S = 60.0       # ... and try it again after this long (on the next reconnect)
 
@@ -232,13 +230,14 @@ class PeerLink:
 
     def chunk_bytes(self, chunk_size: int, limit: int) -> int:
         """Chunk size on this link: ``chunk_size`` doubled while the link carries the result in PACK_S (so
-        a high-priority chunk never waits longer than that behind one), at most ``limit``. On a 100 Mbit/s
-        link that is ``chunk_size``; on loopback or a fast network, up to LINK_CHUNK_MAX: the per-chunk
+        a high-priority chunk never waits longer than that behind one), at most ``limit`` (--max-chunk-size,
+        2 MiB: the piece a client writes into its default 4 MiB shared-memory window). On a 100 Mbit/s
+        link that is ``chunk_size``; on loopback or a fast network, ``limit``: the per-chunk
         work of two sidecars and two clients (a checksum, a frame, an ack, a scheduling decision, the
         handles) then falls 8x for big layers. Doubling keeps chunk boundaries on the client's pieces."""
         bw = self.cc.btl_bw
         size = chunk_size
-        while bw > 0 and size * 2 <= min(limit, LINK_CHUNK_MAX, bw * PACK_S):
+        while bw > 0 and size * 2 <= min(limit, bw * PACK_S):
             size *= 2
         return size
 

@@ -378,7 +378,7 @@ class LocalService:
     async def _ingest_stream(self, link: PeerLink, t, iterator, files: Dict[str, int]) -> None:
         sc = self.sc
         cutter = _Cutter(sc.cfg.chunk_size, sc.cfg.whole_part_bytes)
-        chunk_limit = sc.cfg.max_message_bytes - (64 << 10)     # what the receiver's message limit accepts
+        chunk_limit = min(sc.cfg.max_chunk_size, sc.cfg.max_message_bytes - (64 << 10))   # the receiver's limit
         async for req in iterator:
             if t.finished:
                 return

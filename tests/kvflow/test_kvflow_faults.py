@@ -79,7 +79,8 @@ def test_kvflow_sender_killed_mid_transfer_then_retried_with_resume(sidecars):
 
 
 def test_kvflow_checksum_mismatch_is_retransmitted(sidecars):
-    a, b = sidecars.pair(a_args=["--test-corrupt-every", "3", "--chunk-size", "64KiB", "--whole-part-bytes", "0"])
+    a, b = sidecars.pair(a_args=["--test-corrupt-every", "3", "--chunk-size", "64KiB", "--max-chunk-size", "64KiB",
+                                 "--whole-part-bytes", "0"])
     ca, cb = a.client(), b.client()
     payload = os.urandom(3 << 20)
     for flow in (True, False):

@@ -402,16 +402,17 @@ def test_kvflow_chunks_grow_with_the_link_rate():
     the cutter applies a new size to parts that start after it."""
     from types import SimpleNamespace
 
-    from ciuicflow.kvflow.sender import LINK_CHUNK_MAX, PeerLink
+    from ciuicflow.kvflow.sender import PeerLink
     from ciuicflow.kvflow.server import _Cutter
 
-    def size(rate_Bps, chunk=256 << 10, limit=4 << 20):
+    def size(rate_Bps, chunk=256 << 10, limit=2 << 20):
         return PeerLink.chunk_bytes(SimpleNamespace(cc=SimpleNamespace(btl_bw=rate_Bps)), chunk, limit)
 
     assert size(0) == 256 << 10                      # no measurement yet
     assert size(12.5e6) == 256 << 10                 # 100 Mbit/s: 250 KB in 20 ms
     assert size(30e6) == 512 << 10                   # 600 KB in 20 ms
-    assert size(1e9) == LINK_CHUNK_MAX == 2 << 20
+    assert size(1e9) == 2 << 20
+    assert size(1e9, limit=64 << 10) == 256 << 10    # a limit below --chunk-size keeps chunks at it
     assert size(1e9, limit=1 << 20) == 1 << 20
     assert size(1e9, chunk=48 << 10) == 1536 << 10   # doubling from an odd chunk size stays under the cap
 
