@@ -53,6 +53,7 @@ LAYERS = 61                       # DeepSeek-V3
 LATENT, ROPE, ELEM = 512, 64, 2    # kv_lora_rank, qk_rope_head_dim, bf16
 BYTES_PER_TOKEN = LAYERS * (LATENT + ROPE) * ELEM      # 70,272
 BUFFER_BYTES = 48 << 20           # payload parts are slices of one seeded random buffer (both sides have it)
+WARMUP_PART = 72 << 10            # warm-up transfers: 61 x 72 KiB = 4.4 MB, past a 4 MiB ring (its pages all touched)
 PEER_PORT = 50152
 
 SMOKE = dict(rate="100mbit", duration=6.0, high_tokens="8:32", low_tokens="128:384", saturation_s=2.5,
@@ -162,8 +163,12 @@ def sender_worker(plan: dict, api: str, sync: str) -> None:
         c.wait_ready(60)
     # Connect the sidecars' peer link before any clock starts (the plain gRPC client, too, connects first),
     # with enough bytes (61 layers of 64 KiB) for the link's controller to measure its rate, as it has in a
-    # sidecar that has been running for a while.
-    clients["flow"].send(plan["dest"], "__warmup__", [bytes(64 << 10)] * LAYERS).wait(plan["timeout"])
+    # sidecar that has been running for a while; as many transfers at once as a phase has (raw loopback),
+    # so that the clients hold the shared-memory rings a long-running server would have (see _RingPool).
+    warm = [clients["flow"].send(plan["dest"], f"__warmup__{i}", [bytes(WARMUP_PART)] * LAYERS)
+            for i in range(plan.get("warmup_transfers", 1))]
+    for handle in warm:
+        handle.wait(plan["timeout"])
     for phase in plan["phases"]:
         name = phase["name"]
         _write(os.path.join(sync, f"{name}.sender.ready"), "ready")
@@ -224,7 +229,12 @@ def receiver_worker(plan: dict, api: str, sync: str) -> None:
     same = _memcmp_equal(buf)
     client = Client(api)
     client.wait_ready(60)
-    client.recv("__warmup__", timeout_s=plan["timeout"])
+    warm = [threading.Thread(target=client.recv, args=(f"__warmup__{i}",), kwargs={"timeout_s": plan["timeout"]})
+            for i in range(plan.get("warmup_transfers", 1))]
+    for th in warm:
+        th.start()
+    for th in warm:
+        th.join()
     for phase in plan["phases"]:
         name = phase["name"]
         _write(os.path.join(sync, f"{name}.receiver.ready"), "ready")
@@ -686,7 +696,8 @@ def main(argv=None) -> int:
         if shaped is not None:
             shaped.start_workers(plan, 120)
         if raw is not None:
-            raw_plan = {"seed": args.seed, "dest": "decode0", "timeout": args.timeout, "phases": raw_phases(args)}
+            raw_plan = {"seed": args.seed, "dest": "decode0", "timeout": args.timeout, "phases": raw_phases(args),
+                        "warmup_transfers": args.raw_requests}
             raw.start_workers(raw_plan, 120)
         base = {"shaped": bool(cluster is not None and cluster.shaped), "testbed": testbed_line, "link_rate_bytes_per_s": rate_Bps,
                 "load": args.load, "bytes_per_token": BYTES_PER_TOKEN}
