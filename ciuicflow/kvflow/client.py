@@ -199,6 +199,12 @@ class _RingPool:
         shmlib.unlink(path)
         os.close(fd)
 
+    def __del__(self):      # a Client dropped without close(): its idle rings are not kept alive
+        try:
+            self.close()
+        except Exception:   # noqa: BLE001
+            pass
+
     def close(self) -> None:
         """Free the idle rings; rings still in use are freed when their transfers end."""
         with self._lock:

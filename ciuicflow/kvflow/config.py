@@ -73,6 +73,8 @@ class SidecarConfig:
             raise ValueError("--chunk-size must be between 4KiB and 4MiB (256KiB..1MiB recommended)")
         if self.chunk_size + (64 << 10) > self.max_message_bytes:
             raise ValueError("--max-message-bytes must exceed --chunk-size by at least 64KiB")
+        if self.max_chunk_size <= 0:
+            raise ValueError("--max-chunk-size must be positive (at most --chunk-size: chunks keep that size)")
         if self.whole_part_bytes < 0:
             raise ValueError("--whole-part-bytes must be >= 0")
         # Whole parts never make a chunk the receiver's message limit refuses.

@@ -306,6 +306,10 @@ lease_s = 5
         load_config(["--peer", "nobody"])
     with pytest.raises(ValueError):
         load_config(["--chunk-size", "64MiB"])
+    assert load_config([]).max_chunk_size == 2 << 20
+    assert load_config(["--max-chunk-size", "256KiB"]).max_chunk_size == 256 << 10
+    with pytest.raises(ValueError, match="--max-chunk-size"):
+        load_config(["--max-chunk-size", "0"])
     assert (load_config([]).peer_transport, load_config([]).data_port) == ("auto", 0)
     assert load_config(["--data-port", "-1"]).data_port == -1
     with pytest.raises(ValueError, match="--data-port"):
