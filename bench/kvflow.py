@@ -57,7 +57,7 @@ WARMUP_PART = 72 << 10            # warm-up transfers: 61 x 72 KiB = 4.4 MB, pas
 PEER_PORT = 50152
 
 SMOKE = dict(rate="100mbit", duration=6.0, high_tokens="8:32", low_tokens="128:384", saturation_s=2.5,
-             raw_requests=4, raw_tokens=128, raw_reps=1, timeout=120.0)
+             raw_requests=4, raw_tokens=128, raw_reps=3, timeout=120.0)
 
 
 # ---------------------------------------------------------------------- workload
