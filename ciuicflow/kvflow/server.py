@@ -390,9 +390,9 @@ class LocalService:
             else:
                 datas = ()
             if datas:
-                pack_bytes = link.chunk_bytes(sc.cfg.chunk_size, chunk_limit)
-                cutter.set_link_chunk(pack_bytes)
-                for chunk in self._batch_chunks(cutter, datas, files, pack_bytes):
+                link_chunk = link.chunk_bytes(sc.cfg.chunk_size, chunk_limit)   # also the packing limit
+                cutter.set_link_chunk(link_chunk)
+                for chunk in self._batch_chunks(cutter, datas, files, link_chunk):
                     await link.wait_readahead(t, sc.cfg.ingest_readahead)
                     if t.finished:
                         return
