@@ -53,7 +53,7 @@ LAYERS = 61                       # DeepSeek-V3
 LATENT, ROPE, ELEM = 512, 64, 2    # kv_lora_rank, qk_rope_head_dim, bf16
 BYTES_PER_TOKEN = LAYERS * (LATENT + ROPE) * ELEM      # 70,272
 BUFFER_BYTES = 48 << 20           # payload parts are slices of one seeded random buffer (both sides have it)
-WARMUP_PART = 72 << 10            # warm-up transfers: 61 x 72 KiB = 4.4 MB, past a 4 MiB ring (its pages all touched)
+WARMUP_PART = 144 << 10           # warm-up transfers: 61 x 144 KiB = 9 MB, past an 8 MiB ring (its pages all touched)
 PEER_PORT = 50152
 
 SMOKE = dict(rate="100mbit", duration=6.0, high_tokens="8:32", low_tokens="128:384", saturation_s=2.5,

@@ -45,8 +45,8 @@ log = logging.getLogger("ciuicflow.kvflow.client")
 
 DEFAULT_MESSAGE_BYTES = 1 << 20      # largest SendData message: a KV layer of up to 1 MiB is one message
 BYTES_PART_BYTES = 256 << 10         # a bytes payload is cut into parts of this size
-SHM_WINDOW_BYTES = 4 << 20           # shared memory: bytes written ahead of what the sidecar has taken
-SHM_RECV_RING_BYTES = 4 << 20        # shared memory: bytes the sidecar writes ahead of what recv has read
+SHM_WINDOW_BYTES = 8 << 20           # shared memory: bytes written ahead of what the sidecar has taken
+SHM_RECV_RING_BYTES = 8 << 20        # shared memory: bytes the sidecar writes ahead of what recv has read
 SHM_POOL_RINGS = 8                   # shared memory: idle rings kept for reuse, of each kind (send, receive)
 _END = object()
 

@@ -29,7 +29,7 @@ class SidecarConfig:
     # chunking and flow control
     chunk_size: int = 256 << 10
     ingest_readahead: int = 4 << 20           # normal/low flow transfers: unsent bytes buffered ahead of the link
-    max_chunk_size: int = 2 << 20             # on a fast link chunks grow from chunk_size up to this (see chunk_bytes)
+    max_chunk_size: int = 4 << 20             # on a fast link chunks grow from chunk_size up to this (see chunk_bytes)
     whole_part_bytes: int = 1 << 20           # a part up to this size goes as one chunk (no short tails)
     min_cwnd: int = 0                         # bytes; 0 = max(2 chunks, 2MiB)
     quantum_normal: int = 3 << 20             # DRR quantum per turn, bytes
@@ -39,7 +39,7 @@ class SidecarConfig:
     # limits
     max_total_bytes: int = 2 << 30            # buffered bytes in total (outgoing + incoming)
     max_peer_bytes: int = 1 << 30             # buffered bytes per peer
-    max_message_bytes: int = 4 << 20          # largest gRPC message accepted
+    max_message_bytes: int = 8 << 20          # largest gRPC message accepted (a chunk and its header)
     admission_timeout_s: float = 10.0         # a sender over the cap waits this long, then RESOURCE_EXHAUSTED
     lease_s: float = 60.0                     # received transfers not collected in time are dropped
     stall_timeout_s: float = 30.0             # a transfer without progress this long fails
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--metrics-host", default=S, help="metrics address (default 127.0.0.1)")
     a("--chunk-size", default=S, help="chunk size on a slow link, e.g. 256KiB (256KiB..1MiB recommended)")
     a("--max-chunk-size", default=S, help="on a fast link chunks grow from --chunk-size (doubling) to what the "
-                                        "link carries in 20 ms, up to this (default 2MiB; at most "
+                                        "link carries in 20 ms, up to this (default 4MiB; at most "
                                         "--chunk-size: chunks keep that size)")
     a("--ingest-readahead", default=S, help="normal/low flow transfers: read at most this many unsent bytes "
                                           "ahead from the local client (default 4MiB; 0: no limit)")

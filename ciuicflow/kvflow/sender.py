@@ -231,10 +231,10 @@ class PeerLink:
     def chunk_bytes(self, chunk_size: int, limit: int) -> int:
         """Chunk size on this link: ``chunk_size`` doubled while the link carries the result in PACK_S (so
         a high-priority chunk never waits longer than that behind one), at most ``limit`` (--max-chunk-size,
-        2 MiB: the piece a client writes into its default 4 MiB shared-memory window). On a 100 Mbit/s
+        4 MiB: the piece a client writes into its default 8 MiB shared-memory window). On a 100 Mbit/s
         link that is ``chunk_size``; on loopback or a fast network, ``limit``: the per-chunk
         work of two sidecars and two clients (a checksum, a frame, an ack, a scheduling decision, the
-        handles) then falls 8x for big layers. Doubling keeps chunk boundaries on the client's pieces."""
+        handles) then falls 16x for big layers. Doubling keeps chunk boundaries on the client's pieces."""
         bw = self.cc.btl_bw
         size = chunk_size
         while bw > 0 and size * 2 <= min(limit, bw * PACK_S):

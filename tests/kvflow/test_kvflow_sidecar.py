@@ -163,10 +163,10 @@ def test_kvflow_bad_input_gets_clear_errors(pair):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in details
     code, details = call([header.SerializeToString(), pb.SendRequest(end=pb.SendEnd(num_parts=2)).SerializeToString()])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "parts" in details
-    # oversized message (over --max-message-bytes, 4 MiB)
+    # oversized message (over --max-message-bytes, 8 MiB)
     code, details = call([header.SerializeToString(),
-                          pb.SendRequest(data=pb.SendData(part=0, offset=0, data=b"x" * (5 << 20),
-                                                          info=pb.PartInfo(index=0, nbytes=5 << 20))).SerializeToString()])
+                          pb.SendRequest(data=pb.SendData(part=0, offset=0, data=b"x" * (9 << 20),
+                                                          info=pb.PartInfo(index=0, nbytes=9 << 20))).SerializeToString()])
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     # garbage on the peer port
     peer_ch = grpc.insecure_channel(b.listen)

@@ -306,7 +306,7 @@ lease_s = 5
         load_config(["--peer", "nobody"])
     with pytest.raises(ValueError):
         load_config(["--chunk-size", "64MiB"])
-    assert load_config([]).max_chunk_size == 2 << 20
+    assert load_config([]).max_chunk_size == 4 << 20
     assert load_config(["--max-chunk-size", "256KiB"]).max_chunk_size == 256 << 10
     with pytest.raises(ValueError, match="--max-chunk-size"):
         load_config(["--max-chunk-size", "0"])
