@@ -162,7 +162,7 @@ def sender_worker(plan: dict, api: str, sync: str) -> None:
     for c in clients.values():
         c.wait_ready(60)
     # Connect the sidecars' peer link before any clock starts (the plain gRPC client, too, connects first),
-    # with enough bytes (61 layers of 64 KiB) for the link's controller to measure its rate, as it has in a
+    # with enough bytes (61 layers of 144 KiB) for the link's controller to measure its rate, as it has in a
     # sidecar that has been running for a while; as many transfers at once as a phase has (raw loopback),
     # so that the clients hold the shared-memory rings a long-running server would have (see _RingPool).
     warm = [clients["flow"].send(plan["dest"], f"__warmup__{i}", [bytes(WARMUP_PART)] * LAYERS)

@@ -598,10 +598,10 @@ class Client:
         if not shmlib.available():
             return False, f"{shmlib.shm_dir()} is not writable"
         ok, why = self._probe_shm_file(by_fd=True)
+        self._rings.by_fd = ok
         if not ok:
             log.debug("shared memory by descriptor not possible (%s); trying by name", why)
             ok, why = self._probe_shm_file(by_fd=False)
-        self._rings.by_fd = ok and self._rings.by_fd
         return ok, why
 
     def _probe_shm_file(self, by_fd: bool):
@@ -620,7 +620,6 @@ class Client:
             if reply.ok and os.pread(fd, len(nonce), shmlib.PAGE) != nonce:
                 # the rings need the sidecar to write into this process's files
                 return False, "the sidecar cannot write into the shared-memory file"
-            self._rings.by_fd = by_fd and reply.ok
             return reply.ok, reply.message
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNIMPLEMENTED,):

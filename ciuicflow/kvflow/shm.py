@@ -149,8 +149,7 @@ def read_into(fd: int, buf: memoryview, offset: int) -> None:
 # A transfer's file is a ring: a header page, then ``ring`` bytes of data. Writers place bytes at a logical
 # position (which only grows; ``HEADER + pos % ring`` in the file, wrapping at the end) and never more than
 # ``ring`` ahead of the reader, who publishes in the header how far it has read. The same pages are written
-# again and again: a fresh tmpfs page costs more to fill than the copy itself, and freeing read pages
-# (punching holes, as before rings) cost as much again.
+# again and again: a fresh tmpfs page costs about as much to allocate, zero and free as the copy into it.
 PAGE = 4096
 HEADER = PAGE
 _POS = struct.Struct("<Q")

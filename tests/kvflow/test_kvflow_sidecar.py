@@ -278,7 +278,9 @@ def test_kvflow_backpressure_slows_open_stream(sidecars, tmp_path):
     a, b = sidecars.pair(a_args=["--max-peer-bytes", str(1 << 20), "--max-total-bytes", str(1 << 20),
                                  "--chunk-size", str(CHUNK), "--admission-timeout-s", "20"],
                          b_args=["--link-rate", "8MB", "--spool-dir", str(tmp_path / "spool")])
-    ca, cb = a.client(), b.client()
+    # The client writes at most its shared-memory window ahead of the sidecar (8 MiB by default, most of
+    # this 12 MiB transfer); a 4 MiB window leaves the sidecar's back-pressure something to hold back.
+    ca, cb = a.client(shm_window_bytes=4 << 20), b.client()
     t0 = time.monotonic()
     with ca.open("b", "bp-1", payload_kind="bytes") as stream:
         for _ in range(96):
@@ -287,7 +289,7 @@ def test_kvflow_backpressure_slows_open_stream(sidecars, tmp_path):
     stream.handle.wait(30)
     total = time.monotonic() - t0
     print(f"appended in {appended:.2f}s, delivered in {total:.2f}s")
-    # the sender could not run ahead by more than the sidecar's 1 MiB plus the gRPC windows: without
+    # the sender could not run ahead by more than the sidecar's 1 MiB plus its window: without
     # backpressure the appends take < 0.1 s; here they wait for most of the 1.6 s the link needs
     assert appended > 0.4
     assert len(cb.recv("bp-1", timeout_s=10)) == 12 << 20
