@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ciuicflow.collectives import Traffic
 from ciuicflow.collectives.hierarchical import flat_all_reduce, hierarchical_all_reduce
-from ciuicflow.collectives.onebit import DEFAULT_CHUNK_SIZE, OneBitErrors, onebit_all_reduce
+from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
 from ciuicflow.collectives.powersgd import PowerSGDMemory, powersgd_all_reduce
 from ciuicflow.topology import Topology
 
@@ -231,6 +231,8 @@ class AllReduceState:
     """
 
     algorithm = "allreduce"
+    guard = "off"  # the compressing states' accuracy guard (see OneBitState)
+    guard_threshold = 4.0
     _config_fields = ("overlap",)
     _layout_fields: tuple = ()  # config that must match to load a checkpoint's memory
 
@@ -270,6 +272,8 @@ class AllReduceState:
         self._stats_steps = 0
         self._compressed_steps = 0
         self._buckets = 0
+        self._relative_errors: dict[int, float] = {}  # bucket index -> the guard's last measure
+        self._guard_alerts = 0
 
     def stats(self) -> dict:
         """Communication statistics of this rank since the last ``reset_stats()``.
@@ -295,6 +299,12 @@ class AllReduceState:
             "compression_ratio": _ratio(c.exact_inter_bytes, c.inter_bytes),
             "overall_compression_ratio": _ratio(t.exact_inter_bytes, t.inter_bytes),
             "nonfinite_fallbacks": t.nonfinite_fallbacks,
+            # the accuracy guard: ||error-feedback memory|| / ||gradient|| per bucket, last step
+            "relative_error": max(self._relative_errors.values()) if self._relative_errors
+            else None,
+            "relative_errors": dict(self._relative_errors),
+            "guard_alerts": self._guard_alerts,
+            "guard_exact_steps": t.guard_exact_steps,
             "time_s": self._time_s,
             "time_per_step_s": self._time_s / steps if steps else 0.0,
         }
@@ -450,6 +460,21 @@ class AllReduceState:
         self._masks[key] = mask if bool(mask.any()) else None
         return self._masks[key]
 
+    def _check_guard(self, info: _Bucket, relative_error: float | None) -> None:
+        """Record the bucket's relative error; above the threshold, warn (once per bucket)."""
+        if relative_error is None or self.guard == "off":
+            return
+        self._relative_errors[info.index] = relative_error
+        if relative_error > self.guard_threshold:
+            self._guard_alerts += 1
+            action = ("its next step is exact" if self.guard == "exact" else
+                      "pass guard='exact' to send such buckets exactly, or reduce the learning "
+                      "rate, the momentum, or raise the rank/lower the chunk size")
+            self._warn_once(f"guard{info.index}", (
+                f"ciuicflow {self.algorithm}: bucket {info.index}'s error-feedback memory is "
+                f"{relative_error:.1f}x its gradient (threshold {self.guard_threshold}): "
+                f"compression is falling behind and may cost accuracy; {action}"))
+
     def _warn_once(self, tag: str, message: str) -> None:
         if tag not in self._warned:
             self._warned.add(tag)
@@ -479,6 +504,21 @@ class _CompressingState(AllReduceState):
         return True
 
 
+# Defaults of the 1-bit hooks, chosen on bench/convergence.py (docs/hooks.md, "Defaults"):
+# - 256 elements per scale: a chunk's scale is the mean |value| of its elements, so a chunk that
+#   spans elements of different size sends the small ones a large +-scale (noise) and the large ones
+#   too little (delay); 256 keeps 28x compression against float32 (1 + 32/256 bits an element).
+# - half of the error carried over: the carried error is gradient sent late, and the optimizer's
+#   momentum turns late gradient at a constant learning rate into oscillation (accuracy collapsed
+#   with all of it carried); half bounds the delay to about two steps.
+# - one phase where the exchange has two ranks (two nodes): the same bytes as two phases, without
+#   the server's second compression.
+ONEBIT_CHUNK_SIZE = 256
+ONEBIT_ERROR_DECAY = 0.5
+GUARD_THRESHOLD = 4.0
+_GUARDS = ("warn", "exact", "off")
+
+
 class OneBitState(_CompressingState):
     """State of ``hierarchical_1bit`` and ``onebit``: 1-bit compression with error feedback.
 
@@ -486,21 +526,41 @@ class OneBitState(_CompressingState):
         process_group, topology, overlap, model: as for ``AllReduceState``.
         warmup_steps: synchronised steps all-reduced exactly before compression starts.
         chunk_size: elements that share one scale (a positive multiple of 8).
+        error_decay: share of the error-feedback memory carried into the next step, in [0, 1]
+            (1: classic error feedback).
+        phases: 2 (each rank serves a segment, compresses its mean again: 2(W-1)/W of the
+            compressed bytes), 1 (every rank gathers all compressed tensors: (W-1)), or "auto":
+            1 when the exchange has two ranks (the same bytes), else 2.
+        guard: the accuracy guard: "warn" (a RuntimeWarning when a bucket's relative error,
+            ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such
+            a bucket's next step is exact and sends what the memory held) or "off".
         exclude: parameter-name patterns (``fnmatch``, e.g. ``"*.bias"``, ``"*norm*"``) reduced
             exactly; names come from ``register(model, ...)`` or ``bind_model(model)``.
         seed: recorded for reproducibility (1-bit compression itself is deterministic).
     """
 
     algorithm = "onebit"
-    _config_fields = _CompressingState._config_fields + ("chunk_size",)
-    _layout_fields = ("chunk_size",)
+    _config_fields = _CompressingState._config_fields + (
+        "chunk_size", "error_decay", "phases", "guard", "guard_threshold")
+    _layout_fields = ("chunk_size", "phases")
 
     def __init__(self, process_group=None, topology=None, *,
-                 warmup_steps: int = DEFAULT_WARMUP_STEPS, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 exclude=(), seed: int = 0, overlap: bool = True, model=None):
+                 warmup_steps: int = DEFAULT_WARMUP_STEPS, chunk_size: int = ONEBIT_CHUNK_SIZE,
+                 error_decay: float = ONEBIT_ERROR_DECAY, phases="auto", guard: str = "warn",
+                 guard_threshold: float = GUARD_THRESHOLD, exclude=(), seed: int = 0,
+                 overlap: bool = True, model=None):
         if int(chunk_size) <= 0 or int(chunk_size) % 8:
             raise ValueError(f"chunk_size must be a positive multiple of 8, got {chunk_size}")
+        if not 0.0 <= float(error_decay) <= 1.0:
+            raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
+        if phases not in ("auto", 1, 2):
+            raise ValueError(f"phases must be 1, 2 or 'auto', got {phases!r}")
+        _check_guard(guard, guard_threshold)
         self.chunk_size = int(chunk_size)
+        self.error_decay = float(error_decay)
+        self.phases = phases
+        self.guard = guard
+        self.guard_threshold = float(guard_threshold)
         super().__init__(process_group, topology, warmup_steps=warmup_steps, exclude=exclude,
                          seed=seed, overlap=overlap, model=model)
 
@@ -508,9 +568,30 @@ class OneBitState(_CompressingState):
         return OneBitErrors()
 
     def _compress(self, info, memory, hierarchical, step, traffic):
-        onebit_all_reduce(info.buffer, memory, self.topology, hierarchical=hierarchical,
-                          chunk_size=self.chunk_size,
+        topology = self.topology
+        ranks = (topology.num_nodes if hierarchical and topology.hierarchical
+                 else topology.world_size)
+        server = self.phases == 2 or (self.phases == "auto" and ranks > 2)
+        onebit_all_reduce(info.buffer, memory, topology, hierarchical=hierarchical,
+                          chunk_size=self.chunk_size, error_decay=self.error_decay,
+                          server=server,
+                          guard_threshold=self.guard_threshold if self.guard == "exact" else None,
                           exact_mask=self._exact_mask(info, hierarchical), traffic=traffic)
+        self._check_guard(info, memory.relative_error)
+
+
+def _check_guard(guard, threshold) -> None:
+    if guard not in _GUARDS:
+        raise ValueError(f"guard must be one of {_GUARDS}, got {guard!r}")
+    if not float(threshold) > 0 or float(threshold) != float(threshold):
+        raise ValueError(f"guard_threshold must be a positive number, got {threshold!r}")
+
+
+# Rank 16 by default: with momentum SGD at a constant learning rate (bench/convergence.py's
+# mlp_sgd_constant) rank 1 lost 45 points of accuracy, rank 4 six and rank 8 1.5 (PyTorch's hook
+# as much at the same rank); rank 16 matched exact and still sends a 512 x 512 layer's gradient
+# in 1/16 of its bytes.
+POWERSGD_RANK = 16
 
 
 class PowerSGDState(_CompressingState):
@@ -523,22 +604,29 @@ class PowerSGDState(_CompressingState):
         min_compression_rate: compress a matrix only when it shrinks at least this much.
         error_feedback, warm_start: as in PyTorch's PowerSGD (both on by default).
         orthogonalization_eps: added to column norms in the orthogonalisation.
+        guard, guard_threshold: the accuracy guard (see ``OneBitState``); the measure is the
+            ranks' mean of ||error|| / ||gradient||.
         exclude: parameter-name patterns reduced exactly (see ``OneBitState``).
         seed: seeds the random initial Q (the same on every rank).
     """
 
     algorithm = "powersgd"
     _config_fields = _CompressingState._config_fields + (
-        "rank", "min_compression_rate", "error_feedback", "warm_start", "orthogonalization_eps")
+        "rank", "min_compression_rate", "error_feedback", "warm_start", "orthogonalization_eps",
+        "guard", "guard_threshold")
     _layout_fields = ("rank",)
 
-    def __init__(self, process_group=None, topology=None, *, rank: int = 1,
+    def __init__(self, process_group=None, topology=None, *, rank: int = POWERSGD_RANK,
                  warmup_steps: int = DEFAULT_WARMUP_STEPS, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True,
-                 orthogonalization_eps: float = 0.0, exclude=(), seed: int = 0,
+                 orthogonalization_eps: float = 0.0, guard: str = "warn",
+                 guard_threshold: float = GUARD_THRESHOLD, exclude=(), seed: int = 0,
                  overlap: bool = True, model=None):
         if int(rank) < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
+        _check_guard(guard, guard_threshold)
+        self.guard = guard
+        self.guard_threshold = float(guard_threshold)
         self.rank = int(rank)
         self.min_compression_rate = float(min_compression_rate)
         self.error_feedback = bool(error_feedback)
@@ -557,7 +645,10 @@ class PowerSGDState(_CompressingState):
                             exact_mask=self._exact_mask(info, hierarchical),
                             error_feedback=self.error_feedback, warm_start=self.warm_start,
                             seed=self.seed, step=step, key=info.index,
-                            eps=self.orthogonalization_eps, traffic=traffic)
+                            eps=self.orthogonalization_eps,
+                            guard_threshold=self.guard_threshold if self.guard == "exact" else None,
+                            traffic=traffic)
+        self._check_guard(info, memory.relative_error)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ BENCH_METHODS = {
     "hierarchical_powersgd": ("hierarchical_powersgd", 4), "onebit": ("onebit", 4), "powersgd": ("powersgd", 4),
 }
 
-ONEBIT_CHUNK = 2048  # elements per scale (ciuicflow.collectives.onebit.DEFAULT_CHUNK_SIZE)
+ONEBIT_CHUNK = 256  # elements per scale of the 1-bit hooks (ciuicflow.hooks.ONEBIT_CHUNK_SIZE)
 
 
 # ----------------------------------------------------------------------------------------- units

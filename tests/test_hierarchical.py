@@ -131,7 +131,8 @@ def _bad_inputs(rank, world):
 # -- 1-bit -----------------------------------------------------------------------------------------
 
 
-def _onebit_invariant(rank, world, hierarchical, chunk_size, numel, steps, exclude_every):
+def _onebit_invariant(rank, world, hierarchical, chunk_size, numel, steps, exclude_every,
+                      server=True):
     """Run `steps` compressed all-reduces; return what the invariant check needs."""
     from ciuicflow.collectives import Traffic
     from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
@@ -147,12 +148,14 @@ def _onebit_invariant(rank, world, hierarchical, chunk_size, numel, steps, exclu
     for step in range(steps):
         x = _input(rank, step, numel)
         onebit_all_reduce(x, errors, topology, hierarchical=hierarchical, chunk_size=chunk_size,
-                          exact_mask=mask, traffic=traffic)
+                          exact_mask=mask, server=server, traffic=traffic)
         for other in _gather(x):
             assert torch.equal(other, x), "1-bit results differ across ranks"
         outputs.append(x)
+    assert errors.relative_error > 0  # the accuracy guard's measure
     return {"outputs": torch.stack(outputs), "worker": errors.worker.clone(),
             "server": errors.server.clone(), "traffic": traffic.as_dict(),
+            "relative_error": errors.relative_error,
             "local_rank": topology.local_rank if hierarchical else 0,
             "node": topology.node if hierarchical else rank, "mask": mask}
 
@@ -165,14 +168,17 @@ def _compressed_index(numel, mask, start, length):
     return positions
 
 
-ONEBIT_CASES = [  # hierarchical, chunk_size, numel, every n-th element excluded (0: none)
-    (True, 2048, 10007, 0), (True, 64, 999, 0), (False, 2048, 5000, 0), (True, 16, 777, 7),
-    (False, 8, 123, 5),
+ONEBIT_CASES = [  # hierarchical, chunk_size, numel, every n-th element excluded (0: none), phases
+    (True, 2048, 10007, 0, True), (True, 64, 999, 0, True), (False, 2048, 5000, 0, True),
+    (True, 16, 777, 7, True), (False, 8, 123, 5, True),
+    # one phase: every rank gathers every compressed tensor; no server error
+    (True, 256, 10007, 0, False), (False, 64, 5000, 0, False), (True, 16, 777, 7, False),
+    (False, 8, 123, 5, False),
 ]
 
 
 def _onebit_cases(rank, world, steps):
-    return {"cases": [_onebit_invariant(rank, world, *case[:3], steps, case[3])
+    return {"cases": [_onebit_invariant(rank, world, *case[:3], steps, case[3], case[4])
                       for case in ONEBIT_CASES],
             "overflow": _onebit_overflow(rank, world)}
 
@@ -204,8 +210,13 @@ def test_onebit_overflow_with_reduce_scatter_node_sum():
 
 
 def _check_onebit_invariant(results, world, nodes, steps, hierarchical, chunk_size, numel,
-                            exclude_every):
-    case = (hierarchical, chunk_size, numel, exclude_every)
+                            exclude_every, two_phase):
+    case = (hierarchical, chunk_size, numel, exclude_every, two_phase)
+    if not two_phase:
+        assert all(r["server"].numel() == 0 for r in results), case
+    # the guard's measure is agreed on by the ranks of an exchange
+    for i in {r["local_rank"] for r in results}:
+        assert len({r["relative_error"] for r in results if r["local_rank"] == i}) == 1, case
     sent = results[0]["outputs"].double().sum(0)
     exact = sum(_exact_mean(world, step, numel) for step in range(steps))
     mask = results[0]["mask"]
@@ -221,12 +232,16 @@ def _check_onebit_invariant(results, world, nodes, steps, hierarchical, chunk_si
             worker = torch.stack([h["worker"].double() for h in holders]).mean(0)
             server = torch.cat([h["server"].double()
                                 for h in sorted(holders, key=lambda h: h["node"])])
-            held[positions] += worker[:positions.numel()] + server[:positions.numel()]
+            held[positions] += worker[:positions.numel()]
+            if server.numel():
+                held[positions] += server[:positions.numel()]
     else:
         positions = _compressed_index(numel, mask, 0, numel)
         worker = torch.stack([r["worker"].double() for r in results]).mean(0)
         server = torch.cat([r["server"].double() for r in results])
-        held[positions] += worker[:positions.numel()] + server[:positions.numel()]
+        held[positions] += worker[:positions.numel()]
+        if server.numel():
+            held[positions] += server[:positions.numel()]
     gap = (sent + held - exact).abs().max().item()
     assert gap < 1e-4 * steps, (case, gap)
     # the error buffers are not trivially zero: compression dropped something
@@ -238,7 +253,10 @@ def _check_onebit_invariant(results, world, nodes, steps, hierarchical, chunk_si
     # bytes: the compressed step carries about 1/32 of float32 bytes (plus scales and padding)
     traffic = results[0]["traffic"]
     if not exclude_every and numel > 4000:
-        assert traffic["exact_inter_bytes"] / traffic["inter_bytes"] > 15, (case, traffic)
+        exchange = nodes if hierarchical else world
+        # one phase sends (W-1) compressed tensors where two send 2(W-1)/W
+        floor = 15 if two_phase else 15 * 2 / exchange
+        assert traffic["exact_inter_bytes"] / traffic["inter_bytes"] > floor, (case, traffic)
 
 
 def _onebit_overflow(rank, world):
@@ -382,3 +400,64 @@ def test_shared_memory_node_sum_and_its_fallback(break_attach):
         assert any("cannot share memory" in m for m in messages) is (break_attach is not None)
     assert not [name for name in set(os.listdir("/dev/shm")) - before
                 if name.startswith("ciuicflow-") and not name.startswith("ciuicflow-kv-")]
+
+
+# -- 1-bit: error decay and the accuracy guard -----------------------------------------------------
+
+
+def _onebit_decay_and_guard(rank, world):
+    from ciuicflow import ops
+    from ciuicflow.collectives import Traffic
+    from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
+    from ciuicflow.topology import Topology
+
+    topology = Topology.detect()
+    numel, chunk = 1000, 40
+    out = {}
+    # error_decay=0: no memory at all, the mean of each rank's scale x sign of its own input
+    errors = OneBitErrors()
+    for step in range(3):
+        x = _input(rank, 50 + step, numel)
+        onebit_all_reduce(x, errors, topology, hierarchical=False, chunk_size=chunk,
+                          error_decay=0.0, server=False)
+        want = torch.zeros(numel, dtype=torch.float64)
+        for r in range(world):
+            packed, scales = ops.onebit_pack(_input(r, 50 + step, numel), torch.zeros(numel),
+                                             chunk)
+            want += ops.onebit_unpack(packed, scales, numel, chunk).double() / world
+        out.setdefault("decay0_gap", 0.0)
+        out["decay0_gap"] = max(out["decay0_gap"], (x.double() - want).abs().max().item())
+    # the guard: a threshold every step exceeds makes the next step exact and send the memory
+    for server in (True, False):
+        errors, traffic = OneBitErrors(), Traffic()
+        x0 = _input(rank, 60, numel)
+        onebit_all_reduce(x0, errors, topology, chunk_size=chunk, server=server,
+                          guard_threshold=1e-6, traffic=traffic)
+        held = errors.worker[:numel].double().clone()
+        held_server = errors.server.double().clone()
+        x1 = _input(rank, 61, numel)
+        onebit_all_reduce(x1, errors, topology, chunk_size=chunk, server=server,
+                          guard_threshold=1e-6, traffic=traffic)
+        out[f"guard{server}"] = {
+            "sent": (x0.double() + x1.double()), "held": held, "held_server": held_server,
+            "zero_after": bool(errors.worker.abs().max() == 0), "exact_steps":
+            traffic.guard_exact_steps, "local_rank": topology.local_rank, "node": topology.node}
+    return out
+
+
+def test_onebit_error_decay_zero_and_the_guards_exact_step():
+    """error_decay=0 is plain scale x sign compression of each rank's input, averaged; a guard
+    step is exact, sends what the memory held (two steps sum to the exact sum), and empties it."""
+    world, nodes = 4, 2
+    results = run_distributed(_onebit_decay_and_guard, world, nodes=nodes)
+    for r in results:
+        assert r["decay0_gap"] < 1e-5, r["decay0_gap"]
+    exact = _exact_mean(world, 60, 1000) + _exact_mean(world, 61, 1000)
+    for server in (True, False):
+        per = [r[f"guard{server}"] for r in results]
+        for p in per:
+            assert p["zero_after"] and p["exact_steps"] == 1, (server, p)
+            # hierarchical: the exchange is per shard; two steps together are exact
+            assert (p["sent"] - exact).abs().max().item() < 1e-4, server
+        # and the first step alone was not: compression did drop something
+        assert max(p["held"].abs().max().item() for p in per) > 0.01

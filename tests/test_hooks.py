@@ -86,6 +86,7 @@ def _all_hooks(rank, world):
             out[(hook, overlap)] = {
                 "replicas_equal": _replicas_equal(params),
                 "gap_to_exact": (params - _flat_params(reference)).abs().max().item(),
+                "param_scale": (_flat_params(reference) - _flat_params(Net())).abs().max().item(),
                 "finite": bool(torch.isfinite(params).all()),
                 "stats": state.stats(),
             }
@@ -105,7 +106,10 @@ def test_every_hook_with_several_buckets_in_flight():
         else:
             assert stats["compressed_steps"] == 6
             assert stats["inter_node_bytes"] < stats["exact_inter_node_bytes"]
-            assert 0 < r["gap_to_exact"] < 1.0  # compressed, yet still training the same model
+            # compressed, yet close to exact training: measured 0.51-0.56 (1-bit) and 0.08
+            # (PowerSGD) of how far exact training moved the parameters in these 8 steps
+            bound = 0.65 if "1bit" in hook or hook == "onebit" else 0.2
+            assert 0 < r["gap_to_exact"] < bound * r["param_scale"], (hook, r["gap_to_exact"])
         if hook.startswith("hierarchical"):  # hierarchical: a quarter of the flat share inter-node
             assert stats["intra_node_bytes"] > 0
     # the same algorithm in both execution modes gives the same numbers
@@ -363,3 +367,43 @@ def _unknown_hook(rank, world):
 
 def test_register_errors_are_clear():
     assert run_distributed(_unknown_hook, 2, nodes=1) == [True, True]
+
+
+# -- the accuracy guard -------------------------------------------------------------------------
+
+
+def _guard(rank, world):
+    import warnings
+
+    out = {}
+    for hook in ("hierarchical_1bit", "onebit", "hierarchical_powersgd", "powersgd"):
+        for guard in ("warn", "exact"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model, state = _train(hook, warmup_steps=2, guard=guard, guard_threshold=1e-3)
+            out[(hook, guard)] = {
+                "stats": state.stats(), "replicas_equal": _replicas_equal(_flat_params(model)),
+                "warned": any("error-feedback memory is" in str(w.message) for w in caught)}
+        _, quiet = _train(hook, warmup_steps=2, guard="off")
+        out[(hook, "off")] = {"stats": quiet.stats()}
+    return out
+
+
+def test_accuracy_guard_measures_warns_and_falls_back():
+    """Every compressing hook reports ||memory|| / ||gradient|| per bucket; above the threshold it
+    warns, and with guard='exact' the next step of that bucket is exact (fewer bytes saved)."""
+    results = run_distributed(_guard, 4, nodes=2, timeout=240)
+    for (hook, guard), r in results[0].items():
+        stats = r["stats"]
+        if guard == "off":
+            assert stats["relative_error"] is None and stats["guard_alerts"] == 0, hook
+            continue
+        assert stats["relative_error"] > 1e-3 and stats["relative_errors"], (hook, guard)
+        assert stats["guard_alerts"] > 0 and r["warned"], (hook, guard)
+        assert all(rank[(hook, guard)]["replicas_equal"] for rank in results), (hook, guard)
+        if guard == "exact":
+            assert stats["guard_exact_steps"] > 0, hook
+            warn = results[0][(hook, "warn")]["stats"]
+            assert stats["inter_node_bytes"] > warn["inter_node_bytes"], hook
+        else:
+            assert stats["guard_exact_steps"] == 0, hook

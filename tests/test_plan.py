@@ -48,7 +48,7 @@ def test_bytes_per_link_follow_the_algorithms():
     assert hier.inter_node_bytes_per_node == pytest.approx(d)  # 2 (N-1)/N of the tensor
     assert hier.intra_node_bytes_per_gpu == pytest.approx(d)  # reduce-scatter + all-gather, 2 (G-1)/G
     one = pl.estimate("hierarchical_1bit", _cluster(), w)
-    assert one.inter_node_bytes_per_node == pytest.approx(1e6 * (1 / 8 + 4 / 2048))
+    assert one.inter_node_bytes_per_node == pytest.approx(1e6 * (1 / 8 + 4 / 256))
     assert hier.inter_node_bytes_per_node / one.inter_node_bytes_per_node > 25
     square = pl.Workload(params=1e6, matrix_shapes=[(1000, 1000)])
     ps = pl.estimate("hierarchical_powersgd", _cluster(), square, rank=4)
@@ -153,8 +153,9 @@ def test_prediction_within_25_percent_of_the_simulated_cluster():
     assert "flat_ring" in checked
     for strategy, (_, _, error) in checked.items():
         assert abs(error) <= TOLERANCE, report
-    if "ciuicflow_error" in m:
-        pytest.xfail(f"only the flat ring was validated: {m['ciuicflow_error']}")
+    # a ciuicflow collective that failed is a failure, not an expected one
+    assert "ciuicflow_error" not in m, m["ciuicflow_error"]
+    assert "hierarchical_1bit" in checked, report
 
 
 if __name__ == "__main__":

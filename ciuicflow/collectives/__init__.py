@@ -60,6 +60,7 @@ class Traffic:
     exact_intra_bytes: float = 0.0
     exact_inter_bytes: float = 0.0
     nonfinite_fallbacks: int = 0
+    guard_exact_steps: int = 0  # exact steps the accuracy guard asked for
 
     def add(self, link: Link, nbytes: float) -> None:
         self.inter_bytes += nbytes * link.inter_share

@@ -52,9 +52,13 @@ class OneBitErrors:
         self._mean: torch.Tensor | None = None   # the server's decompressed mean, reused
         self._out: torch.Tensor | None = None    # the decompressed result, reused
         self._splits: dict = {}
+        # what the accuracy guard reads: ||worker error|| / ||input|| of the last compressed step
+        # (the largest over the ranks of the exchange, the same on all of them)
+        self.relative_error: float | None = None
+        self._guard_stale = False  # relative_error was measured before the guard's last exact step
 
     def ensure(self, layout: "_Layout", device) -> None:
-        shapes = (layout.world * layout.segment, layout.segment)
+        shapes = (layout.parts * layout.segment, layout.segment if layout.server else 0)
         if self.worker is None:
             self.worker = torch.zeros(shapes[0], device=device)
             self.server = torch.zeros(shapes[1], device=device)
@@ -79,6 +83,12 @@ class OneBitErrors:
         self.worker, self.server = snapshot(state["worker"]), snapshot(state["server"])
         self._spare = None
 
+    def flush(self) -> None:
+        """Forget what was not sent (after an exact step that sent it)."""
+        if self.worker is not None:
+            self.worker.zero_()
+            self.server.zero_()
+
 
 
 @dataclass(frozen=True)
@@ -91,16 +101,26 @@ class _Layout:
     segment: int  # compressed elements per segment, a whole number of chunks
     chunk: int    # elements per scale; a multiple of 8 so a chunk is whole bytes
     raw: int      # exact elements per segment
+    server: bool = True  # two phases (segments served by ranks) or one (the whole tensor)
 
     @staticmethod
-    def plan(numel: int, exact: int, world: int, chunk_size: int) -> "_Layout":
-        per_rank = -(-numel // world)
+    def plan(numel: int, exact: int, world: int, chunk_size: int,
+             server: bool = True) -> "_Layout":
+        """Two phases: ``world`` segments, one per server. One phase: a single segment (the whole
+        tensor) that every rank gathers from every other."""
+        parts = world if server else 1
+        per_rank = -(-numel // parts)
+        raw = -(-exact // parts)
         if per_rank == 0:
-            return _Layout(numel, exact, world, 0, chunk_size, -(-exact // world))
+            return _Layout(numel, exact, world, 0, chunk_size, raw, server)
         # As many chunks as chunk_size asks for, but evened out: padding stays under 8 per chunk.
         nchunks = -(-per_rank // chunk_size)
-        chunk = _round_up(-(-per_rank // nchunks), 8)
-        return _Layout(numel, exact, world, nchunks * chunk, chunk, -(-exact // world))
+        chunk = -(-(-(-per_rank // nchunks)) // 8) * 8
+        return _Layout(numel, exact, world, nchunks * chunk, chunk, raw, server)
+
+    @property
+    def parts(self) -> int:
+        return self.world if self.server else 1
 
     @property
     def packed_bytes(self) -> int:
@@ -111,20 +131,18 @@ class _Layout:
         return self.segment // self.chunk if self.segment else 0
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def onebit_all_reduce(tensor: torch.Tensor, errors: OneBitErrors, topology: Topology | None = None,
                       *, hierarchical: bool = True, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                      exact_mask: torch.Tensor | None = None,
+                      exact_mask: torch.Tensor | None = None, error_decay: float = 1.0,
+                      server: bool = True, guard_threshold: float | None = None,
                       traffic: Traffic | None = None) -> torch.Tensor:
     """Average ``tensor`` in place over the topology's group with 1-bit compression; return it.
 
     ``hierarchical=True`` compresses only the inter-node step of the hierarchical all-reduce
     (on a single node the all-reduce is then exact); ``False`` compresses all traffic, flat over
     the group. ``errors`` persists between calls for the same tensor. ``exact_mask`` (bool, same
-    numel) marks positions reduced exactly. ``traffic`` accumulates the bytes sent.
+    numel) marks positions reduced exactly. ``error_decay``, ``server`` and ``guard_threshold``:
+    see ``OneBitStep``. ``traffic`` accumulates the bytes sent.
     """
     check_reducible(tensor)
     if chunk_size <= 0 or chunk_size % 8:
@@ -134,7 +152,10 @@ def onebit_all_reduce(tensor: torch.Tensor, errors: OneBitErrors, topology: Topo
         raise ValueError("exact_mask must be a bool tensor with as many elements as the tensor")
     topology = topology if topology is not None else Topology.detect()
     flat = tensor.view(-1)
-    step = OneBitStep(errors, chunk_size, exact_mask)
+    if not 0.0 <= error_decay <= 1.0:
+        raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
+    step = OneBitStep(errors, chunk_size, exact_mask, error_decay=error_decay, server=server,
+                      guard_threshold=guard_threshold)
     if hierarchical:
         if traffic is not None:
             add_exact_traffic(traffic, flat, topology)
@@ -151,15 +172,28 @@ def onebit_all_reduce(tensor: torch.Tensor, errors: OneBitErrors, topology: Topo
 
 
 class OneBitStep:
-    """One 1-bit exchange over a link: ``step(x, link, flag, offset, traffic) -> mean of x``."""
+    """One 1-bit exchange over a link: ``step(x, link, flag, offset, traffic) -> mean of x``.
+
+    ``error_decay``: the share of the error-feedback memory carried into the next step (1: all
+    of it, classic error feedback). ``server``: two phases (each rank serves a segment and
+    compresses its mean again) or one (every rank gathers every rank's compressed tensor and
+    averages them itself: no second compression, (W-1) instead of 2(W-1)/W of the compressed bytes,
+    the same for W = 2). ``guard_threshold``: when the largest relative error of the last step
+    (``errors.relative_error``) exceeds it, this step is exact and sends what the memory held.
+    """
 
     needs_flag = True
 
     def __init__(self, errors: OneBitErrors, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 exact_mask: torch.Tensor | None = None):
+                 exact_mask: torch.Tensor | None = None, *, error_decay: float = 1.0,
+                 server: bool = True, guard_threshold: float | None = None):
         self.errors = errors
         self.chunk_size = chunk_size
         self.exact_mask = exact_mask
+        self.error_decay = float(error_decay)
+        self.server = bool(server)
+        self.guard_threshold = guard_threshold
+        self.flushed = False  # set when this call was an exact step of the guard
 
     def __call__(self, x: torch.Tensor, link: Link, flag, offset: int,
                  traffic: Traffic | None) -> torch.Tensor:
@@ -168,41 +202,61 @@ class OneBitStep:
         world = link.size
         if world == 1:
             return x
+        errors = self.errors
+        if self.guard_threshold is not None and errors.relative_error is not None \
+                and not errors._guard_stale and errors.relative_error > self.guard_threshold \
+                and errors.worker is not None:
+            return self._flush(x, link, offset, traffic)
         compressed_at, exact_at = self._split(offset, x.numel(), x.device)
         xc = x if compressed_at is None else x[compressed_at]
         xe = x.new_empty(0, dtype=torch.float32) if exact_at is None else x[exact_at].float()
-        layout = _Layout.plan(xc.numel(), xe.numel(), world, self.chunk_size)
-        errors = self.errors
+        layout = _Layout.plan(xc.numel(), xe.numel(), world, self.chunk_size, self.server)
         errors.ensure(layout, x.device)
         if flag is None:
             flag = nonfinite_flag(x)
-        flag = flag.to(torch.float32).reshape(1, 1)
+        parts = layout.parts
 
         # Phase 1 (worker): compress into the spare buffer; a fallback leaves the error as it was.
         worker_error = errors._spare
-        worker_error.copy_(errors.worker)
+        if self.error_decay == 1.0:
+            worker_error.copy_(errors.worker)
+        else:
+            torch.mul(errors.worker, self.error_decay, out=worker_error)
         if layout.segment:
             # Segments are whole chunks, so packing the unpadded values gives the first bytes and
             # scales of the padded layout; the padding's bits and scales stay zero (it unpacks to 0).
             packed, scales = ops.onebit_pack(xc, worker_error[:layout.numel], layout.chunk)
-            packed = _padded(packed, world * layout.packed_bytes)
-            scales = _padded(scales, world * layout.nscales)
+            packed = _padded(packed, parts * layout.packed_bytes)
+            scales = _padded(scales, parts * layout.nscales)
             worker_error[layout.numel:].zero_()  # padding carries no error
         else:
             packed = x.new_empty(0, dtype=torch.uint8)
             scales = x.new_empty(0, dtype=torch.float32)
-        send = _rows(world, packed, scales, flag.expand(world, 1),
-                     _padded(xe, world * layout.raw))
-        received = torch.empty_like(send)
-        all_to_all(received, send, link, traffic)
+        # The flag row: non-finite flag, and this rank's relative error for the guard.
+        ratio = _relative_error(worker_error[:layout.numel], xc)
+        flags = torch.cat([flag.to(torch.float32).view(1), ratio.view(1)]).view(1, 2)
+        raw = _padded(xe, parts * layout.raw)
+        if self.server:
+            send = _rows(world, packed, scales, flags.expand(world, 2), raw)
+            received = torch.empty_like(send)
+            all_to_all(received, send, link, traffic)
+        else:
+            send = _rows(1, packed, scales, flags, raw)
+            received = send.new_empty(world, send.shape[1])
+            all_gather(received, send.view(-1), link, traffic)
         r_packed, r_scales, r_flags, r_raw = _unrows(received, layout, with_flag=True)
 
-        if bool(r_flags.sum() > 0):  # a rank holds inf/NaN: exact this step, errors untouched
+        if bool(r_flags[:, 0].sum() > 0):  # a rank holds inf/NaN: exact this step, errors untouched
             if traffic is not None:
                 traffic.nonfinite_fallbacks += 1
             x.div_(world)
             return all_reduce(x, link, traffic)
         errors.worker, errors._spare = worker_error, errors.worker
+        errors.relative_error = float(r_flags[:, 1].max())
+        errors._guard_stale = False
+        if not self.server:
+            return self._finish(x, layout, compressed_at, exact_at, r_packed, r_scales,
+                                r_raw.sum(0).div_(world), mean_of_rows=True)
 
         # Phase 2 (server of segment `me`): average, compress again with the server error, gather.
         me = dist.get_rank(link.group)
@@ -211,6 +265,8 @@ class OneBitStep:
             mean = ops.onebit_unpack_mean(r_packed, r_scales, layout.segment, layout.chunk,
                                           out=errors._mean)
             mean[real:] = 0
+            if self.error_decay != 1.0:
+                errors.server.mul_(self.error_decay)
             s_packed, s_scales = ops.onebit_pack(mean, errors.server, layout.chunk)
             errors.server[real:].zero_()
         else:
@@ -220,23 +276,66 @@ class OneBitStep:
         gathered = send2.new_empty(world, send2.shape[1])
         all_gather(gathered, send2.view(-1), link, traffic)
         g_packed, g_scales, _, g_raw = _unrows(gathered, layout, with_flag=False)
+        return self._finish(x, layout, compressed_at, exact_at, g_packed, g_scales,
+                            g_raw.reshape(-1), mean_of_rows=False)
 
+    def _finish(self, x, layout, compressed_at, exact_at, packed, scales, raw, mean_of_rows):
+        """Write the decompressed result into x: the rows' mean (one phase) or the rows laid end to
+        end (two phases: row j is segment j)."""
+        from ciuicflow import ops
+
+        errors = self.errors
+        unpack = (lambda n, out: ops.onebit_unpack_mean(
+            packed[:, :-(-n // 8)].contiguous(), scales[:, :-(-n // layout.chunk)].contiguous(), n,
+            layout.chunk, out=out)) if mean_of_rows else \
+            (lambda n, out: ops.onebit_unpack(packed.view(-1)[:-(-n // 8)],
+                                              scales.view(-1)[:-(-n // layout.chunk)], n,
+                                              layout.chunk, out=out))
         if compressed_at is None and x.dtype == torch.float32 and x.is_contiguous():
             if layout.numel:  # straight into x: the first numel elements of the padded layout
-                ops.onebit_unpack(g_packed.view(-1)[:-(-layout.numel // 8)],
-                                  g_scales.view(-1)[:-(-layout.numel // layout.chunk)],
-                                  layout.numel, layout.chunk, out=x)
+                unpack(layout.numel, x)
             return x
         if layout.segment:
-            out = ops.onebit_unpack(g_packed.view(-1), g_scales.view(-1), world * layout.segment,
-                                    layout.chunk, out=errors._out)[:layout.numel]
+            out = unpack(layout.parts * layout.segment, errors._out)[:layout.numel]
         else:
             out = x.new_empty(0, dtype=torch.float32)
         if compressed_at is None:
             x.copy_(out)
         else:
             x[compressed_at] = out.to(x.dtype)
-            x[exact_at] = g_raw.reshape(-1)[:layout.exact].to(x.dtype)
+            x[exact_at] = raw[:layout.exact].to(x.dtype)
+        return x
+
+    def _flush(self, x, link, offset, traffic):
+        """The guard's exact step: x plus everything the memory held, averaged exactly, so the
+        sum over steps stays the exact one; the memory starts again from zero."""
+        errors = self.errors
+        compressed_at, _ = self._split(offset, x.numel(), x.device)
+        pending = x.new_zeros(x.numel(), dtype=torch.float32)
+        numel = x.numel() if compressed_at is None else compressed_at.numel()
+        owed = errors.worker[:numel].clone()
+        if errors.server.numel():  # the server error of this rank's segment, times W: see below
+            me = dist.get_rank(link.group)
+            seg = errors.server.numel()
+            lo, hi = me * seg, min(numel, (me + 1) * seg)
+            if hi > lo:
+                owed[lo:hi] += errors.server[:hi - lo] * link.size
+        if compressed_at is None:
+            pending += owed
+        else:
+            pending[compressed_at] = owed
+        total = x.float() + pending
+        total.div_(link.size)
+        all_reduce(total, link, traffic)  # mean of (x + worker error) + server error
+        x.copy_(total.to(x.dtype))
+        if bool(nonfinite_flag(total) > 0):  # an overflow: the step is skipped, keep the memory
+            if traffic is not None:
+                traffic.nonfinite_fallbacks += 1
+            return x
+        errors.flush()
+        errors._guard_stale = True
+        if traffic is not None:
+            traffic.guard_exact_steps += 1
         return x
 
     def _split(self, offset: int, length: int, device):
@@ -255,6 +354,12 @@ class OneBitStep:
                 cached = ((~exact).nonzero().view(-1), exact.nonzero().view(-1))
             self.errors._splits[key] = cached
         return cached
+
+
+def _relative_error(error: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """||error|| / ||values|| as a float32 one-element tensor (0 when values are all zero)."""
+    norm = torch.linalg.vector_norm(values, dtype=torch.float32)
+    return torch.where(norm > 0, torch.linalg.vector_norm(error) / norm, torch.zeros_like(norm))
 
 
 def _padded(values: torch.Tensor, length: int) -> torch.Tensor:
@@ -283,7 +388,7 @@ def _rows(rows: int, packed, scales, flags, raw) -> torch.Tensor:
 
 def _unrows(rows: torch.Tensor, layout: _Layout, with_flag: bool):
     """Split what ``_rows`` built (one row per rank) back into its four parts."""
-    sizes = [layout.packed_bytes, 4 * layout.nscales, 4 if with_flag else 0, 4 * layout.raw]
+    sizes = [layout.packed_bytes, 4 * layout.nscales, 8 if with_flag else 0, 4 * layout.raw]
     parts, start = [], 0
     for size in sizes:
         parts.append(rows[:, start:start + size].contiguous())

@@ -37,6 +37,11 @@ class PowerSGDMemory:
         self.q: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None  # M = gradient + error is built here, then swapped
         self._plans: dict = {}
+        # the accuracy guard: ||error|| / ||input|| after this rank's last step, and its mean over
+        # the ranks (learnt one step later, in the next step's first all-reduce)
+        self._local_ratio: float | None = None
+        self.relative_error: float | None = None
+        self._guard_stale = False  # relative_error was measured before the guard's last exact step
 
     def state_dict(self) -> dict:
         """Copies: the buffers themselves are reused and overwritten by later steps."""
@@ -101,13 +106,16 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
                         hierarchical: bool = True, min_compression_rate: float = 2.0,
                         exact_mask: torch.Tensor | None = None, error_feedback: bool = True,
                         warm_start: bool = True, seed: int = 0, step: int = 0, key: int = 0,
-                        eps: float = 0.0, traffic: Traffic | None = None) -> torch.Tensor:
+                        eps: float = 0.0, guard_threshold: float | None = None,
+                        traffic: Traffic | None = None) -> torch.Tensor:
     """Average ``tensor`` in place over the topology's group with PowerSGD; return it.
 
     ``segments``: the matrices laid out in the flattened tensor, as ``(offset, shape)`` pairs (a
     DDP bucket's gradients); default: the tensor itself, viewed as [shape[0], -1]. ``memory``
     persists between calls for the same tensor. ``seed``, ``key`` and ``step`` seed the random
     initial Q, the same on every rank. ``hierarchical=False`` runs flat over the group.
+    ``guard_threshold``: when the ranks' mean relative error (``memory.relative_error``,
+    ||error|| / ||input|| after the step before) exceeds it, the step is exact and sends the error.
     """
     check_reducible(tensor)
     if rank < 1:
@@ -164,13 +172,31 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
     # inf/NaN anywhere in a matrix reaches every entry of its row of P (NaN * 0 is NaN too), so
     # P and the exact values together tell whether the input held one, without reading it again.
     nonfinite = torch.maximum(nonfinite_flag(ps), nonfinite_flag(exact_values)).to(flat.dtype)
-    first = torch.cat([ps.to(flat.dtype), exact_values, nonfinite])
+    input_norm = float(torch.linalg.vector_norm(flat, dtype=torch.float32))
+    ratio = flat.new_tensor([memory._local_ratio or 0.0])
+    first = torch.cat([ps.to(flat.dtype), exact_values, ratio, nonfinite])
     sum_over_ranks(first)
     if bool(first[-1] > 0):  # a rank holds inf/NaN: exact this step, memory untouched
         if traffic is not None:
             traffic.nonfinite_fallbacks += 1
         flat.div_(world)
         sum_over_ranks(flat)
+        return tensor
+    if memory._local_ratio is not None:
+        memory.relative_error = float(first[-2]) / world
+        memory._guard_stale = False
+    if guard_threshold is not None and memory.relative_error is not None \
+            and not memory._guard_stale and memory.relative_error > guard_threshold \
+            and error_feedback:
+        # the guard's exact step: the input and everything the error held, averaged exactly
+        work.div_(world)
+        sum_over_ranks(work)
+        flat.copy_(work)
+        if memory.error is not None:
+            memory.error.zero_()
+        memory._local_ratio, memory._guard_stale = None, True
+        if traffic is not None:
+            traffic.guard_exact_steps += 1
         return tensor
 
     ps = first[:plan.p_numel].to(torch.float32)
@@ -188,7 +214,7 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
         torch.matmul(_factor(ps, m.p_offset, m.rows, m.rank),
                      _factor(q, m.q_offset, m.cols, m.rank).t(), out=_block(approx, m))
     if plan.exact_index is not None:
-        approx[plan.exact_index] = first[plan.p_numel:-1].div_(world).to(approx.dtype)
+        approx[plan.exact_index] = first[plan.p_numel:-2].div_(world).to(approx.dtype)
     if approx is not flat:
         flat.copy_(approx)
     if error_feedback:
@@ -196,6 +222,9 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
         if plan.exact_index is not None:
             work[plan.exact_index] = 0.0  # exact values leave nothing behind
         memory.error, memory._spare = work, memory.error
+        # the guard's measure: how far the memory (what is owed) is behind this step's gradient
+        memory._local_ratio = float(torch.linalg.vector_norm(work)) / input_norm \
+            if input_norm > 0 else 0.0
     if warm_start:
         memory.q = q
     return tensor

@@ -24,7 +24,9 @@ compression and communication, from their ``time_s``), ``compute_s`` (``step_s -
 least 0), ``comm_fraction``, bytes sent per link class and what exact all-reduces would have
 sent (``intra_node_bytes``, ``inter_node_bytes``, ``exact_*``), ``compression_ratio`` (exact /
 actual, all links) and ``inter_node_compression_ratio``, ``error_feedback_norm`` (every
-``error_norm_every`` steps, default 50, else null), ``phases`` (seconds per ``phase``) and ``metrics``
+``error_norm_every`` steps, default 50, else null), ``relative_error`` (the accuracy guard's
+measure of the compressing hook states: ||error-feedback memory|| / ||gradient||, worst bucket;
+null without one), ``phases`` (seconds per ``phase``) and ``metrics``
 (``add_metrics``). With overlapping hooks (``overlap=True``) communication runs beside the
 backward pass, so ``comm_fraction`` bounds the exposed share from above.
 """
@@ -363,6 +365,8 @@ class Monitor:
             "inter_node_compression_ratio": ratio(total["exact_inter_node_bytes"],
                                                   total["inter_node_bytes"]),
             "error_feedback_norm": self._error_norm(index, reported_norms),
+            "relative_error": max((s.relative_error for s in self.sources
+                                   if s.relative_error is not None), default=None),
         }
         if self._phase_times:
             record["phases"] = self._phase_times

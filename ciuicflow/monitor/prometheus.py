@@ -48,6 +48,8 @@ _GAUGES = {
                           "compression_ratio"),
     "error_feedback_norm": ("L2 norm of the error-feedback memory, last computed",
                             "error_feedback_norm"),
+    "compression_relative_error": ("the accuracy guard's measure: ||error-feedback memory|| / "
+                                   "||gradient||, worst bucket, last step", "relative_error"),
     "last_step_timestamp_seconds": ("when the last step ended (Unix time)", "time"),
 }
 

@@ -8,7 +8,9 @@ keeps the difference. Recognised keys, all optional:
 - ``intra_node_bytes``, ``inter_node_bytes``: bytes this rank sent on each link class;
 - ``exact_intra_node_bytes``, ``exact_inter_node_bytes``: what exact all-reduces would have sent;
 - ``time_s``: seconds spent compressing and communicating;
-- ``error_feedback_norm``: the current L2 norm of the error-feedback memory (not a counter).
+- ``error_feedback_norm``: the current L2 norm of the error-feedback memory (not a counter);
+- ``relative_error``: the accuracy guard's measure, ||error-feedback memory|| / ||gradient|| of
+  the worst bucket at its last step (not a counter; ciuicflow's compressing hook states).
 
 When a ciuicflow hook state does not report ``error_feedback_norm``, it is computed from the error
 buffers in its ``state_dict()["memory"]`` (tensors named ``worker``/``server`` for 1-bit, ``error``
@@ -37,6 +39,7 @@ class StatsSource:
             raise TypeError(f"a monitor source needs a stats() method or must be callable, got "
                             f"{type(source).__name__}")
         self.name = getattr(source, "algorithm", None) or type(source).__name__
+        self.relative_error = None  # last read
         self._last = self._counters(self._read_checked())  # traffic before the monitor is not ours
 
     def _read_checked(self) -> dict:
@@ -57,6 +60,7 @@ class StatsSource:
         if any(value < 0 for value in delta.values()):  # reset_stats() ran: count from zero
             delta = current
         self._last = current
+        self.relative_error = stats.get("relative_error")
         norm = stats.get("error_feedback_norm")
         return delta, (float(norm) if norm is not None else None)
 

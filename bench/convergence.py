@@ -1,0 +1,173 @@
+"""Convergence suite: does compression keep accuracy? Every task of bench/convergence_tasks.py is
+trained to completion with exact all-reduce, every ciuicflow hook with its default state, PyTorch's
+powerSGD_hook at the same rank, and (Adam tasks) ciuicflow's 1-bit optimizers against exact Adam,
+on simulated nodes (torchrun's variables, gloo on 127.0.0.1), same seeds and batches for all.
+
+    python bench/convergence.py                      # the whole suite, 2 nodes x 2 ranks
+    python bench/convergence.py --smoke              # CI: every task and method for a few steps
+    python bench/convergence.py --tasks mlp_sgd_constant --methods exact,hierarchical_1bit
+    python bench/convergence.py --tasks heldout      # only the held-out tasks
+
+Writes JSON (a list of records: task, method, metric, value, exact_value, gap,
+inter_node_bytes_per_step, curve, ...), a markdown table and a PNG of the curves under --out-dir.
+``--check-targets`` exits 1 when a compressed method misses the target: within 1 point of exact
+accuracy, within 2% of exact loss/MSE.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import convergence_tasks as tasks  # noqa: E402
+from convergence_report import check_targets, compare, write_outputs  # noqa: E402
+
+WORKER = os.path.join(HERE, "convergence_worker.py")
+
+
+def default_methods(task) -> list[str]:
+    from ciuicflow.hooks import HOOKS
+
+    methods = ["exact", *HOOKS, "torch_powerSGD"]
+    if task.adam_family:
+        methods += ["onebit_adam", "zero_one_adam"]
+    return methods
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_task(task, methods, nodes, ranks_per_node, out_path, steps=None, timeout=1800):
+    """Run the task's methods in one job of nodes x ranks processes; a method that crashes the job
+    is recorded as failed and the job restarts with the methods after it."""
+    remaining = list(methods)
+    while remaining:
+        done_before = _finished(out_path, task.name)
+        world = nodes * ranks_per_node
+        port = _free_port()
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % ranks_per_node),
+                       LOCAL_WORLD_SIZE=str(ranks_per_node), GROUP_RANK=str(rank // ranks_per_node),
+                       GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+            cmd = [sys.executable, WORKER, "--task", task.name, "--methods", ",".join(remaining),
+                   "--out", out_path] + (["--steps", str(steps)] if steps else [])
+            procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else
+                                          subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + timeout
+        errors = []
+        for proc in procs:
+            try:
+                _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    other.kill()
+                _, err = proc.communicate()
+                err = (err or "") + "\n(timed out)"
+            if proc.returncode:
+                errors.append(err)
+                for other in procs:  # one rank failing leaves the others blocked in a collective
+                    if other.poll() is None:
+                        other.kill()
+        finished = _finished(out_path, task.name) - done_before
+        remaining = [m for m in remaining if m not in finished]
+        if not errors:
+            return
+        failed = remaining.pop(0) if remaining else None
+        if failed is not None and failed not in _failed(out_path, task.name):
+            with open(out_path, "a") as f:
+                f.write(json.dumps({"task": task.name, "method": failed, "failed": True,
+                                    "error": (errors[0] or "")[-2000:]}) + "\n")
+        print(f"[convergence] {task.name}: {failed} failed\n{(errors[0] or '')[-1500:]}",
+              file=sys.stderr, flush=True)
+
+
+def _records(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _finished(path, task_name):
+    return {r["method"] for r in _records(path) if r["task"] == task_name}
+
+
+def _failed(path, task_name):
+    return {r["method"] for r in _records(path) if r["task"] == task_name and r.get("failed")}
+
+
+def select_tasks(spec: str | None):
+    if not spec or spec == "tuned":
+        return [t for t in tasks.TASKS.values() if not t.heldout] if spec else \
+            list(tasks.TASKS.values())
+    if spec == "heldout":
+        return [t for t in tasks.TASKS.values() if t.heldout]
+    unknown = [n for n in spec.split(",") if n not in tasks.TASKS]
+    if unknown:
+        raise SystemExit(f"unknown task(s) {unknown}; choose from {sorted(tasks.TASKS)}")
+    return [tasks.TASKS[n] for n in spec.split(",")]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--tasks", help="comma-separated task names, 'tuned' or 'heldout' (default: all)")
+    p.add_argument("--methods", help="comma-separated methods (default: all that apply to a task)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help="every task and method for a few steps (CI)")
+    p.add_argument("--steps", type=int, help="override every task's steps")
+    p.add_argument("--json", metavar="PATH", help="JSON output (default OUT_DIR/convergence.json)")
+    p.add_argument("--out-dir", default="out/convergence")
+    p.add_argument("--no-png", action="store_true")
+    p.add_argument("--check-targets", action="store_true", help="exit 1 if a target is missed")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    steps = args.steps or (12 if args.smoke else None)
+    os.makedirs(args.out_dir, exist_ok=True)
+    raw = os.path.join(args.out_dir, "records.jsonl")
+    if os.path.exists(raw):
+        os.remove(raw)
+    start = time.monotonic()
+    for task in select_tasks(args.tasks):
+        methods = args.methods.split(",") if args.methods else default_methods(task)
+        if not task.adam_family:
+            methods = [m for m in methods if m.split("@")[0] not in ("onebit_adam", "zero_one_adam")]
+        print(f"[convergence] {task.name}: {task.note}; methods {', '.join(methods)}", flush=True)
+        run_task(task, methods, args.nodes, args.ranks_per_node, raw, steps=steps)
+    records = compare(_records(raw))
+    json_path = args.json or os.path.join(args.out_dir, "convergence.json")
+    table = write_outputs(records, json_path, args.out_dir, png=not args.no_png,
+                          config={"nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
+                                  "smoke": args.smoke, "steps_override": steps,
+                                  "seconds": round(time.monotonic() - start, 1)})
+    print(table)
+    failed = [r for r in records if r.get("failed")]
+    if failed:
+        print(f"[convergence] FAILED: {[(r['task'], r['method']) for r in failed]}", file=sys.stderr)
+        return 1
+    if args.check_targets and not args.smoke:
+        missed = check_targets(records)
+        for line in missed:
+            print(f"[convergence] target missed: {line}", file=sys.stderr)
+        return 1 if missed else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""bench/convergence.py's outputs: each record set beside its task's exact run, the targets, the
+markdown table and the PNG of the curves."""
+from __future__ import annotations
+
+import json
+import os
+
+# The exact baseline of each method: DDP's all-reduce with the task's own optimizer.
+EXACT = "exact"
+COMPRESSED_HOOKS = ("hierarchical_1bit", "onebit", "hierarchical_powersgd", "powersgd")
+OPTIMIZERS = ("onebit_adam", "zero_one_adam")
+
+
+def compare(records: list[dict]) -> list[dict]:
+    """Add exact_value, gap (signed, in the metric's units; > 0 is worse than exact) and
+    relative_gap to every record."""
+    exact = {r["task"]: r for r in records if r["method"] == EXACT and not r.get("failed")}
+    out = []
+    for r in records:
+        r = dict(r)
+        base = exact.get(r["task"])
+        if base is not None and not r.get("failed"):
+            r["exact_value"] = base["value"]
+            r["exact_inter_node_bytes_per_step"] = base["inter_node_bytes_per_step"]
+            if r["metric"] == "accuracy":
+                r["gap"] = base["value"] - r["value"]           # fraction of accuracy lost
+                r["relative_gap"] = r["gap"]
+            else:
+                r["gap"] = r["value"] - base["value"]           # loss gained
+                r["relative_gap"] = r["gap"] / abs(base["value"]) if base["value"] else None
+        out.append(r)
+    return out
+
+
+def target_of(record: dict) -> str:
+    return "<= 0.01 accuracy below exact" if record["metric"] == "accuracy" else \
+        "<= 2% above exact"
+
+
+def meets_target(record: dict) -> bool | None:
+    if record.get("failed") or "gap" not in record:
+        return None
+    if record["metric"] == "accuracy":
+        return record["gap"] <= 0.01
+    return record["relative_gap"] <= 0.02
+
+
+def check_targets(records: list[dict]) -> list[str]:
+    """Lines for every compressed method that misses its accuracy target, or ends worse than
+    PyTorch's powerSGD_hook while sending more bytes."""
+    missed = []
+    torch_psgd = {r["task"]: r for r in records if r["method"] == "torch_powerSGD"
+                  and not r.get("failed")}
+    for r in records:
+        if r["method"] not in COMPRESSED_HOOKS + OPTIMIZERS:
+            continue
+        ok = meets_target(r)
+        if ok is False:
+            missed.append(f"{r['task']} {r['method']}: {r['metric']} {r['value']:.4f} vs exact "
+                          f"{r['exact_value']:.4f} ({target_of(r)})")
+        base = torch_psgd.get(r["task"])
+        if base is not None and ok is not None and r["method"] in COMPRESSED_HOOKS:
+            better = (r["value"] >= base["value"]) if r["metric"] == "accuracy" else \
+                (r["value"] <= base["value"])
+            if not better and r["inter_node_bytes_per_step"] >= base["inter_node_bytes_per_step"]:
+                missed.append(f"{r['task']} {r['method']}: worse than torch powerSGD_hook "
+                              f"({r['value']:.4f} vs {base['value']:.4f}) at more bytes")
+    return missed
+
+
+def _fmt_bytes(value):
+    if value is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(value) < 1000:
+            return f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| task | method | metric | value | exact | gap | target | inter-node bytes/step "
+             "(per rank) | vs exact bytes |",
+             "|---|---|---|---:|---:|---:|:---:|---:|---:|"]
+    for r in records:
+        if r.get("failed"):
+            lines.append(f"| {r['task']} | {r['method']} | - | FAILED | - | - | - | - | - |")
+            continue
+        ok = meets_target(r)
+        mark = "-" if r["method"] in (EXACT, "hierarchical_allreduce", "torch_powerSGD") or \
+            ok is None else ("met" if ok else "MISSED")
+        gap = r.get("gap")
+        gap_s = "-" if gap is None else (f"{gap * 100:+.1f} pt" if r["metric"] == "accuracy"
+                                         else f"{r['relative_gap'] * 100:+.1f}%")
+        ratio = r.get("exact_inter_node_bytes_per_step")
+        ratio_s = f"1/{ratio / r['inter_node_bytes_per_step']:.1f}" \
+            if ratio and r["inter_node_bytes_per_step"] else "-"
+        lines.append(f"| {r['task']} | {r['method']} | {r['metric']} | {r['value']:.4f} | "
+                     f"{r.get('exact_value', float('nan')):.4f} | {gap_s} | {mark} | "
+                     f"{_fmt_bytes(r['inter_node_bytes_per_step'])} | {ratio_s} |")
+    return "\n".join(lines)
+
+
+def write_outputs(records, json_path, out_dir, png=True, config=None) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(records, f, indent=1)
+    text = table(records)
+    header = f"config: {json.dumps(config)}\n\n" if config else ""
+    with open(os.path.join(out_dir, "convergence.md"), "w") as f:
+        f.write(header + text + "\n")
+    if png:
+        plot(records, os.path.join(out_dir, "convergence.png"))
+    return text
+
+
+def plot(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    task_names = list(dict.fromkeys(r["task"] for r in records))
+    if not task_names:
+        return
+    cols = min(4, len(task_names))
+    rows = -(-len(task_names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, task_names):
+        for r in records:
+            if r["task"] != name or r.get("failed") or not r.get("curve"):
+                continue
+            steps, values = zip(*r["curve"])
+            style = "k-" if r["method"] == EXACT else "-"
+            ax.plot(steps, values, style, label=r["method"], linewidth=1.2)
+            ax.set_ylabel(r["metric"])
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(task_names):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,213 @@
+"""One rank of bench/convergence.py: trains one task once per method, from the same seed, on the
+same batches, and rank 0 appends a JSON record per method to --out as soon as it is done.
+
+Methods:
+  exact            DDP with PyTorch's default all-reduce (its ``allreduce_hook``)
+  <ciuicflow hook> every hook of ``ciuicflow.hooks.HOOKS``, registered with its default state
+                   (``ciuicflow.register(ddp, name)``: nothing but the model's parameter names);
+                   ``name@key=value;key=value`` sets options (comparisons only)
+  torch_powerSGD   PyTorch's ``powerSGD_hook`` at the rank and warm-up of ciuicflow's
+                   ``PowerSGDState`` defaults; on gloo each bucket's future is waited for inside the
+                   hook (as bench/comm.py does: its later all-reduces interleave across buckets)
+  onebit_adam, zero_one_adam   ciuicflow's 1-bit optimizers with their defaults, no DDP (Adam tasks)
+
+inter_node_bytes_per_step: modelled bytes one rank sends to other nodes, per step, the model of
+``ciuicflow.collectives`` (a ring all-reduce of B bytes over W ranks sends 2(W-1)/W B, of which the
+share of peers on other nodes leaves the node). ciuicflow's states count their own; for exact and
+PyTorch's PowerSGD every ``dist.all_reduce`` the hook issues is counted the same way.
+"""
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import convergence_tasks as tasks  # noqa: E402
+
+OPTIMIZER_METHODS = ("onebit_adam", "zero_one_adam")
+
+
+def flat_inter_share() -> float:
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return (world - local) / (world - 1) if world > 1 else 0.0
+
+
+@contextlib.contextmanager
+def counted_all_reduces(counter: list):
+    """Count the modelled inter-node bytes of every dist.all_reduce issued inside."""
+    original = dist.all_reduce
+    world, share = dist.get_world_size(), flat_inter_share()
+
+    def counting(tensor, *args, **kwargs):
+        counter[0] += 2 * (world - 1) / world * tensor.numel() * tensor.element_size() * share
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def _waiting(hook):
+    def waited(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+    return waited
+
+
+def parse_method(spec: str):
+    """'onebit@phases=1;error_decay=0.8' -> ('onebit', {'phases': 1, 'error_decay': 0.8}): a hook
+    with options other than its defaults (for comparisons; the suite's targets are for defaults)."""
+    name, _, rest = spec.partition("@")
+    options = {}
+    for item in filter(None, rest.split(";")):
+        key, _, value = item.partition("=")
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                continue
+        options[key] = value
+    return name, options
+
+
+def make_optimizer(task, params):
+    if task.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=task.lr, momentum=task.momentum,
+                               weight_decay=task.weight_decay)
+    if task.optimizer == "adam":
+        return torch.optim.Adam(params, lr=task.lr, weight_decay=task.weight_decay)
+    return torch.optim.AdamW(params, lr=task.lr, weight_decay=task.weight_decay)
+
+
+def setup(task, method):
+    """(model, the module to call, optimizer, hook state or None, byte counter)."""
+    import ciuicflow
+    from ciuicflow.hooks import HOOKS, PowerSGDState, DEFAULT_WARMUP_STEPS
+    from ciuicflow.optim import OneBitAdam, ZeroOneAdam
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+    model = tasks.build_model(task)
+    name, options = parse_method(method)
+    if name in OPTIMIZER_METHODS:
+        cls = OneBitAdam if name == "onebit_adam" else ZeroOneAdam
+        decay = task.weight_decay if task.optimizer == "adamw" else 0.0
+        for p in model.parameters():  # every rank starts from the same weights
+            dist.broadcast(p.data, 0)
+        return model, model, cls(model.parameters(), lr=task.lr, weight_decay=decay,
+                                 **options), None
+    ddp = DDP(model, bucket_cap_mb=task.bucket_cap_mb)
+    state = None
+    if method == "exact":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif method == "torch_powerSGD":
+        defaults = PowerSGDState()
+        state = torch_psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=defaults.rank,
+            start_powerSGD_iter=max(2, DEFAULT_WARMUP_STEPS))
+        ddp.register_comm_hook(state, _waiting(torch_psgd.powerSGD_hook))
+        state = None
+    elif name in HOOKS:
+        state = ciuicflow.register(ddp, name, **options)
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    return model, ddp, make_optimizer(task, ddp.parameters()), state
+
+
+def train(task, method, data, rank, world):
+    model, module, optimizer, state = setup(task, method)
+    counter = [0.0]
+    eval_every = max(1, task.steps // task.evals)
+    curve, losses = [], []
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if task.bf16 else \
+        contextlib.nullcontext()
+    optimizer_method = parse_method(method)[0] in OPTIMIZER_METHODS
+    counting = counted_all_reduces(counter) if state is None and not optimizer_method \
+        else contextlib.nullcontext()
+    start = time.perf_counter()
+    with counting:
+        for step in range(task.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = task.lr_at(step)
+            x, y = tasks.batch(task, data, step, rank, world)
+            with autocast:
+                loss = tasks.loss_fn(task, module(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+            if (step + 1) % eval_every == 0 or step + 1 == task.steps:
+                curve.append((step + 1, tasks.evaluate(task, model, data)))
+    seconds = time.perf_counter() - start
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(params) for _ in range(world)]
+    dist.all_gather(gathered, params)
+    record = {
+        "task": task.name, "method": method, "metric": task.metric, "value": curve[-1][1],
+        "curve": curve, "train_loss_last50": sum(losses[-50:]) / len(losses[-50:]),
+        "replicas_equal": all(torch.equal(g, params) for g in gathered),
+        "seconds": seconds, "params": params.numel(),
+    }
+    if state is not None:
+        stats = state.stats()
+        record["inter_node_bytes_per_step"] = stats["inter_node_bytes_per_step"]
+        record["compression_ratio"] = stats["compression_ratio"]
+        record["stats"] = {k: v for k, v in stats.items() if k != "topology"}
+    elif optimizer_method:
+        record["inter_node_bytes_per_step"] = optimizer.traffic.inter_bytes / task.steps
+        record["compression_ratio"] = None
+    else:
+        record["inter_node_bytes_per_step"] = counter[0] / task.steps
+        record["compression_ratio"] = None
+    return record
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--task", required=True)
+    p.add_argument("--methods", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=None, help="override the task's steps (smoke)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    task = tasks.TASKS[args.task]
+    if args.steps:
+        from dataclasses import replace
+        task = replace(task, steps=args.steps, evals=min(task.evals, args.steps))
+    data = tasks.load_data(task)
+    for method in args.methods.split(","):
+        try:
+            record = train(task, method, data, rank, world)
+        except Exception:
+            if rank == 0:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps({"task": task.name, "method": method, "failed": True,
+                                        "error": traceback.format_exc()[-2000:]}) + "\n")
+            raise
+        if rank == 0:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(f"[convergence] {task.name} {method}: {task.metric} {record['value']:.4f} "
+                  f"({record['seconds']:.0f} s)", flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""bench/convergence.py: the records it writes, how it judges them, and a smoke run end to end."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import convergence_report as report  # noqa: E402
+import convergence_tasks as tasks  # noqa: E402
+
+
+def _record(task, method, value, metric="accuracy", nbytes=100.0):
+    return {"task": task, "method": method, "metric": metric, "value": value, "curve": [(1, value)],
+            "inter_node_bytes_per_step": nbytes}
+
+
+def test_targets_judge_against_exact_and_torch_powersgd():
+    records = report.compare([
+        _record("a", "exact", 0.80, nbytes=1000), _record("a", "hierarchical_1bit", 0.795),
+        _record("a", "onebit", 0.78), _record("a", "torch_powerSGD", 0.79, nbytes=50),
+        _record("a", "powersgd", 0.785, nbytes=60),
+        _record("b", "exact", 2.0, "val_loss"), _record("b", "hierarchical_1bit", 2.03, "val_loss"),
+        _record("b", "onebit_adam", 2.05, "val_loss"),
+        {"task": "b", "method": "powersgd", "failed": True, "error": "boom"}])
+    by = {(r["task"], r["method"]): r for r in records}
+    assert by[("a", "onebit")]["gap"] == pytest.approx(0.02)
+    assert by[("b", "onebit_adam")]["relative_gap"] == pytest.approx(0.025)
+    assert report.meets_target(by[("a", "hierarchical_1bit")]) is True
+    assert report.meets_target(by[("a", "onebit")]) is False
+    assert report.meets_target(by[("b", "hierarchical_1bit")]) is True
+    assert report.meets_target(by[("b", "onebit_adam")]) is False
+    missed = report.check_targets(records)
+    assert any("a onebit" in m for m in missed) and any("b onebit_adam" in m for m in missed)
+    # worse than PyTorch's PowerSGD while sending more bytes
+    assert any("a powersgd: worse than torch" in m for m in missed)
+    assert not any("hierarchical_1bit" in m for m in missed)
+    text = report.table(records)
+    assert "FAILED" in text and "MISSED" in text
+
+
+def test_tasks_cover_what_the_suite_must():
+    suite = list(tasks.TASKS.values())
+    assert len([t for t in suite if not t.heldout]) >= 6 and any(t.heldout for t in suite)
+    assert {t.kind for t in suite} >= {"classification", "lm", "regression"}
+    assert {t.optimizer for t in suite} >= {"sgd", "adam", "adamw"}
+    assert any(t.bf16 for t in suite) and any(not t.bf16 for t in suite)
+    assert any(t.optimizer == "sgd" and t.schedule == "constant" for t in suite)
+    assert any(t.optimizer == "sgd" and t.schedule != "constant" for t in suite)
+    sizes = [sum(p.numel() for p in tasks.build_model(t).parameters()) for t in suite]
+    assert min(sizes) < 150_000 and max(sizes) > 2_000_000, sizes
+
+
+@pytest.mark.timeout(600)
+def test_smoke_run_writes_every_method(tmp_path):
+    out = tmp_path / "conv"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "convergence.py"), "--smoke",
+         "--tasks", "regression_adam", "--steps", "6", "--out-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads((out / "convergence.json").read_text())
+    methods = [r["method"] for r in records]
+    assert methods[0] == "exact" and "hierarchical_1bit" in methods and "onebit_adam" in methods
+    assert "torch_powerSGD" in methods and "zero_one_adam" in methods
+    for r in records:
+        assert not r.get("failed"), r
+        for key in ("task", "method", "metric", "value", "exact_value",
+                    "inter_node_bytes_per_step"):
+            assert key in r, (key, r)
+        assert r["replicas_equal"], r
+    by = {r["method"]: r for r in records}
+    assert by["hierarchical_1bit"]["inter_node_bytes_per_step"] < \
+        by["exact"]["inter_node_bytes_per_step"]
+    assert (out / "convergence.md").exists() and (out / "convergence.png").stat().st_size > 10_000
