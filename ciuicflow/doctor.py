@@ -716,10 +716,10 @@ def _multi_node_hook(ic, inter_gbit, carrier, nodes) -> Recommendation:
             "hierarchical_powersgd compresses further for models made of large matrices",
             hook="hierarchical_1bit")
     return Recommendation(
-        f"hook {where}", facts + ": a slow network; low-rank compression (rank 4: often 100x+ "
-        "less inter-node traffic) between nodes, exact inside; hierarchical_1bit if the model is "
-        "mostly small or non-matrix parameters", hook="hierarchical_powersgd",
-        options={"rank": 4})
+        f"hook {where}", facts + ": a slow network; low-rank compression (rank 16 by default: "
+        "16x+ less inter-node traffic for large matrices) between nodes, exact inside; "
+        "hierarchical_1bit if the model is mostly small or non-matrix parameters",
+        hook="hierarchical_powersgd")
 
 
 def _single_node_hook(ic: Interconnect) -> Recommendation:

@@ -44,6 +44,7 @@ BENCH_METHODS = {
 }
 
 ONEBIT_CHUNK = 256  # elements per scale of the 1-bit hooks (ciuicflow.hooks.ONEBIT_CHUNK_SIZE)
+POWERSGD_RANK = 16  # the PowerSGD hooks' default rank (ciuicflow.hooks.POWERSGD_RANK)
 
 
 # ----------------------------------------------------------------------------------------- units
@@ -285,7 +286,7 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
     if strategy in RANKED:
-        rank = int(rank or 1)
+        rank = int(rank or POWERSGD_RANK)
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
     else:

@@ -35,6 +35,12 @@ def test_parsers():
             parse(bad)
 
 
+def test_planner_defaults_are_the_hooks_defaults():
+    from ciuicflow import hooks
+
+    assert pl.ONEBIT_CHUNK == hooks.ONEBIT_CHUNK_SIZE and pl.POWERSGD_RANK == hooks.POWERSGD_RANK
+
+
 def _cluster(nodes=2, gpus=2, intra=10e9, inter=1e9, lat=0.0):
     return pl.ClusterSpec(nodes, gpus, intra, inter, lat, lat)
 

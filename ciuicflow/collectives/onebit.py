@@ -36,7 +36,12 @@ from ciuicflow.collectives.hierarchical import add_exact_traffic, check_reducibl
     nonfinite_flag, reduce_in_place
 from ciuicflow.topology import Topology
 
-DEFAULT_CHUNK_SIZE = 2048
+# Elements per scale. A chunk's scale is the mean |value| of its elements, so a chunk spanning
+# elements of different size sends the small ones a large +-scale (noise) and the large ones too
+# little (delay). 256 costs 1/8 bit of scale per element (28x against float32, not 31x); with 2048,
+# bench/convergence.py lost accuracy with every 1-bit method, and ZeroOneAdam diverged on its
+# regression task (docs/convergence.md).
+DEFAULT_CHUNK_SIZE = 256
 
 
 class OneBitErrors:
