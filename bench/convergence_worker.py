@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import convergence_tasks as tasks  # noqa: E402
+from comm_worker import waiting  # noqa: E402  (PyTorch's PowerSGD hook made to work on gloo)
 
 OPTIMIZER_METHODS = ("onebit_adam", "zero_one_adam")
 
@@ -57,14 +58,6 @@ def counted_all_reduces(counter: list):
         yield
     finally:
         dist.all_reduce = original
-
-
-def _waiting(hook):
-    def waited(state, bucket):
-        future = hook(state, bucket)
-        future.wait()
-        return future
-    return waited
 
 
 def parse_method(spec: str):
@@ -119,7 +112,7 @@ def setup(task, method):
         state = torch_psgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=defaults.rank,
             start_powerSGD_iter=max(2, DEFAULT_WARMUP_STEPS))
-        ddp.register_comm_hook(state, _waiting(torch_psgd.powerSGD_hook))
+        ddp.register_comm_hook(state, waiting(torch_psgd.powerSGD_hook))
         state = None
     elif name in HOOKS:
         state = ciuicflow.register(ddp, name, **options)

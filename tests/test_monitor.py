@@ -82,6 +82,10 @@ def test_monitor_records_hook_traffic_and_serves_prometheus(tmp_path):
         assert steps[0]["error_feedback_norm"] is None
         assert steps[-1]["inter_node_compression_ratio"] > 4
         assert steps[-1]["error_feedback_norm"] > 0
+        # the accuracy guard's measure: none during warm-up, the state's worst bucket after it
+        assert steps[0]["relative_error"] is None
+        assert steps[-1]["relative_error"] == pytest.approx(stats["relative_error"])
+        assert steps[-1]["relative_error"] > 0
         assert all(0 <= s["comm_fraction"] <= 1 and s["step_s"] > 0 for s in steps)
         assert all("forward" in s["phases"] and "loss" in s["metrics"] for s in steps)
         assert run.ends[rank]["steps"] == 6
@@ -97,6 +101,8 @@ def test_monitor_records_hook_traffic_and_serves_prometheus(tmp_path):
             sum(s["step_s"] for s in steps))
         assert scraped[("ciuicflow_compression_ratio", node_rank)] == pytest.approx(
             steps[-1]["compression_ratio"])
+        assert scraped[("ciuicflow_compression_relative_error", node_rank)] == pytest.approx(
+            steps[-1]["relative_error"])
     assert not [a for a in run.alerts if a["kind"] == "hang"]  # (a loaded machine may straggle)
     # and the report reads the same directory
     summary_path = tmp_path / "summary.json"
