@@ -78,6 +78,22 @@ class Traffic:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+GUARD_EMA = 0.9  # the gradient norm the guard divides by is a running mean over about 10 steps
+
+
+def update_guard(memory, error_norm: float, grad_norm: float) -> None:
+    """The accuracy guard's measure of a compressor's memory (any object with
+    ``relative_error``, ``_grad_norm_ema`` and ``_guard_stale``): ||memory|| over the running mean
+    of ||gradient||. The running mean, not this step's norm: near convergence, or where the
+    learning rate decays to 0, gradients shrink faster than the memory drains, and dividing by the
+    last one alone raised alarms on runs that kept exact accuracy."""
+    ema = memory._grad_norm_ema
+    ema = grad_norm if ema is None else GUARD_EMA * ema + (1 - GUARD_EMA) * grad_norm
+    memory._grad_norm_ema = ema
+    memory.relative_error = error_norm / ema if ema > 0 else 0.0
+    memory._guard_stale = False
+
+
 def snapshot(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A detached copy for a state_dict, of a buffer that later steps reuse and overwrite."""
     return None if tensor is None else tensor.detach().clone()

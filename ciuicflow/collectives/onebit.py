@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ciuicflow.collectives import Link, Traffic, all_gather, all_reduce, all_to_all, \
-    ring_all_reduce_bytes, snapshot
+    ring_all_reduce_bytes, snapshot, update_guard
 from ciuicflow.collectives.hierarchical import add_exact_traffic, check_reducible, \
     nonfinite_flag, reduce_in_place
 from ciuicflow.topology import Topology
@@ -61,6 +61,7 @@ class OneBitErrors:
         # (the largest over the ranks of the exchange, the same on all of them)
         self.relative_error: float | None = None
         self._guard_stale = False  # relative_error was measured before the guard's last exact step
+        self._grad_norm_ema: float | None = None
 
     def ensure(self, layout: "_Layout", device) -> None:
         shapes = (layout.parts * layout.segment, layout.segment if layout.server else 0)
@@ -237,12 +238,13 @@ class OneBitStep:
         else:
             packed = x.new_empty(0, dtype=torch.uint8)
             scales = x.new_empty(0, dtype=torch.float32)
-        # The flag row: non-finite flag, and this rank's relative error for the guard.
-        ratio = _relative_error(worker_error[:layout.numel], xc)
-        flags = torch.cat([flag.to(torch.float32).view(1), ratio.view(1)]).view(1, 2)
+        # The flag row: non-finite flag, then ||worker error|| and ||input|| for the guard.
+        norms = torch.stack([torch.linalg.vector_norm(worker_error[:layout.numel]),
+                             torch.linalg.vector_norm(xc, dtype=torch.float32)])
+        flags = torch.cat([flag.to(torch.float32).view(1), norms]).view(1, 3)
         raw = _padded(xe, parts * layout.raw)
         if self.server:
-            send = _rows(world, packed, scales, flags.expand(world, 2), raw)
+            send = _rows(world, packed, scales, flags.expand(world, 3), raw)
             received = torch.empty_like(send)
             all_to_all(received, send, link, traffic)
         else:
@@ -257,8 +259,8 @@ class OneBitStep:
             x.div_(world)
             return all_reduce(x, link, traffic)
         errors.worker, errors._spare = worker_error, errors.worker
-        errors.relative_error = float(r_flags[:, 1].max())
-        errors._guard_stale = False
+        largest = r_flags[:, 1:].max(0).values.tolist()  # the same on every rank of the exchange
+        update_guard(errors, largest[0], largest[1])
         if not self.server:
             return self._finish(x, layout, compressed_at, exact_at, r_packed, r_scales,
                                 r_raw.sum(0).div_(world), mean_of_rows=True)
@@ -361,12 +363,6 @@ class OneBitStep:
         return cached
 
 
-def _relative_error(error: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """||error|| / ||values|| as a float32 one-element tensor (0 when values are all zero)."""
-    norm = torch.linalg.vector_norm(values, dtype=torch.float32)
-    return torch.where(norm > 0, torch.linalg.vector_norm(error) / norm, torch.zeros_like(norm))
-
-
 def _padded(values: torch.Tensor, length: int) -> torch.Tensor:
     """``values`` zero-padded to ``length``: itself when it has that length, else a copy."""
     if values.numel() == length:
@@ -393,7 +389,7 @@ def _rows(rows: int, packed, scales, flags, raw) -> torch.Tensor:
 
 def _unrows(rows: torch.Tensor, layout: _Layout, with_flag: bool):
     """Split what ``_rows`` built (one row per rank) back into its four parts."""
-    sizes = [layout.packed_bytes, 4 * layout.nscales, 8 if with_flag else 0, 4 * layout.raw]
+    sizes = [layout.packed_bytes, 4 * layout.nscales, 12 if with_flag else 0, 4 * layout.raw]
     parts, start = [], 0
     for size in sizes:
         parts.append(rows[:, start:start + size].contiguous())

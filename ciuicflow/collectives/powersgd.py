@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ciuicflow.collectives import Link, Traffic, all_reduce, ring_all_reduce_bytes, snapshot
+from ciuicflow.collectives import Link, Traffic, all_reduce, ring_all_reduce_bytes, snapshot, \
+    update_guard
 from ciuicflow.collectives.hierarchical import EXACT, add_exact_traffic, check_reducible, \
     nonfinite_flag, reduce_in_place
 from ciuicflow.topology import Topology
@@ -37,11 +38,11 @@ class PowerSGDMemory:
         self.q: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None  # M = gradient + error is built here, then swapped
         self._plans: dict = {}
-        # the accuracy guard: ||error|| / ||input|| after this rank's last step, and its mean over
-        # the ranks (learnt one step later, in the next step's first all-reduce)
-        self._local_ratio: float | None = None
+        # the accuracy guard's measure, learnt one step late (in the next step's first all-reduce)
+        self._local_norms: tuple | None = None  # (||error||, ||input||) of this rank's last step
         self.relative_error: float | None = None
         self._guard_stale = False  # relative_error was measured before the guard's last exact step
+        self._grad_norm_ema: float | None = None
 
     def state_dict(self) -> dict:
         """Copies: the buffers themselves are reused and overwritten by later steps."""
@@ -114,8 +115,9 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
     DDP bucket's gradients); default: the tensor itself, viewed as [shape[0], -1]. ``memory``
     persists between calls for the same tensor. ``seed``, ``key`` and ``step`` seed the random
     initial Q, the same on every rank. ``hierarchical=False`` runs flat over the group.
-    ``guard_threshold``: when the ranks' mean relative error (``memory.relative_error``,
-    ||error|| / ||input|| after the step before) exceeds it, the step is exact and sends the error.
+    ``guard_threshold``: when the guard's measure (``memory.relative_error``: the ranks' mean
+    ||error|| after the step before over the running mean of their ||input||, see
+    ``collectives.update_guard``) exceeds it, the step is exact and sends the error.
     """
     check_reducible(tensor)
     if rank < 1:
@@ -173,8 +175,8 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
     # P and the exact values together tell whether the input held one, without reading it again.
     nonfinite = torch.maximum(nonfinite_flag(ps), nonfinite_flag(exact_values)).to(flat.dtype)
     input_norm = float(torch.linalg.vector_norm(flat, dtype=torch.float32))
-    ratio = flat.new_tensor([memory._local_ratio or 0.0])
-    first = torch.cat([ps.to(flat.dtype), exact_values, ratio, nonfinite])
+    norms = flat.new_tensor(memory._local_norms or (0.0, 0.0))
+    first = torch.cat([ps.to(flat.dtype), exact_values, norms, nonfinite])
     sum_over_ranks(first)
     if bool(first[-1] > 0):  # a rank holds inf/NaN: exact this step, memory untouched
         if traffic is not None:
@@ -182,9 +184,8 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
         flat.div_(world)
         sum_over_ranks(flat)
         return tensor
-    if memory._local_ratio is not None:
-        memory.relative_error = float(first[-2]) / world
-        memory._guard_stale = False
+    if memory._local_norms is not None:  # the ranks' mean norms of the step before
+        update_guard(memory, float(first[-3]) / world, float(first[-2]) / world)
     if guard_threshold is not None and memory.relative_error is not None \
             and not memory._guard_stale and memory.relative_error > guard_threshold \
             and error_feedback:
@@ -194,7 +195,7 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
         flat.copy_(work)
         if memory.error is not None:
             memory.error.zero_()
-        memory._local_ratio, memory._guard_stale = None, True
+        memory._local_norms, memory._guard_stale = None, True
         if traffic is not None:
             traffic.guard_exact_steps += 1
         return tensor
@@ -214,7 +215,7 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
         torch.matmul(_factor(ps, m.p_offset, m.rows, m.rank),
                      _factor(q, m.q_offset, m.cols, m.rank).t(), out=_block(approx, m))
     if plan.exact_index is not None:
-        approx[plan.exact_index] = first[plan.p_numel:-2].div_(world).to(approx.dtype)
+        approx[plan.exact_index] = first[plan.p_numel:-3].div_(world).to(approx.dtype)
     if approx is not flat:
         flat.copy_(approx)
     if error_feedback:
@@ -222,9 +223,8 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
         if plan.exact_index is not None:
             work[plan.exact_index] = 0.0  # exact values leave nothing behind
         memory.error, memory._spare = work, memory.error
-        # the guard's measure: how far the memory (what is owed) is behind this step's gradient
-        memory._local_ratio = float(torch.linalg.vector_norm(work)) / input_norm \
-            if input_norm > 0 else 0.0
+        # for the guard's measure: how far the memory (what is owed) is behind the gradient
+        memory._local_norms = (float(torch.linalg.vector_norm(work)), input_norm)
     if warm_start:
         memory.q = q
     return tensor
