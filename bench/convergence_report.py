@@ -126,21 +126,28 @@ def plot(records, path):
     cols = min(4, len(task_names))
     rows = -(-len(task_names) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
+    color = {m: ("black" if m == EXACT else palette[i % len(palette)])
+             for i, m in enumerate(methods)}
     for ax, name in zip(axes.flat, task_names):
         for r in records:
             if r["task"] != name or r.get("failed") or not r.get("curve"):
                 continue
             steps, values = zip(*r["curve"])
-            style = "k-" if r["method"] == EXACT else "-"
-            ax.plot(steps, values, style, label=r["method"], linewidth=1.2)
+            ax.plot(steps, values, color=color[r["method"]], label=r["method"],
+                    linewidth=1.6 if r["method"] == EXACT else 1.1)
             ax.set_ylabel(r["metric"])
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(task_names):]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    handles = {}
+    for ax in axes.flat:  # every method once, whichever tasks it ran on
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=5, fontsize=8)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

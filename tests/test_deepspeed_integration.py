@@ -144,7 +144,9 @@ def test_engine_matches_plain_sends_gradients_once_and_resumes(tmp_path):
         exact = 4 * r["params"]
         assert all(b >= exact for b in r["bytes"][:4])  # the engine's exact all-reduce
         for b in r["bytes"][4:]:  # after warm-up: only the compressed momentum, gradients not re-sent
-            assert b <= exact / 16, (b, exact, r["bytes"])
+            # 1 bit an element and a float32 scale per 256 elements, padded: 15x on this
+            # 676-element model (an uncompressed momentum would send >= exact)
+            assert b <= exact / 12, (b, exact, r["bytes"])
         assert r["resume_gap"] == 0.0, f"rank {rank}: resumed run differs by {r['resume_gap']}"
         assert r["resumed_flag"] is False  # the loaded state is frozen: the engine stays quiet
         flags = [flag for flag, _ in r["zero_one"]]  # after each step: all-reduce the next one?
@@ -155,7 +157,7 @@ def test_engine_matches_plain_sends_gradients_once_and_resumes(tmp_path):
             elif step == 9:
                 assert sent == 0
             else:
-                assert 0 < sent <= exact / 16, (step, sent)
+                assert 0 < sent <= exact / 12, (step, sent)  # 15x here, as above
         assert r["zero_one_gap"] < 1e-5, r["zero_one_gap"]
     print(f"\nbytes handed to collectives per step, rank 0: {results[0]['bytes']} "
           f"({results[0]['params']} parameters)")
