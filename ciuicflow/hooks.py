@@ -590,10 +590,11 @@ def _check_guard(guard, threshold) -> None:
 # as much at the same rank); rank 16 matched exact and still sends a 512 x 512 layer's gradient
 # in 1/16 of its bytes.
 POWERSGD_RANK = 16
-# PowerSGD's memory holds the gradient noise no low rank captures: the guard's measure was 23-27 on
-# mlp_sgd_constant at ranks 4 to 32, whether accuracy held or not, so its threshold only catches a
-# memory that runs away (docs/hooks.md, "The accuracy guard").
-POWERSGD_GUARD_THRESHOLD = 50.0
+# PowerSGD's memory holds the gradient noise no low rank captures: the guard's measure was 23-99 in
+# runs of bench/convergence.py that kept exact accuracy (23-27 on mlp_sgd_constant at ranks 4 to 32,
+# whether accuracy held or not), so it does not tell a good rank from a bad one and its threshold
+# only catches a memory that runs away (docs/hooks.md, "The accuracy guard").
+POWERSGD_GUARD_THRESHOLD = 200.0
 
 
 class PowerSGDState(_CompressingState):

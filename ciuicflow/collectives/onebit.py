@@ -199,7 +199,6 @@ class OneBitStep:
         self.error_decay = float(error_decay)
         self.server = bool(server)
         self.guard_threshold = guard_threshold
-        self.flushed = False  # set when this call was an exact step of the guard
 
     def __call__(self, x: torch.Tensor, link: Link, flag, offset: int,
                  traffic: Traffic | None) -> torch.Tensor:
@@ -321,7 +320,8 @@ class OneBitStep:
         pending = x.new_zeros(x.numel(), dtype=torch.float32)
         numel = x.numel() if compressed_at is None else compressed_at.numel()
         owed = errors.worker[:numel].clone()
-        if errors.server.numel():  # the server error of this rank's segment, times W: see below
+        if errors.server.numel():  # this rank's segment's server error, held by this rank only:
+            # times W, as the mean below divides everything by W
             me = dist.get_rank(link.group)
             seg = errors.server.numel()
             lo, hi = me * seg, min(numel, (me + 1) * seg)
