@@ -109,11 +109,11 @@ def _failed(path, task_name):
 
 
 def select_tasks(spec: str | None):
-    if not spec or spec == "tuned":
-        return [t for t in tasks.TASKS.values() if not t.heldout] if spec else \
-            list(tasks.TASKS.values())
-    if spec == "heldout":
-        return [t for t in tasks.TASKS.values() if t.heldout]
+    suite = list(tasks.TASKS.values())
+    if not spec:
+        return suite
+    if spec in ("tuned", "heldout"):
+        return [t for t in suite if t.heldout == (spec == "heldout")]
     unknown = [n for n in spec.split(",") if n not in tasks.TASKS]
     if unknown:
         raise SystemExit(f"unknown task(s) {unknown}; choose from {sorted(tasks.TASKS)}")

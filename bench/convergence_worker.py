@@ -89,7 +89,7 @@ def make_optimizer(task, params):
 def setup(task, method):
     """(model, the module to call, optimizer, hook state or None, byte counter)."""
     import ciuicflow
-    from ciuicflow.hooks import HOOKS, PowerSGDState, DEFAULT_WARMUP_STEPS
+    from ciuicflow.hooks import DEFAULT_WARMUP_STEPS, HOOKS, POWERSGD_RANK
     from ciuicflow.optim import OneBitAdam, ZeroOneAdam
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
@@ -108,9 +108,8 @@ def setup(task, method):
     if method == "exact":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif method == "torch_powerSGD":
-        defaults = PowerSGDState()
         state = torch_psgd.PowerSGDState(
-            process_group=None, matrix_approximation_rank=defaults.rank,
+            process_group=None, matrix_approximation_rank=POWERSGD_RANK,
             start_powerSGD_iter=max(2, DEFAULT_WARMUP_STEPS))
         ddp.register_comm_hook(state, waiting(torch_psgd.powerSGD_hook))
         state = None

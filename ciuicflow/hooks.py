@@ -232,7 +232,7 @@ class AllReduceState:
 
     algorithm = "allreduce"
     guard = "off"  # the compressing states' accuracy guard (see OneBitState)
-    guard_threshold = 4.0
+    guard_threshold = None
     _config_fields = ("overlap",)
     _layout_fields: tuple = ()  # config that must match to load a checkpoint's memory
 
@@ -553,7 +553,7 @@ class OneBitState(_CompressingState):
             raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
         if phases not in ("auto", 1, 2):
             raise ValueError(f"phases must be 1, 2 or 'auto', got {phases!r}")
-        _check_guard(guard, guard_threshold)
+        _validate_guard(guard, guard_threshold)
         self.chunk_size = int(chunk_size)
         self.error_decay = float(error_decay)
         self.phases = phases
@@ -574,11 +574,12 @@ class OneBitState(_CompressingState):
                           chunk_size=self.chunk_size, error_decay=self.error_decay,
                           server=server,
                           guard_threshold=self.guard_threshold if self.guard == "exact" else None,
+                          measure=self.guard != "off",
                           exact_mask=self._exact_mask(info, hierarchical), traffic=traffic)
         self._check_guard(info, memory.relative_error)
 
 
-def _check_guard(guard, threshold) -> None:
+def _validate_guard(guard, threshold) -> None:
     if guard not in _GUARDS:
         raise ValueError(f"guard must be one of {_GUARDS}, got {guard!r}")
     if not float(threshold) > 0 or float(threshold) != float(threshold):
@@ -627,7 +628,7 @@ class PowerSGDState(_CompressingState):
                  overlap: bool = True, model=None):
         if int(rank) < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
-        _check_guard(guard, guard_threshold)
+        _validate_guard(guard, guard_threshold)
         self.guard = guard
         self.guard_threshold = float(guard_threshold)
         self.rank = int(rank)
@@ -650,7 +651,7 @@ class PowerSGDState(_CompressingState):
                             seed=self.seed, step=step, key=info.index,
                             eps=self.orthogonalization_eps,
                             guard_threshold=self.guard_threshold if self.guard == "exact" else None,
-                            traffic=traffic)
+                            measure=self.guard != "off", traffic=traffic)
         self._check_guard(info, memory.relative_error)
 
 

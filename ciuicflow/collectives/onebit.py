@@ -57,8 +57,8 @@ class OneBitErrors:
         self._mean: torch.Tensor | None = None   # the server's decompressed mean, reused
         self._out: torch.Tensor | None = None    # the decompressed result, reused
         self._splits: dict = {}
-        # what the accuracy guard reads: ||worker error|| / ||input|| of the last compressed step
-        # (the largest over the ranks of the exchange, the same on all of them)
+        # what the accuracy guard reads (collectives.update_guard): ||worker error|| over the
+        # running mean of ||input||, the largest over the ranks of the exchange (the same on all)
         self.relative_error: float | None = None
         self._guard_stale = False  # relative_error was measured before the guard's last exact step
         self._grad_norm_ema: float | None = None
@@ -121,7 +121,8 @@ class _Layout:
             return _Layout(numel, exact, world, 0, chunk_size, raw, server)
         # As many chunks as chunk_size asks for, but evened out: padding stays under 8 per chunk.
         nchunks = -(-per_rank // chunk_size)
-        chunk = -(-(-(-per_rank // nchunks)) // 8) * 8
+        chunk = -(-per_rank // nchunks)
+        chunk = -(-chunk // 8) * 8  # whole bytes of signs
         return _Layout(numel, exact, world, nchunks * chunk, chunk, raw, server)
 
     @property
@@ -141,14 +142,14 @@ def onebit_all_reduce(tensor: torch.Tensor, errors: OneBitErrors, topology: Topo
                       *, hierarchical: bool = True, chunk_size: int = DEFAULT_CHUNK_SIZE,
                       exact_mask: torch.Tensor | None = None, error_decay: float = 1.0,
                       server: bool = True, guard_threshold: float | None = None,
-                      traffic: Traffic | None = None) -> torch.Tensor:
+                      measure: bool = True, traffic: Traffic | None = None) -> torch.Tensor:
     """Average ``tensor`` in place over the topology's group with 1-bit compression; return it.
 
     ``hierarchical=True`` compresses only the inter-node step of the hierarchical all-reduce
     (on a single node the all-reduce is then exact); ``False`` compresses all traffic, flat over
     the group. ``errors`` persists between calls for the same tensor. ``exact_mask`` (bool, same
-    numel) marks positions reduced exactly. ``error_decay``, ``server`` and ``guard_threshold``:
-    see ``OneBitStep``. ``traffic`` accumulates the bytes sent.
+    numel) marks positions reduced exactly. ``error_decay``, ``server``, ``guard_threshold`` and
+    ``measure``: see ``OneBitStep``. ``traffic`` accumulates the bytes sent.
     """
     check_reducible(tensor)
     if chunk_size <= 0 or chunk_size % 8:
@@ -161,7 +162,7 @@ def onebit_all_reduce(tensor: torch.Tensor, errors: OneBitErrors, topology: Topo
     if not 0.0 <= error_decay <= 1.0:
         raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
     step = OneBitStep(errors, chunk_size, exact_mask, error_decay=error_decay, server=server,
-                      guard_threshold=guard_threshold)
+                      guard_threshold=guard_threshold, measure=measure)
     if hierarchical:
         if traffic is not None:
             add_exact_traffic(traffic, flat, topology)
@@ -186,19 +187,22 @@ class OneBitStep:
     averages them itself: no second compression, (W-1) instead of 2(W-1)/W of the compressed bytes,
     the same for W = 2). ``guard_threshold``: when the largest relative error of the last step
     (``errors.relative_error``) exceeds it, this step is exact and sends what the memory held.
+    ``measure``: compute that measure (two norms per call, and a read of them on the host).
     """
 
     needs_flag = True
 
     def __init__(self, errors: OneBitErrors, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  exact_mask: torch.Tensor | None = None, *, error_decay: float = 1.0,
-                 server: bool = True, guard_threshold: float | None = None):
+                 server: bool = True, guard_threshold: float | None = None,
+                 measure: bool = True):
         self.errors = errors
         self.chunk_size = chunk_size
         self.exact_mask = exact_mask
         self.error_decay = float(error_decay)
         self.server = bool(server)
-        self.guard_threshold = guard_threshold
+        self.guard_threshold = guard_threshold if measure else None
+        self.measure = bool(measure)
 
     def __call__(self, x: torch.Tensor, link: Link, flag, offset: int,
                  traffic: Traffic | None) -> torch.Tensor:
@@ -238,8 +242,11 @@ class OneBitStep:
             packed = x.new_empty(0, dtype=torch.uint8)
             scales = x.new_empty(0, dtype=torch.float32)
         # The flag row: non-finite flag, then ||worker error|| and ||input|| for the guard.
-        norms = torch.stack([torch.linalg.vector_norm(worker_error[:layout.numel]),
-                             torch.linalg.vector_norm(xc, dtype=torch.float32)])
+        if self.measure:
+            norms = torch.stack([torch.linalg.vector_norm(worker_error[:layout.numel]),
+                                 torch.linalg.vector_norm(xc, dtype=torch.float32)])
+        else:
+            norms = flag.new_zeros(2, dtype=torch.float32)
         flags = torch.cat([flag.to(torch.float32).view(1), norms]).view(1, 3)
         raw = _padded(xe, parts * layout.raw)
         if self.server:
@@ -258,8 +265,9 @@ class OneBitStep:
             x.div_(world)
             return all_reduce(x, link, traffic)
         errors.worker, errors._spare = worker_error, errors.worker
-        largest = r_flags[:, 1:].max(0).values.tolist()  # the same on every rank of the exchange
-        update_guard(errors, largest[0], largest[1])
+        if self.measure:
+            largest = r_flags[:, 1:].max(0).values.tolist()  # the same on every rank of the exchange
+            update_guard(errors, largest[0], largest[1])
         if not self.server:
             return self._finish(x, layout, compressed_at, exact_at, r_packed, r_scales,
                                 r_raw.sum(0).div_(world), mean_of_rows=True)

@@ -108,7 +108,7 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
                         exact_mask: torch.Tensor | None = None, error_feedback: bool = True,
                         warm_start: bool = True, seed: int = 0, step: int = 0, key: int = 0,
                         eps: float = 0.0, guard_threshold: float | None = None,
-                        traffic: Traffic | None = None) -> torch.Tensor:
+                        measure: bool = True, traffic: Traffic | None = None) -> torch.Tensor:
     """Average ``tensor`` in place over the topology's group with PowerSGD; return it.
 
     ``segments``: the matrices laid out in the flattened tensor, as ``(offset, shape)`` pairs (a
@@ -118,6 +118,7 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
     ``guard_threshold``: when the guard's measure (``memory.relative_error``: the ranks' mean
     ||error|| after the step before over the running mean of their ||input||, see
     ``collectives.update_guard``) exceeds it, the step is exact and sends the error.
+    ``measure``: compute that measure (two norms per call, read on the host).
     """
     check_reducible(tensor)
     if rank < 1:
@@ -174,7 +175,7 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
     # inf/NaN anywhere in a matrix reaches every entry of its row of P (NaN * 0 is NaN too), so
     # P and the exact values together tell whether the input held one, without reading it again.
     nonfinite = torch.maximum(nonfinite_flag(ps), nonfinite_flag(exact_values)).to(flat.dtype)
-    input_norm = float(torch.linalg.vector_norm(flat, dtype=torch.float32))
+    input_norm = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) if measure else 0.0
     norms = flat.new_tensor(memory._local_norms or (0.0, 0.0))
     first = torch.cat([ps.to(flat.dtype), exact_values, norms, nonfinite])
     sum_over_ranks(first)
@@ -186,7 +187,7 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
         return tensor
     if memory._local_norms is not None:  # the ranks' mean norms of the step before
         update_guard(memory, float(first[-3]) / world, float(first[-2]) / world)
-    if guard_threshold is not None and memory.relative_error is not None \
+    if measure and guard_threshold is not None and memory.relative_error is not None \
             and not memory._guard_stale and memory.relative_error > guard_threshold \
             and error_feedback:
         # the guard's exact step: the input and everything the error held, averaged exactly
@@ -224,7 +225,8 @@ def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
             work[plan.exact_index] = 0.0  # exact values leave nothing behind
         memory.error, memory._spare = work, memory.error
         # for the guard's measure: how far the memory (what is owed) is behind the gradient
-        memory._local_norms = (float(torch.linalg.vector_norm(work)), input_norm)
+        if measure:
+            memory._local_norms = (float(torch.linalg.vector_norm(work)), input_norm)
     if warm_start:
         memory.q = q
     return tensor
