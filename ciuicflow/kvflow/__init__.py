@@ -3,6 +3,6 @@
 ``Client(address)`` talks to the sidecar beside this process (``ciuicflow-sidecar``, see
 ``ciuicflow.kvflow.server``); ``docs/kvflow.md`` describes flags, protocol, statuses and metrics.
 """
-from .client import Client, KVFlowError, Part, RecvHeader, RecvStream, SendHandle, SendResult, SendStream
+from .client.client import Client, KVFlowError, Part, RecvHeader, RecvStream, SendHandle, SendResult, SendStream
 
 __all__ = ["Client", "KVFlowError", "Part", "RecvHeader", "RecvStream", "SendHandle", "SendResult", "SendStream"]

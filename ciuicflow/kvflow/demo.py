@@ -216,7 +216,7 @@ def prefill_worker(spec: dict, api: str, dest: str) -> dict:
     import torch
     from transformers import DynamicCache
     from . import Client
-    from .cache import LayerStreamer, fingerprint, cache_layers
+    from .frontends.transformers_cache import LayerStreamer, fingerprint, cache_layers
 
     model, config = build_model(spec)
     client = Client(api, flow=bool(spec["flow"]))
@@ -267,7 +267,7 @@ _SLOW_HOOKS: list = []
 def _slow_layers(model, delay_s: float) -> None:
     """Test aid: make every decoder layer take ``delay_s`` longer (after its cache was handed over), as
     the layers of a big model do, so that the overlap of transfer and prefill is visible on a tiny one."""
-    from .cache import decoder_layers
+    from .frontends.transformers_cache import decoder_layers
     for layer in decoder_layers(model):
         _SLOW_HOOKS.append(layer.register_forward_hook(lambda *a, **k: time.sleep(delay_s)))
 
@@ -281,7 +281,7 @@ def decode_worker(spec: dict, api: str) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from . import Client
-    from .cache import fingerprint, local_cache_layout, recv_cache
+    from .frontends.transformers_cache import fingerprint, local_cache_layout, recv_cache
 
     model, config = build_model(spec)
     layout = local_cache_layout(config.model_type)

@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="kv extra (transformers) not installed")
 
 from ciuicflow.kvflow import Part  # noqa: E402
-from ciuicflow.kvflow import cache as kc  # noqa: E402
+from ciuicflow.kvflow.frontends import transformers_cache as kc  # noqa: E402
 from ciuicflow.kvflow import demo  # noqa: E402
-from ciuicflow.kvflow.client import decode_part, encode_part  # noqa: E402
+from ciuicflow.kvflow.client.client import decode_part, encode_part  # noqa: E402
 
 TINY = dict(demo.SIZES["tiny"], num_hidden_layers=3)
 

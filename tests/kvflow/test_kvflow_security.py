@@ -140,7 +140,7 @@ def _wire_session(port, frames):
     import json
     import socket
 
-    from ciuicflow.kvflow.wire import HEAD, STATUS
+    from ciuicflow.kvflow.transports.tcp import HEAD, STATUS
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         for kind, payload in frames:
             s.sendall(HEAD.pack(kind, len(payload)) + payload)
@@ -164,7 +164,7 @@ def _wire_session(port, frames):
 
 
 def test_kvflow_data_plane_needs_a_ticket_from_an_authenticated_sender(sidecars):
-    from ciuicflow.kvflow.wire import HELLO, MSG, STATUS
+    from ciuicflow.kvflow.transports.tcp import HELLO, MSG, STATUS
     b = sidecars.make("b", args=["--token", "s3cret"])
     a = sidecars.make("a", args=["--token", "s3cret"])
     a.peers, b.peers = {"b": b.listen}, {"a": a.listen}
@@ -196,7 +196,7 @@ def test_kvflow_data_plane_needs_a_ticket_from_an_authenticated_sender(sidecars)
     ticket = _ticket(b.listen, (("x-ciuic-peer", "a"), ("authorization", "Bearer s3cret"))).ticket
     import socket
 
-    from ciuicflow.kvflow.wire import HEAD
+    from ciuicflow.kvflow.transports.tcp import HEAD
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(HEAD.pack(HELLO, len(ticket)) + ticket + HEAD.pack(MSG, 1 << 30))     # a 1 GiB frame
         reply = s.recv(4096)
@@ -214,7 +214,7 @@ def test_kvflow_malformed_packed_chunk_fails_its_transfer(sidecars):
     """A packed chunk whose parts do not add up to its bytes fails its transfer (never a wrong split)."""
     import crc32c
 
-    from ciuicflow.kvflow.wire import HELLO, MSG, STATUS
+    from ciuicflow.kvflow.transports.tcp import HELLO, MSG, STATUS
     b = sidecars.make("b", args=["--allow-unknown-peers"])
     sidecars.start_all(b)
     port = b.stats()["data_port"]

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from ciuicflow.kvflow import KVFlowError
-from ciuicflow.kvflow import shm as shmlib
+from ciuicflow.kvflow.proto import shm as shmlib
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
-from ciuicflow.kvflow.wire import encode_chunk_frame
+from ciuicflow.kvflow.transports.tcp import encode_chunk_frame
 
 CHUNK = 64 << 10
 

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ciuicflow.kvflow.common import parse_hostport, parse_size
-from ciuicflow.kvflow.config import load_config
-from ciuicflow.kvflow.congestion import PROBE_BW, PROBE_RTT, CongestionController
+from ciuicflow.kvflow.proto.messages import parse_hostport, parse_size
+from ciuicflow.kvflow.sidecar.config import load_config
+from ciuicflow.kvflow.core.congestion import PROBE_BW, PROBE_RTT, CongestionController
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
-from ciuicflow.kvflow.scheduler import Scheduler
+from ciuicflow.kvflow.core.scheduler import Scheduler
 
 CHUNK = 256 << 10
 
@@ -321,8 +321,8 @@ lease_s = 5
 def test_kvflow_chunk_frames_parse_without_copying_their_data():
     import os
 
-    from ciuicflow.kvflow.wire import encode_chunk_frame
-    from ciuicflow.kvflow.wire import parse_chunk_frame
+    from ciuicflow.kvflow.transports.tcp import encode_chunk_frame
+    from ciuicflow.kvflow.transports.tcp import parse_chunk_frame
 
     head = pb.Chunk(tid=3, seq=7, sn=99, part=2, offset=4096, crc32c=0xDEADBEEF,
                     info=pb.PartInfo(index=2, nbytes=9999, name="layer.2"))
@@ -348,7 +348,7 @@ def test_kvflow_chunk_frames_parse_without_copying_their_data():
 
 def test_kvflow_tensor_encoding_roundtrip():
     torch = pytest.importorskip("torch")
-    from ciuicflow.kvflow.client import decode_part, encode_part
+    from ciuicflow.kvflow.client.client import decode_part, encode_part
 
     values = [torch.randn(3, 5), torch.randn(4, 4, dtype=torch.float64).t(), torch.arange(7, dtype=torch.int8),
               torch.randn(2, 3).to(torch.bfloat16), torch.zeros(0, 8, dtype=torch.float16), torch.tensor(3.5),
@@ -365,7 +365,7 @@ def test_kvflow_tensor_encoding_roundtrip():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.floats(1.0, 1e9), st.booleans()), min_size=1, max_size=120))
 def test_kvflow_bandwidth_is_the_max_over_the_last_rounds(samples):
-    from ciuicflow.kvflow.congestion import RateSample
+    from ciuicflow.kvflow.core.congestion import RateSample
     cc = CongestionController(lambda: 0.0, chunk_bytes=1 << 18)
     taken = []                  # (round, rate) of the samples the estimator keeps
     for advance, rate, app_limited in samples:
@@ -381,7 +381,7 @@ def test_kvflow_bandwidth_is_the_max_over_the_last_rounds(samples):
 
 
 def test_kvflow_packed_chunk_spans_and_checks():
-    from ciuicflow.kvflow.receiver import InChunk, InTransfer, check_packed
+    from ciuicflow.kvflow.sidecar.peer_service import InChunk, InTransfer, check_packed
 
     infos = [pb.PartInfo(index=4 + k, nbytes=n) for k, n in enumerate((5, 0, 3))]
     c = pb.Chunk(tid=1, seq=0, part=4, offset=0, info=infos[0], more=infos[1:])
@@ -406,8 +406,8 @@ def test_kvflow_chunks_grow_with_the_link_rate():
     the cutter applies a new size to parts that start after it."""
     from types import SimpleNamespace
 
-    from ciuicflow.kvflow.sender import PeerLink
-    from ciuicflow.kvflow.server import _Cutter
+    from ciuicflow.kvflow.sidecar.peer_sender import PeerLink
+    from ciuicflow.kvflow.sidecar.app import _Cutter
 
     def size(rate_Bps, chunk=256 << 10, limit=2 << 20):
         return PeerLink.chunk_bytes(SimpleNamespace(cc=SimpleNamespace(btl_bw=rate_Bps)), chunk, limit)

@@ -30,8 +30,8 @@ from typing import Dict, Optional, Tuple
 
 import grpc
 
-from .common import status_code, uninitialized
-from .proto import kvflow_pb2 as pb
+from ..proto.messages import status_code, uninitialized
+from ..proto import kvflow_pb2 as pb
 
 log = logging.getLogger("ciuicflow.kvflow.wire")
 

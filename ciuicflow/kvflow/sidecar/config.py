@@ -8,7 +8,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .common import is_loopback, parse_hostport, parse_size
+from ..proto.messages import is_loopback, parse_hostport, parse_size
 
 TOKEN_ENV = "CIUICFLOW_KVFLOW_TOKEN"
 

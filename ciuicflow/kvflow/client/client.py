@@ -36,10 +36,10 @@ from typing import Any, Iterable, Iterator, List, Optional, Union
 
 import grpc
 
-from .common import AUTH_METADATA, FLOW_METADATA, PRIORITY_NAMES, priority_from_pb, priority_to_pb, uninitialized
-from .proto import kvflow_pb2 as pb
-from .proto import kvflow_pb2_grpc as pb_grpc
-from . import shm as shmlib
+from ..proto.messages import AUTH_METADATA, FLOW_METADATA, PRIORITY_NAMES, priority_from_pb, priority_to_pb, uninitialized
+from ..proto import kvflow_pb2 as pb
+from ..proto import kvflow_pb2_grpc as pb_grpc
+from ..proto import shm as shmlib
 
 log = logging.getLogger("ciuicflow.kvflow.client")
 

@@ -23,11 +23,11 @@ from typing import Deque, Dict, List, Optional
 
 import grpc
 
-from .common import AUTH_METADATA, PEER_METADATA, parse_hostport, priority_to_pb, status_code
-from .congestion import CongestionController
-from .proto import kvflow_pb2 as pb
-from .scheduler import Scheduler
-from .wire import LinkError, WireCall, chunk_frame_prefix, encode_chunk_frame
+from ..proto.messages import AUTH_METADATA, PEER_METADATA, parse_hostport, priority_to_pb, status_code
+from ..core.congestion import CongestionController
+from ..proto import kvflow_pb2 as pb
+from ..core.scheduler import Scheduler
+from ..transports.tcp import LinkError, WireCall, chunk_frame_prefix, encode_chunk_frame
 
 log = logging.getLogger("ciuicflow.kvflow.sender")
 

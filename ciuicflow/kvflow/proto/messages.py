@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import grpc
 import numpy       # imported up front: a first import in the middle of a transfer stalls it ~0.2 s
 
-from .proto import kvflow_pb2 as pb
+from . import kvflow_pb2 as pb
 
 # gRPC metadata
 FLOW_METADATA = "x-ciuic-flow"          # value "enabled" turns on flow control for a Send

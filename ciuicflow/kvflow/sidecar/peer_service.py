@@ -15,9 +15,9 @@ from typing import Dict, List, Optional, Tuple
 import crc32c
 import grpc
 
-from .common import AUTH_METADATA, PEER_METADATA, check_key, check_part_info, priority_from_pb, status_code
-from .proto import kvflow_pb2 as pb
-from .wire import ChunkFrame
+from ..proto.messages import AUTH_METADATA, PEER_METADATA, check_key, check_part_info, priority_from_pb, status_code
+from ..proto import kvflow_pb2 as pb
+from ..transports.tcp import ChunkFrame
 
 log = logging.getLogger("ciuicflow.kvflow.receiver")
 

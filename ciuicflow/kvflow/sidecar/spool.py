@@ -19,7 +19,7 @@ from typing import Dict, Tuple
 
 import crc32c
 
-from .proto import kvflow_pb2 as pb
+from ..proto import kvflow_pb2 as pb
 
 log = logging.getLogger("ciuicflow.kvflow.spool")
 
@@ -93,7 +93,7 @@ class Spool:
                 pass
 
     def restore(self, sidecar) -> int:
-        from .receiver import InChunk, InTransfer
+        from .peer_service import InChunk, InTransfer
 
         restored = 0
         for name in sorted(os.listdir(self.dir)):
