@@ -1,0 +1,69 @@
+"""The model next to what bench/comm.py measured on the simulated cluster."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ciuicflow.plan.cost_model import estimate
+from ciuicflow.plan.inputs import ClusterSpec, Workload
+from ciuicflow.plan.methods import BENCH_METHODS
+
+TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at MTU 1500 (with timestamps)
+
+
+def machine_cluster(machine: dict, rate_bps: float, inter_efficiency: float = TCP_EFFICIENCY) -> ClusterSpec:
+    """The ClusterSpec of a simulated cluster: the rate its link was shaped to, the rest as probed
+    (``probe_machine`` in bench/comm_worker.py: latency, intra-node bandwidth and latency)."""
+    return ClusterSpec(machine["nodes"], machine["ranks_per_node"], machine.get("intra_bw", 1e12), rate_bps / 8,
+                       machine.get("intra_alpha", machine["alpha"]), machine["alpha"], inter_efficiency)
+
+
+def fit_local_seconds_per_element(measured_seconds: float, strategy: str, cluster: ClusterSpec,
+                                  workload: Workload, rank: int | None = None) -> float:
+    """The compressors' local seconds per element that makes the model match one measured collective
+    (what is left of the measurement after the modelled communication and matmuls)."""
+    bare = Workload(**{**asdict(workload), "local_seconds_per_element": 0.0, "compute_seconds": 0.0})
+    return max(0.0, (measured_seconds - estimate(strategy, cluster, bare, rank).comm_seconds) / workload.params)
+
+
+def calibrate(records, machine: dict) -> list:
+    """The model next to bench/comm.py's measurements (its JSON records of one run, and its machine probe).
+
+    Compute time is the run's own ``no_comm`` step; the inter-node rate is the one the link was shaped to;
+    latency, intra-node bandwidth and matmul rate are probed; the compressors' local seconds per element is
+    fitted on the probe's hierarchical 1-bit all-reduce (another size, outside DDP). Returns one dict per
+    measured method: predicted and measured step seconds and inter-node bytes (all nodes), and the errors."""
+    ran = [r for r in records if "step_seconds" in r]
+    floor = next((r for r in ran if r["method"] == "no_comm"), None)
+    if floor is None:
+        raise ValueError("calibration needs the run's no_comm record (the compute time)")
+    if not (floor.get("shaped") and floor.get("rate_bps")):
+        raise ValueError("calibration needs a run whose inter-node link was shaped (this one was not)")
+    cluster = machine_cluster(machine, floor["rate_bps"])
+    shapes = [(floor["width"], floor["width"])] * floor["layers"]
+    local = 0.0
+    for numel, timings in machine.get("sizes", {}).items():
+        if "hierarchical_1bit" in timings:
+            local = fit_local_seconds_per_element(timings["hierarchical_1bit"], "hierarchical_1bit", cluster,
+                                                  Workload(params=int(numel)))
+    out = []
+    for r in ran:
+        if r["hook"] not in BENCH_METHODS:
+            continue
+        strategy, grad_bytes = BENCH_METHODS[r["hook"]]
+        workload = Workload(params=r["params"], compute_seconds=floor["step_seconds"], grad_bytes=grad_bytes,
+                            matrix_shapes=shapes, local_seconds_per_element=local,
+                            matmul_flops=machine.get("matmul_flops", 5e9),
+                            bucket_bytes=r.get("bucket_cap_mb", 25) * 2 ** 20 * grad_bytes / 4)
+        e = estimate(strategy, cluster, workload, r.get("rank"))
+        measured_bytes = r.get("inter_node_bytes_per_step")
+        out.append({
+            "method": r["method"], "strategy": e.name,
+            "predicted_step_seconds": e.step_seconds, "measured_step_seconds": r["step_seconds"],
+            "step_error": e.step_seconds / r["step_seconds"] - 1,
+            "predicted_comm_seconds": e.comm_seconds, "measured_comm_seconds": r["comm_seconds"],
+            "predicted_inter_node_bytes": e.inter_node_bytes_total, "measured_inter_node_bytes": measured_bytes,
+            "bytes_error": (e.inter_node_bytes_total / measured_bytes - 1) if measured_bytes else None,
+            "local_seconds_per_element": local,
+        })
+    return out
+

@@ -1,0 +1,107 @@
+"""``ciuicflow plan``'s arguments, table and command."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+from ciuicflow.plan.cost_model import plan, recommend
+from ciuicflow.plan.inputs import ClusterSpec, Workload, compute_seconds_from_flops
+from ciuicflow.plan.methods import STRATEGIES
+from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, parse_count, parse_seconds
+
+def add_arguments(parser) -> None:
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--model", help="model size, e.g. 7B, 67B, 350M")
+    size.add_argument("--params", help="model size in parameters, e.g. 7e9 (same as --model)")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--intra-bw", default="600GB/s", help="per-GPU intra-node bandwidth (default 600GB/s)")
+    parser.add_argument("--inter-bw", default="200Gbit/s",
+                        help="inter-node bandwidth per node and direction (all its NICs; default 200Gbit/s)")
+    parser.add_argument("--intra-latency", default="5us")
+    parser.add_argument("--inter-latency", default="15us")
+    parser.add_argument("--accum", type=int, default=1, help="gradient accumulation steps per optimizer step")
+    parser.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient element (4: fp32, 2: bf16)")
+    compute = parser.add_mutually_exclusive_group()
+    compute.add_argument("--compute-seconds", type=float, help="forward+backward seconds of one micro-batch")
+    compute.add_argument("--tokens-per-gpu", type=float, default=4096,
+                         help="tokens per GPU per micro-batch, for the FLOPs estimate (default 4096)")
+    parser.add_argument("--gpu-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU (default: H100 bf16)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
+    parser.add_argument("--ranks", default="1,4", help="PowerSGD ranks to consider (default 1,4)")
+    parser.add_argument("--hidden", type=int, help="hidden size, for PowerSGD (default: estimated from size)")
+    parser.add_argument("--local-ns-per-element", type=float, default=0.02,
+                        help="compressors' element-wise work, ns per gradient element (default 0.02: GPU)")
+    parser.add_argument("--matmul-tflops", type=float, default=50.0, help="float32 TFLOP/s for PowerSGD's matmuls")
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="DDP bucket size in MiB: one all-reduce (and its latency) per bucket (default 25)")
+    parser.add_argument("--overlap", type=float, default=0.0,
+                        help="share of the backward pass communication can hide (0..1, default 0)")
+    parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(STRATEGIES)}")
+    parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
+
+
+def _build(args):
+    params = parse_count(args.model if args.model is not None else args.params)
+    cluster = ClusterSpec(args.nodes, args.gpus_per_node, parse_bandwidth(args.intra_bw),
+                          parse_bandwidth(args.inter_bw), parse_seconds(args.intra_latency),
+                          parse_seconds(args.inter_latency))
+    if args.compute_seconds is not None:
+        compute, source = args.compute_seconds, "given"
+    else:
+        compute = compute_seconds_from_flops(params, args.tokens_per_gpu, args.gpu_tflops * 1e12, args.mfu)
+        source = (f"6 x params x {args.tokens_per_gpu:g} tokens / ({args.gpu_tflops:g} TFLOP/s x "
+                  f"MFU {args.mfu:g})")
+    workload = Workload(params, compute, args.accum, args.grad_bytes, args.hidden,
+                        local_seconds_per_element=args.local_ns_per_element * 1e-9,
+                        matmul_flops=args.matmul_tflops * 1e12, overlap=args.overlap,
+                        bucket_bytes=args.bucket_mb * 2 ** 20)
+    ranks = tuple(int(r) for r in str(args.ranks).split(",") if r.strip())
+    strategies = None
+    if args.strategies:
+        strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        unknown = [s for s in strategies if s not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"unknown strategies {unknown}; choose from {STRATEGIES}")
+    return cluster, workload, ranks, strategies, source
+
+
+def table(estimates, baseline) -> str:
+    rows = ["| strategy | comm / step | step time | comm share | inter-node per node | intra-node per GPU | "
+            "vs flat_ring |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for e in estimates:
+        share = e.comm_seconds / e.step_seconds if e.step_seconds else 0.0
+        speed = f"{baseline.step_seconds / e.step_seconds:.2f}x" if baseline and e.step_seconds else "n/a"
+        rows.append(f"| {e.name} | {format_seconds(e.comm_seconds)} | {format_seconds(e.step_seconds)} | {share:.0%} | "
+                    f"{format_bytes(e.inter_node_bytes_per_node)} | {format_bytes(e.intra_node_bytes_per_gpu)} | "
+                    f"{speed} |")
+    return "\n".join(rows)
+
+
+def run(args) -> int:
+    try:
+        cluster, workload, ranks, strategies, source = _build(args)
+        estimates = plan(cluster, workload, strategies, ranks)
+    except ValueError as exc:
+        print(f"ciuicflow plan: error: {exc}", file=sys.stderr)
+        return 2
+    best, why = recommend(estimates)
+    baseline = next((e for e in estimates if e.strategy == "flat_ring"), None)
+    print(f"Model {workload.params / 1e9:.3g}B parameters ({workload.grad_bytes}-byte gradients, "
+          f"{format_bytes(workload.params * workload.grad_bytes)} per all-reduce), hidden ~{workload.hidden_size}; "
+          f"{cluster.nodes} nodes x {cluster.gpus_per_node} GPUs; intra {format_bytes(cluster.intra_bw)}/s "
+          f"{format_seconds(cluster.intra_latency)}, inter {format_bytes(cluster.inter_bw)}/s per node "
+          f"{format_seconds(cluster.inter_latency)}")
+    print(f"Compute {format_seconds(workload.compute_seconds)} per micro-batch ({source}), accum {workload.accum}, "
+          f"overlap {workload.overlap:g}")
+    print()
+    print(table(estimates, baseline))
+    print()
+    print(f"Recommended: {best.name} - {why}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cluster": asdict(cluster), "workload": asdict(workload),
+                       "compute_source": source, "estimates": [e.as_dict() for e in estimates],
+                       "recommended": best.name, "reason": why}, f, indent=1)
+    return 0

@@ -1,0 +1,189 @@
+"""The alpha-beta cost model: an ``Estimate`` per strategy, the ranking, and the recommendation."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from ciuicflow.plan.inputs import ClusterSpec, Workload, powersgd_elements
+from ciuicflow.plan.methods import EXACT_STRATEGIES, POWERSGD_RANK, RANKED, STRATEGIES
+
+@dataclass
+class Estimate:
+    strategy: str
+    rank: int | None
+    comm_seconds: float
+    step_seconds: float
+    compute_seconds: float
+    inter_node_bytes_per_node: float  # sent by each node on its inter-node link per step
+    intra_node_bytes_per_gpu: float  # sent by each GPU to GPUs of its own node per step
+    inter_node_bytes_total: float
+    compress_seconds: float = 0.0
+    parts: dict = field(default_factory=dict)  # seconds of each phase, all buckets
+    buckets: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.strategy}_r{self.rank}" if self.rank is not None else self.strategy
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["name"] = self.name
+        return d
+
+
+def _ring_allreduce(k, nbytes, bw, lat):
+    return 0.0 if k <= 1 else 2 * (k - 1) * lat + 2 * (k - 1) / k * nbytes / bw
+
+
+def _scatter_or_gather(k, nbytes, bw, lat):
+    return 0.0 if k <= 1 else (k - 1) * lat + (k - 1) / k * nbytes / bw
+
+
+def _flat_ring(c: ClusterSpec, nbytes: float) -> tuple:
+    """(seconds, inter bytes per node, intra bytes per GPU) of a ring all-reduce over all ranks in node order."""
+    p, g, n = c.world, c.gpus_per_node, c.nodes
+    if p == 1:
+        return 0.0, 0.0, 0.0
+    chunk = nbytes / p
+    hops = []
+    if n > 1:
+        hops.append(c.inter_latency + chunk / c.inter_goodput)
+    if g > 1:
+        hops.append(c.intra_latency + chunk / c.intra_bw)
+    seconds = 2 * (p - 1) * max(hops)
+    sent = 2 * (p - 1) / p * nbytes
+    return seconds, (sent if n > 1 else 0.0), (sent * (g - 1) / g if n > 1 else sent)
+
+
+def _hierarchical(c: ClusterSpec, nbytes: float, parts=None, tag="") -> tuple:
+    """Intra reduce-scatter, inter all-reduce of the shards (G groups sharing each node's link), intra
+    all-gather. Returns (seconds, inter bytes per node, intra bytes per GPU)."""
+    g, n = c.gpus_per_node, c.nodes
+    if n == 1 or g == 1:  # one level only: the flat ring is the hierarchical algorithm
+        return _flat_ring(c, nbytes)
+    rs = _scatter_or_gather(g, nbytes, c.intra_bw, c.intra_latency)
+    inter = _ring_allreduce(n, nbytes / g, c.inter_goodput / g, c.inter_latency)
+    ag = rs
+    if parts is not None:
+        parts.update({f"{tag}intra_reduce_scatter": rs, f"{tag}inter_allreduce": inter, f"{tag}intra_all_gather": ag})
+    return rs + inter + ag, 2 * (n - 1) / n * nbytes, 2 * (g - 1) / g * nbytes
+
+
+def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int | None = None) -> Estimate:
+    """Predicted communication and step time of one strategy (rank: PowerSGD's, for the ranked ones)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+    if strategy in RANKED:
+        rank = int(rank or POWERSGD_RANK)
+        if rank < 1:
+            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+    else:
+        rank = None
+    c = cluster
+    # DDP reduces the gradient bucket by bucket, one after the other: model one bucket, count it `buckets` times
+    buckets = workload.buckets
+    w = Workload(**{**asdict(workload), "params": workload.params / buckets, "bucket_bytes": math.inf,
+                    "hidden": workload.hidden_size})
+    n, p = c.nodes, c.world
+    nbytes = w.params * w.grad_bytes
+    parts: dict = {}
+    compress = 0.0
+    if p == 1:
+        comm, inter, intra = 0.0, 0.0, 0.0
+    elif strategy == "flat_ring":
+        comm, inter, intra = _flat_ring(c, nbytes)
+        parts["ring"] = comm
+    elif strategy == "hierarchical":
+        comm, inter, intra = _hierarchical(c, nbytes, parts=parts)
+    elif strategy in ("hierarchical_1bit", "onebit"):
+        comm, inter, intra, compress = _onebit(c, w, strategy == "hierarchical_1bit", parts)
+    else:
+        # each bucket holds its share of the matrices
+        elements = [e / buckets for e in powersgd_elements(workload, rank)]
+        comm, inter, intra, compress = _powersgd(c, w, rank, elements, strategy == "hierarchical_powersgd", parts)
+    comm = (comm + compress) * buckets
+    inter, intra, compress = inter * buckets, intra * buckets, compress * buckets
+    parts = {k: v * buckets for k, v in parts.items()}
+    compute = w.accum * w.compute_seconds
+    hidden = min(comm, w.overlap * compute * 2 / 3 / w.accum)  # only the last micro-batch's backward overlaps
+    return Estimate(strategy, rank, comm, compute + comm - hidden, compute, inter, intra, inter * n, compress,
+                    parts, buckets)
+
+
+def _onebit(c: ClusterSpec, w: Workload, hierarchical: bool, parts: dict) -> tuple:
+    g, n, p = c.gpus_per_node, c.nodes, c.world
+    elems = w.params
+    per_elem = 1 / 8 + 4 / w.onebit_chunk  # sign bits + one float32 scale per chunk
+    if hierarchical and n > 1 and g > 1:
+        nbytes = elems * w.grad_bytes
+        rs = _scatter_or_gather(g, nbytes, c.intra_bw, c.intra_latency)
+        shard = elems / g
+        # all-to-all then all-gather of the compressed shard among N nodes; G groups share the link
+        phase = _scatter_or_gather(n, shard * per_elem, c.inter_goodput / g, c.inter_latency)
+        compress = elems * w.local_seconds_per_element
+        parts.update(intra_reduce_scatter=rs, inter_all_to_all=phase, inter_all_gather=phase, intra_all_gather=rs,
+                     compress=compress)
+        inter = 2 * (n - 1) / n * elems * per_elem
+        intra = 2 * (g - 1) / g * nbytes
+        return 2 * rs + 2 * phase, inter, intra, compress
+    if hierarchical and n == 1:  # nothing crosses a node: exact
+        comm, inter, intra = _flat_ring(c, elems * w.grad_bytes)
+        parts["ring"] = comm
+        return comm, inter, intra, 0.0
+    # flat over all p ranks. Phase 1, pairwise all-to-all: each rank sends (p-1)/p of the compressed tensor,
+    # the off-node share (p-G)/(p-1) of it over its node's link (G ranks' worth per node), the rest over NVLink.
+    dc = elems * per_elem
+    a2a_inter = g * (p - g) / p * dc
+    lat = (p - 1) * (c.inter_latency if n > 1 else c.intra_latency)
+    a2a = lat + max(a2a_inter / c.inter_goodput if n > 1 else 0.0, (g - 1) / p * dc / c.intra_bw)
+    # phase 2, ring all-gather of the served segments (as gloo and NCCL run it): one edge per node crosses
+    ag = _scatter_or_gather(p, dc, min(c.inter_goodput, c.intra_bw) if n > 1 else c.intra_bw,
+                            c.inter_latency if n > 1 else c.intra_latency)
+    compress = elems * w.local_seconds_per_element
+    parts.update(all_to_all=a2a, all_gather=ag, compress=compress)
+    ag_inter = (p - 1) / p * dc if n > 1 else 0.0
+    return a2a + ag, a2a_inter + ag_inter, (g - 1) / p * dc + (p - 1) / p * dc * (g - 1) / g, compress
+
+
+def _powersgd(c: ClusterSpec, w: Workload, rank: int, elements, hierarchical: bool, parts: dict) -> tuple:
+    p_elems, q_elems, exact, compressed = elements
+    # two all-reduces: P with the uncompressed values, then Q (in the gradients' dtype)
+    first = (p_elems + exact) * w.grad_bytes
+    second = q_elems * w.grad_bytes
+    if hierarchical and c.nodes > 1:
+        t1, i1, a1 = _hierarchical(c, first, parts=parts, tag="P_")
+        t2, i2, a2 = _hierarchical(c, second, parts=parts, tag="Q_")
+    else:
+        t1, i1, a1 = _flat_ring(c, first)
+        t2, i2, a2 = _flat_ring(c, second)
+        parts.update(P_ring=t1, Q_ring=t2)
+    # every rank multiplies its whole gradient: P = M Q, Q = M^T P, M ~ P Q^T (2 r flops/element each),
+    # plus element-wise work (M + error, non-finite check, copy out, new error)
+    compress = 6 * rank * compressed / w.matmul_flops + w.params * w.local_seconds_per_element
+    parts["compress"] = compress
+    return t1 + t2, i1 + i2, a1 + a2, compress
+
+
+def plan(cluster: ClusterSpec, workload: Workload, strategies=None, ranks=(1, 4)) -> list:
+    """Estimates of every strategy (PowerSGD ones at each rank in ``ranks``), fastest first."""
+    out = []
+    for s in strategies or STRATEGIES:
+        for r in (ranks if s in RANKED else (None,)):
+            out.append(estimate(s, cluster, workload, r))
+    return sorted(out, key=lambda e: e.step_seconds)
+
+
+def recommend(estimates) -> tuple:
+    """(the Estimate to use, why). Exact strategies win unless compression saves at least 10% of the step."""
+    best = min(estimates, key=lambda e: e.step_seconds)
+    exact = [e for e in estimates if e.strategy in EXACT_STRATEGIES]
+    best_exact = min(exact, key=lambda e: e.step_seconds) if exact else None
+    if best_exact is None or best is best_exact:
+        return best, "fastest, and exact"
+    if best.step_seconds >= 0.9 * best_exact.step_seconds:
+        return best_exact, (f"exact, within 10% of the fastest ({best.name}, "
+                            f"{best.step_seconds / best_exact.step_seconds:.2f}x its step time)")
+    return best, (f"{best_exact.step_seconds / best.step_seconds:.2f}x faster per step than the best exact "
+                  f"strategy ({best_exact.name}); compression changes the update: error feedback keeps it "
+                  f"converging, but check accuracy on your model")
+

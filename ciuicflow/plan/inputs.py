@@ -1,0 +1,106 @@
+"""What the planner is told: the cluster (``ClusterSpec``) and what is trained on it (``Workload``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ciuicflow.plan.methods import ONEBIT_CHUNK
+
+@dataclass
+class ClusterSpec:
+    """The machines. Bandwidths in bytes/s: intra per GPU link, inter per node and direction."""
+    nodes: int
+    gpus_per_node: int
+    intra_bw: float
+    inter_bw: float
+    intra_latency: float = 5e-6
+    inter_latency: float = 15e-6
+    inter_efficiency: float = 1.0  # payload bytes per byte of link rate
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"need at least 1 node and 1 GPU per node, got {self.nodes} x {self.gpus_per_node}")
+        if not (self.intra_bw > 0 and self.inter_bw > 0):
+            raise ValueError("bandwidths must be positive")
+        if self.intra_latency < 0 or self.inter_latency < 0:
+            raise ValueError("latencies must not be negative")
+        if not 0 < self.inter_efficiency <= 1:
+            raise ValueError(f"inter_efficiency must be within (0, 1], got {self.inter_efficiency}")
+
+    @property
+    def inter_goodput(self) -> float:
+        return self.inter_bw * self.inter_efficiency
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Workload:
+    """What is trained. ``compute_seconds``: forward + backward of one micro-batch on one GPU.
+
+    ``matrix_shapes`` (rows, cols) of the gradient matrices, for PowerSGD; without them a transformer of
+    hidden size ``hidden`` is assumed (default: estimated from the size)."""
+    params: float
+    compute_seconds: float = 0.0
+    accum: int = 1
+    grad_bytes: int = 4
+    hidden: int | None = None
+    matrix_shapes: list | None = None
+    onebit_chunk: int = ONEBIT_CHUNK
+    # compressors' element-wise work per gradient element; GPU default: ~10 passes of 4 bytes at 2 TB/s
+    local_seconds_per_element: float = 2e-11
+    matmul_flops: float = 5e13  # float32 matmul flop/s for PowerSGD's factors
+    overlap: float = 0.0
+    bucket_bytes: float = 25 * 2 ** 20  # DDP's bucket_cap_mb=25: one all-reduce per bucket, in sequence
+
+    def __post_init__(self):
+        if self.params < 1:
+            raise ValueError("params must be at least 1")
+        if self.accum < 1:
+            raise ValueError(f"accum must be >= 1, got {self.accum}")
+        if self.compute_seconds < 0 or not 0.0 <= self.overlap <= 1.0:
+            raise ValueError("compute_seconds must be >= 0 and overlap within [0, 1]")
+        if self.grad_bytes not in (1, 2, 4, 8):
+            raise ValueError(f"grad_bytes must be 1, 2, 4 or 8, got {self.grad_bytes}")
+        if not self.bucket_bytes > 0:
+            raise ValueError("bucket_bytes must be positive")
+        if not (self.local_seconds_per_element >= 0 and self.matmul_flops > 0):
+            raise ValueError("local_seconds_per_element must be >= 0 and matmul_flops positive")
+
+    @property
+    def buckets(self) -> int:
+        return max(1, math.ceil(self.params * self.grad_bytes / self.bucket_bytes))
+
+    @property
+    def hidden_size(self) -> int:
+        if self.hidden:
+            return int(self.hidden)
+        # a transformer has ~12 L h^2 parameters with h/L ~ 128: h ~ (128 P / 12)^(1/3)
+        return max(128, int(round((self.params * 128 / 12) ** (1 / 3) / 128)) * 128)
+
+
+def compute_seconds_from_flops(params: float, tokens: float, gpu_flops: float, mfu: float = 0.4) -> float:
+    """Forward + backward time of one micro-batch of ``tokens`` tokens: 6 flops per parameter and token."""
+    if tokens <= 0 or gpu_flops <= 0 or not 0 < mfu <= 1:
+        raise ValueError("tokens and gpu_flops must be positive and mfu within (0, 1]")
+    return 6.0 * params * tokens / (gpu_flops * mfu)
+
+
+def powersgd_elements(workload: Workload, rank: int, min_compression_rate: float = 2.0) -> tuple:
+    """(P elements, Q elements, elements sent uncompressed, elements inside compressed matrices) per step.
+
+    As PyTorch's PowerSGD and ciuicflow's: a matrix is compressed when (rows + cols) r * 2 < rows cols."""
+    if workload.matrix_shapes:
+        p = q = compressed = 0
+        for rows, cols in workload.matrix_shapes:
+            r = min(rank, rows, cols)
+            if (rows + cols) * r * min_compression_rate < rows * cols:
+                p, q, compressed = p + rows * r, q + cols * r, compressed + rows * cols
+        return p, q, max(0.0, workload.params - compressed), compressed
+    h = workload.hidden_size
+    # per layer: 4 h x h attention matrices and h x 4h, 4h x h MLP matrices (12 h^2 params): P and Q 9 h r each
+    factors = workload.params * 1.5 * rank / h
+    return factors / 2, factors / 2, 0.0, workload.params
+
