@@ -1,0 +1,1 @@
+"""Test support for benchmarks and tests: the simulated cluster, fault injection."""
