@@ -11,7 +11,9 @@ straggler and hang detection, and the charts of ``ciuicflow report``.
 Modules, one job each:
 
 - ``monitor``: ``Monitor``, the training-loop face that wires the others together;
+- ``layout``: its collective setup (ranks, nodes, hosts, run id; heartbeats and watchdog);
 - ``sources``: per-step figures from the cumulative ``stats()`` of hook states and optimizers;
+- ``step_record``: one step's record, from the sources, phases and metrics;
 - ``recorder``: the run directory (one JSON-lines file per rank) and its reader, ``load_run``;
 - ``traffic``: the rank x rank traffic matrix derived from per-link-class bytes and the topology;
 - ``prometheus``: the Prometheus export (an HTTP endpoint per rank, or pushes to a gateway);

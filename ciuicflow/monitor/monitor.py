@@ -35,15 +35,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
-import uuid
 
+from ciuicflow.monitor.layout import detect_layout, hang_detection
 from ciuicflow.monitor.recorder import RunRecorder
-from ciuicflow.monitor.sources import StatsSource, combine, ratio
-from ciuicflow.monitor.stragglers import (BETWEEN_STEPS, HangWatchdog, Heartbeat,
-                                          StragglerDetector, describe_hang, describe_straggler)
+from ciuicflow.monitor.sources import StatsSource
+from ciuicflow.monitor.step_record import step_record
+from ciuicflow.monitor.stragglers import (BETWEEN_STEPS, StragglerDetector, describe_hang,
+                                          describe_straggler)
 from ciuicflow.monitor.traffic import TRAFFIC_MODELS
 
 log = logging.getLogger("ciuicflow.monitor")
@@ -106,13 +106,16 @@ class Monitor:
         self._alerts_lock = threading.Lock()
         self.last_windows: list[dict] | None = None
 
-        self._init_layout(group, topology, states)
+        layout = detect_layout(group, topology, states)
+        self.host, self.rank, self.world_size = layout.host, layout.rank, layout.world_size
+        self.node_of_rank, self.hosts, self.run_id = layout.node_of_rank, layout.hosts, layout.run_id
+        self._group = layout.group
         self.watchdog_rank = int(watchdog_rank)
         if not 0 <= self.watchdog_rank < self.world_size:
             raise ValueError(f"watchdog_rank {watchdog_rank} is outside the group "
                              f"(size {self.world_size})")
         if traffic_model == "auto":
-            traffic_model = "hierarchical" if self._topology_is_hierarchical else "flat"
+            traffic_model = "hierarchical" if layout.hierarchical else "flat"
         self.traffic_model = traffic_model
 
         self._stragglers = None
@@ -125,7 +128,9 @@ class Monitor:
         # collectives first (every rank reaches them), then what can fail locally, then threads
         self._heartbeat = self._watchdog = None
         if hang_timeout_s and self.world_size > 1:
-            self._prepare_hang_detection(store, float(hang_timeout_s), heartbeat_s)
+            self._heartbeat, self._watchdog = hang_detection(
+                layout, store, float(hang_timeout_s), heartbeat_s, self.watchdog_rank,
+                self._raise_alert)
 
         self._prometheus = None
         if prometheus_port is not None or prometheus_push is not None:
@@ -158,71 +163,6 @@ class Monitor:
             self._watchdog.start()
 
     # -- construction ----------------------------------------------------------------------
-
-    def _init_layout(self, group, topology, states) -> None:
-        import torch.distributed as dist
-
-        self.host = socket.gethostname()
-        if topology is None:
-            topology = next((s.topology for s in states
-                             if getattr(s, "topology", None) is not None), None)
-        distributed = dist.is_available() and dist.is_initialized()
-        if not distributed:
-            self.rank, self.world_size, self._group = 0, 1, None
-            self.node_of_rank, self.hosts = [0], [self.host]
-            self.run_id = uuid.uuid4().hex
-            self._topology_is_hierarchical = False
-            return
-        if group is None:
-            group = topology.group if topology is not None else dist.group.WORLD
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        if topology is None and self.world_size > 1:
-            from ciuicflow.topology import Topology
-
-            topology = Topology.detect(group)
-        if topology is not None and topology.world_size != self.world_size:
-            raise ValueError(f"topology has {topology.world_size} ranks, the group "
-                             f"{self.world_size}")
-        self._group = None
-        infos = [{"host": self.host, "run_id": None}]
-        if self.world_size > 1:
-            # the monitor's collectives run on a gloo group of their own: CPU objects, and no
-            # interleaving with the hooks' collectives on the training group
-            self._group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                         use_local_synchronization=True)
-            infos = [None] * self.world_size
-            mine = {"host": self.host, "run_id": uuid.uuid4().hex if self.rank == 0 else None}
-            dist.all_gather_object(infos, mine, group=self._group)
-        self.run_id = infos[0]["run_id"] or uuid.uuid4().hex
-        self.hosts = [info["host"] for info in infos]
-        self.node_of_rank = list(topology.node_of_rank) if topology is not None \
-            else [0] * self.world_size
-        self._topology_is_hierarchical = bool(topology is not None and topology.hierarchical)
-
-    def _prepare_hang_detection(self, store, timeout_s: float, heartbeat_s) -> None:
-        import torch.distributed as dist
-
-        interval = float(heartbeat_s) if heartbeat_s else min(5.0, timeout_s / 10)
-        if interval <= 0:
-            raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
-        base = store if store is not None else dist.distributed_c10d._get_default_store()
-        while store is None and isinstance(base, dist.PrefixStore):
-            base = base.underlying_store  # clones of a PrefixStore lose their prefix
-
-        def own_connection():
-            # each thread gets its own connection when the store can make one
-            try:
-                connection = base.clone()
-            except (RuntimeError, NotImplementedError, AttributeError):
-                connection = base
-            return dist.PrefixStore(f"ciuicflow/monitor/{self.run_id}/", connection)
-
-        self._heartbeat = Heartbeat(own_connection(), self.rank, interval)
-        dist.barrier(group=self._group)  # every heartbeat key exists before anyone reads
-        if self.rank == self.watchdog_rank:
-            info = [{"node": n, "host": h} for n, h in zip(self.node_of_rank, self.hosts)]
-            self._watchdog = HangWatchdog(own_connection(), self.world_size, timeout_s, interval,
-                                          info, self._raise_alert)
 
     def _meta(self) -> dict:
         import ciuicflow
@@ -323,7 +263,9 @@ class Monitor:
         if not self._in_step:
             raise RuntimeError("step_end() without step_begin()")
         step_s = end - self._t_begin
-        record = self._make_record(self.steps, step_s)
+        record = step_record(self.steps, step_s, self.sources, self.error_norm_every,
+                             self._phase_times, self._metrics)
+        self._metrics = {}
         self._in_step = False
         self._phase_stack = []
         if self.recorder is not None:
@@ -341,47 +283,6 @@ class Monitor:
                                     record.get("phases")):
                 self._stragglers.start()
         return record
-
-    def _make_record(self, index: int, step_s: float) -> dict:
-        deltas, reported_norms = [], []
-        for source in self.sources:
-            delta, norm = source.delta()
-            deltas.append(delta)
-            if norm is not None:
-                reported_norms.append(norm)
-        total = combine(deltas)
-        comm_s = total["time_s"]
-        sent = total["intra_node_bytes"] + total["inter_node_bytes"]
-        exact = total["exact_intra_node_bytes"] + total["exact_inter_node_bytes"]
-        record = {
-            "type": "step", "step": index, "time": time.time(), "step_s": step_s,
-            "comm_s": comm_s, "compute_s": max(step_s - comm_s, 0.0),
-            "comm_fraction": min(comm_s / step_s, 1.0) if step_s > 0 else 0.0,
-            "intra_node_bytes": total["intra_node_bytes"],
-            "inter_node_bytes": total["inter_node_bytes"],
-            "exact_intra_node_bytes": total["exact_intra_node_bytes"],
-            "exact_inter_node_bytes": total["exact_inter_node_bytes"],
-            "compression_ratio": ratio(exact, sent),
-            "inter_node_compression_ratio": ratio(total["exact_inter_node_bytes"],
-                                                  total["inter_node_bytes"]),
-            "error_feedback_norm": self._error_norm(index, reported_norms),
-            "relative_error": max((s.relative_error for s in self.sources
-                                   if s.relative_error is not None), default=None),
-        }
-        if self._phase_times:
-            record["phases"] = self._phase_times
-        if self._metrics:
-            record["metrics"], self._metrics = self._metrics, {}
-        return record
-
-    def _error_norm(self, index: int, reported: list[float]) -> float | None:
-        norms = list(reported)
-        if self.error_norm_every and index % self.error_norm_every == 0:
-            norms += [n for n in (s.compute_error_norm() for s in self.sources
-                                  if s.can_compute_error_norm()) if n is not None]
-        if not norms:
-            return None
-        return sum(n * n for n in norms) ** 0.5
 
     def _busy_s(self, record: dict) -> float:
         # with sources, waiting for peers shows up inside comm_s: busy time excludes it

@@ -9,7 +9,7 @@ Each rank owns a registry whose series carry ``rank`` and ``node`` labels, expor
   background thread so that a slow gateway never stalls a training step; or both.
 
 A training step only adds a few floats under a lock; the series are built when scraped or
-pushed (a custom collector), which keeps the per-step cost to a few microseconds.
+pushed (a custom collector), so the step does not pay for formatting them.
 
 Series (all prefixed ``ciuicflow_``): ``steps_total``, ``step_seconds`` (histogram),
 ``last_step_seconds``, ``comm_seconds_total``, ``compute_seconds_total``, ``comm_fraction``,

@@ -287,7 +287,7 @@ class HangWatchdog:
                  clock: Callable[[], float] = time.monotonic):
         if timeout_s <= 0:
             raise ValueError(f"hang_timeout_s must be > 0, got {timeout_s}")
-        self._store, self._world = store, world_size
+        self._store = store
         self._timeout, self._interval = timeout_s, interval_s
         self._info, self._on_alert, self._clock = ranks_info, on_alert, clock
         self._keys = [f"hb/{r}" for r in range(world_size)]
