@@ -1,4 +1,5 @@
-"""``python -m ciuicflow.kvflow.server`` and ``ciuicflow-sidecar``: the sidecar process (ciuicflow.kvflow.sidecar)."""
+"""``python -m ciuicflow.kvflow.server`` and ``ciuicflow-sidecar`` (pyproject's entry point): the sidecar
+process, ``ciuicflow.kvflow.sidecar``."""
 import sys
 
 from .sidecar.app import main

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers", reason="kv extra (transformer
 from ciuicflow.kvflow import Part  # noqa: E402
 from ciuicflow.kvflow.frontends import transformers_cache as kc  # noqa: E402
 from ciuicflow.kvflow import demo  # noqa: E402
-from ciuicflow.kvflow.client.client import decode_part, encode_part  # noqa: E402
+from ciuicflow.kvflow.client.payload import decode_part, encode_part  # noqa: E402
 
 TINY = dict(demo.SIZES["tiny"], num_hidden_layers=3)
 

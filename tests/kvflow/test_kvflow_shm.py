@@ -12,7 +12,7 @@ import pytest
 from ciuicflow.kvflow import KVFlowError
 from ciuicflow.kvflow.proto import shm as shmlib
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
-from ciuicflow.kvflow.transports.tcp import encode_chunk_frame
+from ciuicflow.kvflow.proto.codec import encode_chunk_frame
 
 CHUNK = 64 << 10
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ciuicflow.kvflow.proto.messages import parse_hostport, parse_size
+from ciuicflow.kvflow.sidecar.config import parse_hostport, parse_size
 from ciuicflow.kvflow.sidecar.config import load_config
 from ciuicflow.kvflow.core.congestion import PROBE_BW, PROBE_RTT, CongestionController
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
@@ -321,8 +321,8 @@ lease_s = 5
 def test_kvflow_chunk_frames_parse_without_copying_their_data():
     import os
 
-    from ciuicflow.kvflow.transports.tcp import encode_chunk_frame
-    from ciuicflow.kvflow.transports.tcp import parse_chunk_frame
+    from ciuicflow.kvflow.proto.codec import encode_chunk_frame
+    from ciuicflow.kvflow.proto.codec import parse_chunk_frame
 
     head = pb.Chunk(tid=3, seq=7, sn=99, part=2, offset=4096, crc32c=0xDEADBEEF,
                     info=pb.PartInfo(index=2, nbytes=9999, name="layer.2"))
@@ -348,7 +348,7 @@ def test_kvflow_chunk_frames_parse_without_copying_their_data():
 
 def test_kvflow_tensor_encoding_roundtrip():
     torch = pytest.importorskip("torch")
-    from ciuicflow.kvflow.client.client import decode_part, encode_part
+    from ciuicflow.kvflow.client.payload import decode_part, encode_part
 
     values = [torch.randn(3, 5), torch.randn(4, 4, dtype=torch.float64).t(), torch.arange(7, dtype=torch.int8),
               torch.randn(2, 3).to(torch.bfloat16), torch.zeros(0, 8, dtype=torch.float16), torch.tensor(3.5),
@@ -381,7 +381,8 @@ def test_kvflow_bandwidth_is_the_max_over_the_last_rounds(samples):
 
 
 def test_kvflow_packed_chunk_spans_and_checks():
-    from ciuicflow.kvflow.sidecar.peer_service import InChunk, InTransfer, check_packed
+    from ciuicflow.kvflow.sidecar.peer_service import check_packed
+    from ciuicflow.kvflow.sidecar.store import InChunk, InTransfer
 
     infos = [pb.PartInfo(index=4 + k, nbytes=n) for k, n in enumerate((5, 0, 3))]
     c = pb.Chunk(tid=1, seq=0, part=4, offset=0, info=infos[0], more=infos[1:])
@@ -404,13 +405,10 @@ def test_kvflow_packed_chunk_spans_and_checks():
 def test_kvflow_chunks_grow_with_the_link_rate():
     """A chunk is what the link carries in 20 ms, as --chunk-size doubled, up to 2 MiB and the message limit;
     the cutter applies a new size to parts that start after it."""
-    from types import SimpleNamespace
-
-    from ciuicflow.kvflow.sidecar.peer_sender import PeerLink
-    from ciuicflow.kvflow.sidecar.app import _Cutter
+    from ciuicflow.kvflow.core.chunking import Cutter, chunk_bytes
 
     def size(rate_Bps, chunk=256 << 10, limit=2 << 20):
-        return PeerLink.chunk_bytes(SimpleNamespace(cc=SimpleNamespace(btl_bw=rate_Bps)), chunk, limit)
+        return chunk_bytes(rate_Bps, chunk, limit)
 
     assert size(0) == 256 << 10                      # no measurement yet
     assert size(12.5e6) == 256 << 10                 # 100 Mbit/s: 250 KB in 20 ms
@@ -420,15 +418,15 @@ def test_kvflow_chunks_grow_with_the_link_rate():
     assert size(1e9, limit=1 << 20) == 1 << 20
     assert size(1e9, chunk=48 << 10) == 1536 << 10   # doubling from an odd chunk size stays under the cap
 
-    cutter = _Cutter(256 << 10, 300 << 10)
+    cutter = Cutter(256 << 10, 300 << 10)
     part = bytes(range(256)) * 4096                  # 1 MiB
     sizes = []
     for index, link_chunk in enumerate((256 << 10, 512 << 10)):
-        cutter.set_link_chunk(link_chunk)
+        cutter.set_peer_chunk(link_chunk)
         info = pb.PartInfo(index=index, nbytes=len(part))
         sizes.append([len(c.data) for c in cutter.feed(pb.SendData(part=index, offset=0, data=part, info=info))])
     assert sizes == [[256 << 10] * 4, [512 << 10] * 2]
-    cutter.set_link_chunk(1 << 20)                   # a part up to the link's chunk goes whole
+    cutter.set_peer_chunk(1 << 20)                   # a part up to the link's chunk goes whole
     info = pb.PartInfo(index=2, nbytes=len(part))
     chunks = cutter.feed(pb.SendData(part=2, offset=0, data=part, info=info))
     assert [len(c.data) for c in chunks] == [1 << 20] and bytes(chunks[0].data) == part

@@ -1,22 +1,21 @@
-"""Names, limits and small helpers shared by the KV-flow client and sidecar (no torch, no grpc server)."""
+"""Names, limits and checks of the protocol's messages, shared by the client and the sidecar."""
 from __future__ import annotations
 
 import math
-import re
-from typing import Optional, Tuple
+from typing import Optional
 
 import grpc
-import numpy       # imported up front: a first import in the middle of a transfer stalls it ~0.2 s
 
 from . import kvflow_pb2 as pb
 
 # gRPC metadata
 FLOW_METADATA = "x-ciuic-flow"          # value "enabled" turns on flow control for a Send
-PEER_METADATA = "x-ciuic-peer"          # the sending sidecar's name on a peer link
+PEER_METADATA = "x-ciuic-peer"          # the sending sidecar's name on a peer stream
 AUTH_METADATA = "authorization"         # "Bearer TOKEN"
 
-LOCAL_SERVICE = "ciuicflow.kvflow.v1.KVFlow"
-PEER_SERVICE = "ciuicflow.kvflow.v1.KVFlowPeer"
+# Service names from the generated descriptors (health checking and reflection announce them).
+LOCAL_SERVICE = pb.DESCRIPTOR.services_by_name["KVFlow"].full_name
+PEER_SERVICE = pb.DESCRIPTOR.services_by_name["KVFlowPeer"].full_name
 
 PRIORITY_NAMES = ("high", "normal", "low")
 _PRIORITY_TO_PB = {"high": pb.HIGH, "normal": pb.NORMAL, "low": pb.LOW}
@@ -35,12 +34,12 @@ DTYPE_ITEMSIZE = {
     "bool": 1,
 }
 
-
 _CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def status_code(value: int) -> grpc.StatusCode:
-    """The gRPC status code of a status number carried in a message (UNKNOWN for numbers gRPC lacks)."""
+    """The gRPC status of a status number carried in a message (``Abort.code``, ``Ack.error_code``, ...);
+    grpc's Python API maps only its own calls' statuses. UNKNOWN for numbers gRPC lacks."""
     return _CODE_BY_VALUE.get(int(value), grpc.StatusCode.UNKNOWN)
 
 
@@ -83,59 +82,3 @@ def check_part_info(info: "pb.PartInfo", expected_index: int) -> Optional[str]:
     elif info.dtype or len(info.shape):
         return f"part {expected_index}: dtype/shape given for a bytes part"
     return None
-
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b|bit|bits|byte|bytes)?\s*$", re.I)
-
-
-def parse_size(value, *, what: str = "size") -> int:
-    """'256KiB', '1MiB', '1.5G', '100Mbit' (bits: divided by 8), 4096 -> bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"{what} must not be negative")
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ValueError(f"cannot read {what} {value!r} (examples: 262144, 256KiB, 1MiB, 100Mbit)")
-    number, prefix, binary, unit = m.groups()
-    base = 1024 if binary else 1000
-    mult = {"": 1, "k": base, "m": base ** 2, "g": base ** 3, "t": base ** 4}[prefix.lower()]
-    n = float(number) * mult
-    if unit and unit.lower().startswith("bit"):
-        n /= 8
-    return int(n)
-
-
-def parse_hostport(value: str, *, what: str = "address") -> Tuple[str, int]:
-    value = str(value).strip()
-    if value.startswith("["):
-        host, _, rest = value[1:].partition("]")
-        port_s = rest.lstrip(":")
-    else:
-        host, sep, port_s = value.rpartition(":")
-        if not sep:
-            raise ValueError(f"{what} {value!r} must be HOST:PORT")
-    try:
-        port = int(port_s)
-    except ValueError:
-        raise ValueError(f"{what} {value!r}: port {port_s!r} is not a number") from None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{what} {value!r}: port out of range")
-    return host or "0.0.0.0", port
-
-
-def format_hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def uninitialized(n: int):
-    """A writable buffer of ``n`` bytes that is about to be filled (a chunk from a socket or shared memory):
-    not zeroed first. Zeroing a chunk-sized buffer costs about as much memory bandwidth as the copy that
-    then fills it (~110 us per 885 KB here). Small ones are plain bytearrays."""
-    if n < 1 << 16:
-        return bytearray(n)
-    return memoryview(numpy.empty(n, numpy.uint8))

@@ -4,13 +4,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from ..proto.messages import is_loopback, parse_hostport, parse_size
+from ..core.transfer import Limits
 
 TOKEN_ENV = "CIUICFLOW_KVFLOW_TOKEN"
+# Flags (and config keys) for tests and benchmarks, not settings of the sidecar: they emulate faults and slow
+# links. ``parse_command_line`` returns them apart; ``app.main`` hands them to ciuicflow.testing.kvflow_faults.
+FAULT_FLAGS = {"test_corrupt_every": 0, "link_rate": 0}
 
 
 @dataclass
@@ -35,7 +39,6 @@ class SidecarConfig:
     quantum_normal: int = 3 << 20             # DRR quantum per turn, bytes
     quantum_low: int = 1 << 20
     max_wait_s: float = 0.5                   # aging: a normal/low chunk waits at most this long behind high
-    link_rate: int = 0                        # emulate a slow link: read incoming peer traffic at <= bytes/s
     # limits
     max_total_bytes: int = 2 << 30            # buffered bytes in total (outgoing + incoming)
     max_peer_bytes: int = 1 << 30             # buffered bytes per peer
@@ -55,9 +58,7 @@ class SidecarConfig:
     tls_key: Optional[str] = None             # PEM private key
     tls_ca: Optional[str] = None              # PEM CA: peers must present a certificate it signed (mutual TLS)
     tls_server_name: Optional[str] = None     # override the name checked in peers' certificates
-    # logging / testing
     log_level: str = "INFO"
-    test_corrupt_every: int = 0               # TEST ONLY: corrupt 1 in N chunks sent, at random (retransmit tests)
 
     # -------------------------------------------------------------- validation
     def validate(self) -> "SidecarConfig":
@@ -94,14 +95,37 @@ class SidecarConfig:
             raise ValueError(f"--peer-transport must be 'auto' or 'grpc', got {self.peer_transport!r}")
         if not -1 <= self.data_port <= 65535:
             raise ValueError("--data-port must be a port, 0 (any free port) or -1 (no data plane)")
-        if self.test_corrupt_every < 0:
-            raise ValueError("--test-corrupt-every must be >= 0")
         return self
 
+    def sender_settings(self) -> "SenderSettings":
+        return SenderSettings(self.chunk_size, self.min_cwnd or default_min_cwnd(self.chunk_size),
+                              self.quantum_normal, self.quantum_low, self.max_wait_s,
+                              Limits(self.max_retransmits, self.stall_timeout_s, self.resume_timeout_s))
 
-_SIZE_FIELDS = {"chunk_size", "max_chunk_size", "ingest_readahead", "whole_part_bytes", "min_cwnd", "quantum_normal", "quantum_low", "link_rate", "max_total_bytes",
-                "max_peer_bytes", "max_message_bytes"}
+
+def default_min_cwnd(chunk_size: int) -> int:
+    """--min-cwnd's default: two chunks, and at least 2 MiB. The BDP is computed from the minimum RTT, which
+    a Python sidecar on a busy host sees in quiet moments only; its real round trips (scheduling, the peer's
+    event loop) are far longer, and a window of a few chunks starves the path (docs/kvflow.md, Flow
+    control). 2 MiB keeps the queue it can build below the sender short."""
+    return max(2 * int(chunk_size), 2 << 20)
+
+
+@dataclass(frozen=True)
+class SenderSettings:
+    """What a peer sender and its outbox take from the config."""
+    chunk_size: int
+    min_cwnd: int
+    quantum_normal: int
+    quantum_low: int
+    max_wait_s: float
+    limits: Limits
+
+
+_SIZE_FIELDS = {"chunk_size", "max_chunk_size", "ingest_readahead", "whole_part_bytes", "min_cwnd", "quantum_normal",
+                "quantum_low", "link_rate", "max_total_bytes", "max_peer_bytes", "max_message_bytes"}
 _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
+_KEYS = set(_FIELDS) | set(FAULT_FLAGS)
 
 
 def _coerce(name: str, value):
@@ -111,7 +135,7 @@ def _coerce(name: str, value):
         if isinstance(value, dict):
             return {str(k): str(v) for k, v in value.items()}
         return dict(parse_peer(v) for v in value)
-    default = _FIELDS[name].default
+    default = FAULT_FLAGS[name] if name in FAULT_FLAGS else _FIELDS[name].default
     if isinstance(default, bool):
         if isinstance(value, str):
             return value.lower() in ("1", "true", "yes", "on")
@@ -141,12 +165,12 @@ def load_toml(path: str) -> dict:
         if isinstance(value, dict) and k != "peers":
             for sub_key, sub_value in value.items():
                 sk = sub_key.replace("-", "_")
-                if sk not in _FIELDS and f"{k}_{sk}" in _FIELDS:
+                if sk not in _KEYS and f"{k}_{sk}" in _KEYS:
                     sk = f"{k}_{sk}"
                 out[sk] = sub_value
         else:
             out[k] = value
-    unknown = sorted(set(out) - set(_FIELDS))
+    unknown = sorted(set(out) - _KEYS)
     if unknown:
         raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}")
     return out
@@ -189,8 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--quantum-normal", default=S, help="DRR quantum of class normal per turn (default 3MiB)")
     a("--quantum-low", default=S, help="DRR quantum of class low per turn (default 1MiB)")
     a("--max-wait-s", type=float, default=S, help="aging: longest wait of normal/low behind high (default 0.5)")
-    a("--link-rate", default=S, help="emulate a slow link: read incoming peer traffic at most this fast, "
-                                     "e.g. 100MB or 800Mbit (default: off)")
     a("--max-total-bytes", default=S, help="cap on buffered bytes in total (default 2GiB)")
     a("--max-peer-bytes", default=S, help="cap on buffered bytes per peer (default 1GiB)")
     a("--max-message-bytes", default=S, help="largest gRPC message accepted (default 4MiB)")
@@ -209,21 +231,81 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tls-ca", default=S, metavar="PEM", help="CA that signs peers' certificates: turns on mutual TLS")
     a("--tls-server-name", default=S, help="name expected in peers' certificates (default: the peer's host)")
     a("--log-level", default=S, help="DEBUG, INFO, WARNING (default INFO)")
-    a("--test-corrupt-every", type=int, default=S, metavar="N",
-      help="TEST ONLY: corrupt 1 in N chunks sent (at random), to exercise checksum retransmits")
+    t = p.add_argument_group("testing and benchmarks", "faults and slow links, emulated (never in production)")
+    t.add_argument("--link-rate", default=S, help="emulate a slow link: read incoming peer traffic at most this "
+                                                   "fast, e.g. 100MB or 800Mbit (default: off)")
+    t.add_argument("--test-corrupt-every", type=int, default=S, metavar="N",
+                   help="TEST ONLY: corrupt 1 in N chunks sent (at random), to exercise checksum retransmits")
     return p
 
 
-def load_config(argv: Optional[List[str]] = None) -> SidecarConfig:
+def parse_command_line(argv: Optional[List[str]] = None) -> Tuple[SidecarConfig, Dict[str, int]]:
+    """The settings, and the fault flags apart (FAULT_FLAGS: name -> value, 0 when not given)."""
     args = vars(build_parser().parse_args(argv))
     config_file = args.pop("config", None)
     values = load_toml(config_file) if config_file else {}
     file_peers = _coerce("peers", values.pop("peers", {}))
     flag_peers = _coerce("peers", args.pop("peers", []))
     values.update(args)
+    faults = {name: _coerce(name, values.pop(name, default)) for name, default in FAULT_FLAGS.items()}
+    if faults["test_corrupt_every"] < 0:
+        raise ValueError("--test-corrupt-every must be >= 0")
     cfg = SidecarConfig()
     for key, value in values.items():
         setattr(cfg, key, _coerce(key, value))
     cfg.peers = {**file_peers, **flag_peers}
-    return cfg.validate()
+    return cfg.validate(), faults
+
+
+def load_config(argv: Optional[List[str]] = None) -> SidecarConfig:
+    """The settings of a command line (its fault flags are checked, then left out)."""
+    return parse_command_line(argv)[0]
+
+
+# ---------------------------------------------------------------------- sizes and addresses
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b|bit|bits|byte|bytes)?\s*$", re.I)
+
+
+def parse_size(value, *, what: str = "size") -> int:
+    """'256KiB', '1MiB', '1.5G', '100Mbit' (bits: divided by 8), 4096 -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{what} must not be negative")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"cannot read {what} {value!r} (examples: 262144, 256KiB, 1MiB, 100Mbit)")
+    number, prefix, binary, unit = m.groups()
+    base = 1024 if binary else 1000
+    mult = {"": 1, "k": base, "m": base ** 2, "g": base ** 3, "t": base ** 4}[prefix.lower()]
+    n = float(number) * mult
+    if unit and unit.lower().startswith("bit"):
+        n /= 8
+    return int(n)
+
+
+def parse_hostport(value: str, *, what: str = "address") -> Tuple[str, int]:
+    value = str(value).strip()
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        port_s = rest.lstrip(":")
+    else:
+        host, sep, port_s = value.rpartition(":")
+        if not sep:
+            raise ValueError(f"{what} {value!r} must be HOST:PORT")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ValueError(f"{what} {value!r}: port {port_s!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{what} {value!r}: port out of range")
+    return host or "0.0.0.0", port
+
+
+def format_hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 

@@ -7,7 +7,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 def _memoize_labels(metric) -> None:
-    """``metric.labels(...)`` costs ~10-20 us (validation, a lock); it runs several times per chunk. The
+    """``metric.labels(...)`` validates its values and takes a lock, and runs several times per chunk. The
     child of a label set never changes (nothing here removes one), so remember it."""
     cache = {}
     find = metric.labels
@@ -57,6 +57,17 @@ class Metrics:
         for metric in vars(self).values():
             if getattr(metric, "_labelnames", None):
                 _memoize_labels(metric)
+
+    def sender_state(self, peer: str, cc, queue_depth) -> None:
+        """The gauges of one peer's sender: its congestion controller ``cc`` and ready transfers per class."""
+        self.pacing_rate.labels(peer).set(cc.pacing_rate)
+        self.btl_bw.labels(peer).set(cc.btl_bw)
+        if cc.min_rtt != float("inf"):
+            self.rtt.labels(peer).set(cc.min_rtt)
+        self.cwnd.labels(peer).set(cc.cwnd)
+        self.inflight.labels(peer).set(cc.inflight)
+        for prio, n in queue_depth.items():
+            self.queue_depth.labels(peer, prio).set(n)
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         return start_http_server(port, addr=host, registry=self.registry)

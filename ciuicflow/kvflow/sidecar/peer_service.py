@@ -1,60 +1,26 @@
-"""Receiving side of a sidecar: the ``KVFlowPeer`` service and the store that ``Recv`` collects from.
+"""``KVFlowPeer``: the receiving side of peer streams (``Link``, and the TCP data plane through ``serve``)
+and ``DataPlane``, which hands out the data plane's port and tickets.
 
 Chunks are accepted strictly in order per transfer (seq == chunks held), after their crc32c is checked;
 an out-of-order chunk is dropped (the sender goes back), a corrupt one answered ``ACK_CORRUPT``, one over
-the memory cap ``ACK_BUSY``. A completed transfer waits for ``Recv`` for at most its lease.
+the memory cap ``ACK_BUSY``. A completed transfer waits in the store for ``Recv``.
 """
 from __future__ import annotations
 
-import asyncio
-import collections
 import logging
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Awaitable, Callable, Collection, Dict, Optional
 
 import crc32c
 import grpc
 
-from ..proto.messages import AUTH_METADATA, PEER_METADATA, check_key, check_part_info, priority_from_pb, status_code
 from ..proto import kvflow_pb2 as pb
-from ..transports.tcp import ChunkFrame
+from ..proto import kvflow_pb2_grpc as pb_grpc
+from ..proto.codec import MALFORMED, ChunkFrame
+from ..proto.messages import AUTH_METADATA, PEER_METADATA, check_key, check_part_info, priority_from_pb, status_code
+from .store import InChunk, InTransfer, Store
 
-log = logging.getLogger("ciuicflow.kvflow.receiver")
-
-MALFORMED = object()      # what a safe deserializer returns for bytes that are not the expected message
-TOMBSTONES = 4096
-
-
-class InChunk:
-    """A received chunk: bytes of one part from ``offset``, or, packed, several whole parts back to back
-    (``info`` and then ``more``)."""
-    __slots__ = ("part", "offset", "data", "info", "crc", "part_nbytes", "more")
-
-    def __init__(self, part, offset, data, info, crc, part_nbytes, more=()):
-        self.part = part
-        self.offset = offset
-        self.data = data
-        self.info = info
-        self.crc = crc
-        self.part_nbytes = part_nbytes
-        self.more = tuple(more)
-
-    @property
-    def last_part(self) -> int:
-        return self.part + len(self.more)
-
-    @property
-    def ends_part(self) -> bool:
-        return bool(self.more) or self.offset + len(self.data) >= self.part_nbytes
-
-    def spans(self):
-        """(part, offset, PartInfo or None, start, length) of each part's bytes in ``data``."""
-        first = len(self.data) - sum(m.nbytes for m in self.more)
-        yield self.part, self.offset, self.info, 0, first
-        start = first
-        for m in self.more:
-            yield m.index, 0, m, start, m.nbytes
-            start += m.nbytes
+log = logging.getLogger("ciuicflow.kvflow.peer_service")
 
 
 def check_packed(c: pb.Chunk, n: int) -> Optional[str]:
@@ -72,254 +38,61 @@ def check_packed(c: pb.Chunk, n: int) -> Optional[str]:
     return None
 
 
-class InTransfer:
-    def __init__(self, key: str, source: str, uuid: str, priority: str, payload_kind: str, lease_s: float,
-                 deadline: Optional[float]):
-        self.key = key
-        self.source = source
-        self.uuid = uuid
-        self.priority = priority
-        self.payload_kind = payload_kind
-        self.lease_s = lease_s
-        self.deadline = deadline
-        self.chunks: List[InChunk] = []
-        self.bytes = 0
-        self.total: Optional[int] = None
-        self.num_parts: Optional[int] = None
-        self.complete = False
-        self.failed: Optional[Tuple[grpc.StatusCode, str]] = None
-        now = time.monotonic()
-        self.created = now
-        self.last_activity = now
-        self.completed_at: Optional[float] = None
-        self.readers = 0
-        self.attached = None              # the link stream feeding it, None while its sender is away
-        self.detached_at: Optional[float] = None
-        self.truncations: List[Tuple[int, int]] = []    # (generation, seq)
-        self.generation = 0
-        self._event = asyncio.Event()
+class PeerService(pb_grpc.KVFlowPeerServicer):
+    """Peer streams into ``store``, memory from ``budget``. Senders present ``token`` (if set) and a name
+    in ``known_peers`` (unless ``allow_unknown_peers``); ``shutting_down()`` refuses new work. ``throttle``
+    (tests: an emulated slow link) is awaited with each frame's size before it is handled.
+    ``data_plane``: the TCP data plane whose tickets ``DataPlane`` hands out (None: none)."""
 
-    def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def changed(self, timeout: Optional[float]) -> bool:
-        event = self._event
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
-
-    def expected_next(self) -> Tuple[int, int, Optional[int]]:
-        """(part, offset, part_nbytes or None when a new part starts) of the next chunk."""
-        if not self.chunks:
-            return 0, 0, None
-        last = self.chunks[-1]
-        if last.ends_part:
-            return last.last_part + 1, 0, None
-        return last.part, last.offset + len(last.data), last.part_nbytes
-
-
-class Store:
-    """Received transfers by key, with leases; memory counted in the sidecar's budget."""
-
-    def __init__(self, sidecar):
-        self.sc = sidecar
-        self.entries: Dict[str, InTransfer] = {}
-        self.tombstones: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
-        self._arrival = asyncio.Event()
-        self.completed = 0
-        self.expired = 0
-        self.collected = 0
-        self.spool = None
-
-    # ------------------------------------------------------------------ membership
-    def add(self, entry: InTransfer) -> None:
-        self.entries[entry.key] = entry
-        self.tombstones.pop(entry.key, None)
-        if self.spool:
-            self.spool.create(entry)
-        self._arrival.set()
-        self._arrival = asyncio.Event()
-
-    def _tombstone(self, entry: InTransfer, reason: str, code=None, message: str = "") -> None:
-        self.tombstones[entry.key] = (reason, entry.uuid, code, message)
-        self.tombstones.move_to_end(entry.key)
-        while len(self.tombstones) > TOMBSTONES:
-            self.tombstones.popitem(last=False)
-
-    def drop(self, entry: InTransfer, reason: str) -> None:
-        if self.entries.get(entry.key) is entry:
-            del self.entries[entry.key]
-        self._release(entry)
-        if self.spool:
-            self.spool.delete(entry)
-        code, message = entry.failed if entry.failed else (None, "")
-        self._tombstone(entry, reason, code, message)
-        entry.notify()
-
-    def _release(self, entry: InTransfer) -> None:
-        if entry.bytes:
-            self.sc.budget.release(entry.source, entry.bytes)
-        entry.bytes = 0
-        entry.chunks = []
-
-    def truncate(self, entry: InTransfer, seq: int) -> None:
-        dropped = entry.chunks[seq:]
-        n = sum(len(c.data) for c in dropped)
-        del entry.chunks[seq:]
-        entry.bytes -= n
-        self.sc.budget.release(entry.source, n)
-        entry.generation += 1
-        entry.truncations.append((entry.generation, seq))
-        if self.spool:
-            self.spool.rewrite(entry)
-
-    def fail(self, entry: InTransfer, code: grpc.StatusCode, message: str) -> None:
-        if entry.failed or entry.complete:
-            return
-        log.info("incoming transfer %r from %s failed: %s %s", entry.key, entry.source, code.name, message)
-        entry.failed = (code, message)
-        entry.last_activity = time.monotonic()
-        self._release(entry)
-        if self.spool:
-            self.spool.delete(entry)
-        self.sc.metrics.transfers.labels(entry.source, entry.priority, "recv", code.name).inc()
-        entry.notify()
-
-    def mark_complete(self, entry: InTransfer) -> None:
-        entry.complete = True
-        entry.completed_at = time.monotonic()
-        self.completed += 1
-        if self.spool:
-            self.spool.complete(entry)
-        self.sc.metrics.transfers.labels(entry.source, entry.priority, "recv", "OK").inc()
-        self.sc.metrics.latency.labels(entry.priority, "recv").observe(entry.completed_at - entry.created)
-        entry.notify()
-
-    def collect(self, entry: InTransfer) -> None:
-        self.collected += 1
-        self.drop(entry, "collected")
-
-    async def wait_for(self, key: str, deadline: Optional[float]) -> Optional[InTransfer]:
-        while True:
-            entry = self.entries.get(key)
-            if entry is not None:
-                return entry
-            event = self._arrival
-            timeout = None if deadline is None else deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
-                return None
-            try:
-                await asyncio.wait_for(event.wait(), timeout)
-            except asyncio.TimeoutError:
-                return None
-
-    # ------------------------------------------------------------------ leases, deadlines, lost senders
-    def sweep(self) -> None:
-        now = time.monotonic()
-        cfg = self.sc.cfg
-        for entry in list(self.entries.values()):
-            if not entry.complete and not entry.failed:
-                if entry.deadline is not None and now > entry.deadline:
-                    self.fail(entry, grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"transfer {entry.key!r} from {entry.source!r} missed its deadline "
-                              f"({len(entry.chunks)} chunks arrived)")
-                elif entry.attached is None and entry.detached_at is not None \
-                        and now - entry.detached_at > cfg.resume_timeout_s:
-                    self.fail(entry, grpc.StatusCode.UNAVAILABLE,
-                              f"sender {entry.source!r} went away mid-transfer and did not come back "
-                              f"within {cfg.resume_timeout_s:g}s")
-            if entry.readers:
-                continue
-            lease = entry.lease_s or cfg.lease_s
-            since = entry.completed_at if entry.complete else entry.last_activity
-            if now - since > lease:
-                if entry.complete:
-                    self.expired += 1
-                    self.sc.metrics.leases_expired.inc()
-                    log.info("lease of %r from %s expired uncollected", entry.key, entry.source)
-                self.drop(entry, "expired")
-
-    def snapshot(self) -> dict:
-        return {
-            "transfers": len(self.entries),
-            "complete": sum(1 for e in self.entries.values() if e.complete),
-            "bytes": sum(e.bytes for e in self.entries.values()),
-            "completed": self.completed,
-            "collected": self.collected,
-            "expired": self.expired,
-            "keys": sorted(self.entries)[:100],
-        }
-
-
-class TokenBucket:
-    """Emulated slow link: incoming peer bytes are read at most ``rate`` bytes/s."""
-
-    def __init__(self, rate: float, burst: int = 64 << 10):
-        self.rate = float(rate)
-        self.burst = burst
-        self.tokens = float(burst)
-        self.stamp = time.monotonic()
-        self._lock = asyncio.Lock()
-
-    async def consume(self, n: int) -> None:
-        async with self._lock:
-            now = time.monotonic()
-            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
-            self.tokens -= n
-            if self.tokens < 0:
-                await asyncio.sleep(-self.tokens / self.rate)
-
-
-class PeerService:
-    """``KVFlowPeer.Link``: one stream per sending peer."""
-
-    def __init__(self, sidecar):
-        self.sc = sidecar
-        self.store: Store = sidecar.store
-        self.bucket = TokenBucket(sidecar.cfg.link_rate) if sidecar.cfg.link_rate else None
-        self.active_links: Dict[str, int] = collections.Counter()
+    def __init__(self, store: Store, budget, metrics, *, token: Optional[str], known_peers: Collection[str],
+                 allow_unknown_peers: bool, shutting_down: Callable[[], bool],
+                 throttle: Optional[Callable[[int], Awaitable[None]]] = None):
+        self.store = store
+        self.budget = budget
+        self.metrics = metrics
+        self.token = token
+        self.known_peers = known_peers
+        self.allow_unknown_peers = allow_unknown_peers
+        self.shutting_down = shutting_down
+        self.throttle = throttle
+        self.data_plane = None
 
     async def _check_auth(self, context) -> str:
-        cfg = self.sc.cfg
         md = dict(context.invocation_metadata())
-        if cfg.token and md.get(AUTH_METADATA) != f"Bearer {cfg.token}":
-            self.sc.metrics.rejected.labels("UNAUTHENTICATED").inc()
+        if self.token and md.get(AUTH_METADATA) != f"Bearer {self.token}":
+            self.metrics.rejected.labels("UNAUTHENTICATED").inc()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "peer link needs a valid token "
                                 "(metadata 'authorization: Bearer TOKEN')")
         source = md.get(PEER_METADATA, "")
         if not source:
-            self.sc.metrics.rejected.labels("INVALID_ARGUMENT").inc()
+            self.metrics.rejected.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peer link needs metadata '{PEER_METADATA}'")
-        if source not in cfg.peers and not cfg.allow_unknown_peers:
-            self.sc.metrics.rejected.labels("PERMISSION_DENIED").inc()
+        if source not in self.known_peers and not self.allow_unknown_peers:
+            self.metrics.rejected.labels("PERMISSION_DENIED").inc()
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"unknown peer {source!r}: not named by --peer (or use --allow-unknown-peers)")
         return source
 
     async def Link(self, request_iterator, context):
+        """The gRPC transport's receiving half."""
         source = await self._check_auth(context)
-        async for reply in self.serve_link(source, request_iterator, context):
+        async for reply in self.serve(source, request_iterator, context):
             yield reply
 
     async def DataPlane(self, request: pb.DataPlaneRequest, context) -> pb.DataPlaneReply:
         """The TCP data plane's port and a one-time ticket for this (authenticated) sender; port 0: none."""
         source = await self._check_auth(context)
-        plane = self.sc.data_plane
+        plane = self.data_plane
         if plane is None:
             return pb.DataPlaneReply()
         return pb.DataPlaneReply(port=plane.port, ticket=plane.tickets.issue(source))
 
-    async def serve_link(self, source: str, request_iterator, context):
-        """One sender's stream of frames (from ``Link`` or the TCP data plane); yields the replies."""
-        if self.sc.shutting_down:
+    async def serve(self, source: str, request_iterator, context):
+        """One sender's stream of frames (from any transport's receiving half); yields the replies."""
+        if self.shutting_down():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
-        link_id = object()
+        stream_id = object()
         attached: Dict[int, InTransfer] = {}
-        self.active_links[source] += 1
         frames = 0
         try:
             async for frame in request_iterator:
@@ -329,17 +102,17 @@ class PeerService:
                         if entry.complete or entry.failed or self.store.entries.get(entry.key) is not entry:
                             del attached[tid]
                 if frame is MALFORMED:
-                    self.sc.metrics.rejected.labels("INVALID_ARGUMENT").inc()
+                    self.metrics.rejected.labels("INVALID_ARGUMENT").inc()
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed PeerFrame")
                 kind = frame.WhichOneof("msg")
                 data = frame.data if isinstance(frame, ChunkFrame) else None   # the TCP plane's zero-copy frames
-                if self.bucket is not None:
-                    await self.bucket.consume(len(data) + 64 if data is not None else frame.ByteSize())
+                if self.throttle is not None:
+                    await self.throttle(len(data) + 64 if data is not None else frame.ByteSize())
                 if kind == "chunk":
                     for reply in self._on_chunk(source, frame.chunk, attached, data):
                         yield reply
                 elif kind == "open":
-                    yield self._on_open(source, frame.open, attached, link_id)
+                    yield self._on_open(source, frame.open, attached, stream_id)
                 elif kind == "commit":
                     reply = self._on_commit(frame.commit, attached)
                     if reply is not None:
@@ -347,22 +120,23 @@ class PeerService:
                 elif kind == "abort":
                     entry = attached.pop(frame.abort.tid, None)
                     if entry is not None:
-                        code = _status(frame.abort.code)
+                        code = status_code(frame.abort.code)
+                        if code == grpc.StatusCode.OK:      # an abort always reports a failure
+                            code = grpc.StatusCode.UNKNOWN
                         self.store.fail(entry, code, f"sender {source!r}: {frame.abort.message}")
                 else:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty PeerFrame")
         finally:
-            self.active_links[source] -= 1
             now = time.monotonic()
             for entry in attached.values():
-                if entry.attached is link_id:
+                if entry.attached is stream_id:
                     entry.attached = None
                     entry.detached_at = now
 
     # ------------------------------------------------------------------ frames
-    def _on_open(self, source: str, o: pb.TransferOpen, attached, link_id) -> pb.PeerReply:
+    def _on_open(self, source: str, o: pb.TransferOpen, attached, stream_id) -> pb.PeerReply:
         def refuse(code: grpc.StatusCode, message: str) -> pb.PeerReply:
-            self.sc.metrics.rejected.labels(code.name).inc()
+            self.metrics.rejected.labels(code.name).inc()
             return pb.PeerReply(state=pb.TransferState(tid=o.tid, error_code=code.value[0], error=message))
 
         err = check_key(o.key)
@@ -371,7 +145,7 @@ class PeerService:
             return refuse(grpc.StatusCode.INVALID_ARGUMENT, err)
         if priority is None:
             return refuse(grpc.StatusCode.INVALID_ARGUMENT, f"unknown priority {o.priority}")
-        if self.sc.shutting_down:
+        if self.shutting_down():
             return refuse(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
         store = self.store
         entry = store.entries.get(o.key)
@@ -399,7 +173,7 @@ class PeerService:
             store.add(entry)
         complete = entry.complete and entry.uuid == o.uuid
         entry.uuid = o.uuid
-        entry.attached = link_id
+        entry.attached = stream_id
         entry.detached_at = None
         entry.last_activity = time.monotonic()
         attached[o.tid] = entry
@@ -432,7 +206,7 @@ class PeerService:
             yield ack(pb.ACK_OK)                  # a duplicate of a chunk held already
             return
         if crc32c.crc32c(data) != c.crc32c:
-            self.sc.metrics.retransmits.labels(source, "checksum_in").inc()
+            self.metrics.retransmits.labels(source, "checksum_in").inc()
             yield ack(pb.ACK_CORRUPT, message="checksum mismatch")
             return
         if c.seq < held:
@@ -455,7 +229,7 @@ class PeerService:
             self.store.fail(entry, grpc.StatusCode.INVALID_ARGUMENT, error)
             yield ack(pb.ACK_FAILED, grpc.StatusCode.INVALID_ARGUMENT, error)
             return
-        if not self.sc.budget.try_reserve(source, len(data)):
+        if not self.budget.try_reserve(source, len(data)):
             yield ack(pb.ACK_BUSY, message="receiver over its memory cap")
             return
         chunk = InChunk(c.part, c.offset, data, c.info if offset == 0 else None, c.crc32c, part_nbytes, c.more)
@@ -464,8 +238,8 @@ class PeerService:
         entry.last_activity = time.monotonic()
         if self.store.spool:
             self.store.spool.append(entry, chunk)
-        self.sc.metrics.bytes.labels(source, entry.priority, "recv").inc(len(data))
-        self.sc.metrics.chunks.labels(source, entry.priority, "recv").inc()
+        self.metrics.bytes.labels(source, entry.priority, "recv").inc(len(data))
+        self.metrics.chunks.labels(source, entry.priority, "recv").inc()
         entry.notify()
         yield ack(pb.ACK_OK)
         if entry.total is not None and len(entry.chunks) >= entry.total:
@@ -503,8 +277,3 @@ class PeerService:
                                                     message=error))
         self.store.mark_complete(entry)
         return pb.PeerReply(commit=pb.CommitAck(tid=tid))
-
-
-def _status(value: int) -> grpc.StatusCode:
-    code = status_code(value)
-    return grpc.StatusCode.UNKNOWN if code == grpc.StatusCode.OK else code

@@ -20,6 +20,7 @@ from typing import Dict, Tuple
 import crc32c
 
 from ..proto import kvflow_pb2 as pb
+from .store import InChunk, InTransfer
 
 log = logging.getLogger("ciuicflow.kvflow.spool")
 
@@ -92,8 +93,8 @@ class Spool:
             except FileNotFoundError:
                 pass
 
-    def restore(self, sidecar) -> int:
-        from .peer_service import InChunk, InTransfer
+    def restore(self, budget, store) -> int:
+        """Load what the directory holds into ``store`` (memory from ``budget``); the number restored."""
 
         restored = 0
         for name in sorted(os.listdir(self.dir)):
@@ -137,12 +138,12 @@ class Spool:
                     except FileNotFoundError:
                         pass
                 continue
-            if not sidecar.budget.try_reserve(entry.source, entry.bytes):
+            if not budget.try_reserve(entry.source, entry.bytes):
                 log.warning("spool entry %r does not fit in the memory cap; dropped", entry.key)
                 entry.bytes = 0
                 self.delete(entry)
                 continue
-            sidecar.store.entries[entry.key] = entry
+            store.entries[entry.key] = entry
             self.rewrite(entry)      # drop whatever followed the last good chunk
             restored += 1
         return restored

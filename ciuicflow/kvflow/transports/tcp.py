@@ -1,10 +1,8 @@
-"""The TCP data plane between sidecars: ``KVFlowPeer.Link``'s messages on a plain TCP connection.
+"""The TCP data plane: ``KVFlowPeer.Link``'s frames on a plain TCP connection to the receiver.
 
-Why: through gRPC's Python asyncio API every 256 KiB chunk costs each sidecar about a millisecond of CPU
-(measured: 3-4 CPU s per GB per sidecar, more than a whole plain gRPC client and server together), which
-caps the sidecar path far below the link on a busy host. On a plain socket the same frames cost a few
-hundred microseconds: the receiver reads each frame straight into its own buffer (``BufferedProtocol``),
-the sender writes header and chunk without building a message around them.
+Why: through gRPC's Python asyncio API each chunk costs a sidecar far more CPU than the same frame on a
+plain socket, where the receiver reads each frame straight into its own buffer (``BufferedProtocol``) and
+the sender writes header and chunk without building a message around them (docs/kvflow.md, Protocol).
 
 What stays on gRPC: authentication and discovery. The sender asks the receiver's ``KVFlowPeer.DataPlane``
 (over the gRPC peer port, with the same token and peer-name checks as ``Link``) for the data plane's port
@@ -16,6 +14,9 @@ Framing: ``[kind: u8][length: u32 little-endian][payload]``. Kinds: ``MSG`` (a s
 sender to receiver, or ``PeerReply``, back), ``HELLO`` (the ticket), ``STATUS`` (JSON ``{"code", "message"}``:
 how the receiver ended the stream, as a gRPC status would). The sender half-closes (TCP FIN) where a gRPC
 stream would close its request side.
+
+Sending side: ``TcpTransport`` / ``TcpStream``. Receiving side: ``DataPlaneServer``, which hands each
+connection's frames to ``PeerService.serve`` like ``Link``'s.
 """
 from __future__ import annotations
 
@@ -26,39 +27,29 @@ import secrets
 import socket
 import struct
 import time
-from typing import Dict, Optional, Tuple
+from typing import Awaitable, Callable, Dict, Optional, Tuple
 
 import grpc
 
-from ..proto.messages import status_code, uninitialized
 from ..proto import kvflow_pb2 as pb
+from ..proto.codec import chunk_frame_prefix, parse_chunk_frame, uninitialized
+from ..proto.messages import status_code
+from .base import NotOffered, Stream, Transport, TransportError
 
-log = logging.getLogger("ciuicflow.kvflow.wire")
+log = logging.getLogger("ciuicflow.kvflow.tcp")
 
 HEAD = struct.Struct("<BI")
 MSG, HELLO, STATUS = 0, 1, 2
 TICKET_TTL_S = 60.0
 HELLO_TIMEOUT_S = 10.0
-QUEUE_HIGH = 16            # frames read but not yet handled: stop reading from the socket above this
-
-
-class LinkError(Exception):
-    """The data plane stream ended with an error (the interface of ``grpc.aio.AioRpcError`` the link uses)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+CONNECT_TIMEOUT_S = 5.0     # a data port that does not answer within this: use the next transport
+RETRY_S = 60.0              # ... and try the data plane again after this long (at a later reconnect)
+QUEUE_HIGH = 16             # frames read but not yet handled: stop reading from the socket above this
 
 
 def _tune(sock: socket.socket) -> None:
     """No Nagle delay on acknowledgements; keepalives find a peer that vanished without a FIN (as the gRPC
-    channel's keepalive pings do: about 20 s)."""
+    channel's keepalive pings do on the other transport)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for opt, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 2)):
@@ -102,163 +93,94 @@ class Tickets:
 
 
 # ---------------------------------------------------------------------- sending side
-class WireCall:
-    """The sender's end of one data plane connection, shaped like the ``grpc.aio`` stream call the link
-    drives: ``await write(frame)``, ``await done_writing()``, ``async for reply in call``, ``cancel()``."""
+class TcpStream(Stream):
+    """The sender's end of one data plane connection."""
+
+    kind = "tcp"
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._reader, self._writer = reader, writer
 
     @classmethod
-    async def connect(cls, host: str, port: int, ticket: bytes, timeout: float = 10.0) -> "WireCall":
+    async def connect(cls, host: str, port: int, ticket: bytes, timeout: float) -> "TcpStream":
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), timeout)
         _tune(writer.get_extra_info("socket"))
         writer.transport.set_write_buffer_limits(high=1 << 20)
         writer.write(HEAD.pack(HELLO, len(ticket)) + ticket)
         return cls(reader, writer)
 
-    async def write(self, frame) -> None:
-        await self.write_chunk(frame if isinstance(frame, bytes) else frame.SerializeToString(), b"")
+    async def send(self, frame: pb.PeerFrame) -> None:
+        await self._write(frame.SerializeToString(), b"")
 
-    async def write_chunk(self, prefix: bytes, data) -> None:
+    async def send_chunk(self, head: pb.Chunk, data) -> None:
+        await self._write(chunk_frame_prefix(head, len(data)), data)     # no copy of the data here
+
+    async def _write(self, prefix: bytes, data) -> None:
         """One frame given as two pieces (a chunk's serialized prefix and its data), written without
         joining them."""
         if self._writer.is_closing():
-            raise LinkError(grpc.StatusCode.UNAVAILABLE, "data plane connection closed")
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, "data plane connection closed")
         self._writer.write(HEAD.pack(MSG, len(prefix) + len(data)) + prefix)
         if len(data):
             self._writer.write(data)
         await self._writer.drain()
 
-    async def done_writing(self) -> None:
+    async def finish_sending(self) -> None:
         if not self._writer.is_closing() and self._writer.can_write_eof():
             self._writer.write_eof()
 
-    def cancel(self) -> None:
+    def abort(self) -> None:
         self._writer.transport.abort()
 
-    def __aiter__(self):
-        return self._replies()
-
-    async def _replies(self):
+    async def replies(self):
         while True:
             try:
                 kind, n = HEAD.unpack(await self._reader.readexactly(HEAD.size))
                 payload = await self._reader.readexactly(n)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                raise LinkError(grpc.StatusCode.UNAVAILABLE, f"data plane connection lost: {exc}") from None
+                raise TransportError(grpc.StatusCode.UNAVAILABLE, f"data plane connection lost: {exc}") from None
             if kind == MSG:
                 yield pb.PeerReply.FromString(payload)
             elif kind == STATUS:
                 code, message = _parse_status(payload)
                 if code != grpc.StatusCode.OK:
-                    raise LinkError(code, message)
+                    raise TransportError(code, message)
                 return
             else:
-                raise LinkError(grpc.StatusCode.INTERNAL, f"unexpected frame kind {kind} from the data plane")
+                raise TransportError(grpc.StatusCode.INTERNAL, f"unexpected frame kind {kind} from the data plane")
 
 
-# ---------------------------------------------------------------------- chunk frames, by hand
-_CHUNK_FIELD = (2 << 3) | 2         # PeerFrame.chunk, length-delimited
-_DATA_FIELD_NUMBER = 6              # Chunk.data
-_DATA_FIELD = (_DATA_FIELD_NUMBER << 3) | 2
+class TcpTransport(Transport):
+    """The peer's data plane, found through ``discover()`` (``KVFlowPeer.DataPlane``: its port and a ticket,
+    or None when the peer has no such method). Not offered while the peer has none, or for ``RETRY_S``
+    after its port did not answer (a firewall, a port mapping that left it out)."""
+
+    kind = "tcp"
+
+    def __init__(self, peer: str, host: str, discover: Callable[[], Awaitable[Optional[pb.DataPlaneReply]]],
+                 clock=time.monotonic):
+        self.peer, self.host = peer, host
+        self._discover = discover
+        self._clock = clock
+        self._retry_at = 0.0
+
+    async def open(self) -> Stream:
+        plane = await self._discover()
+        if plane is None or not plane.port:
+            raise NotOffered(f"peer {self.peer!r} offers no data plane")
+        if self._clock() < self._retry_at:
+            raise NotOffered(f"data plane of {self.peer!r} unreachable a moment ago")
+        try:
+            return await TcpStream.connect(self.host, plane.port, plane.ticket, CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            self._retry_at = self._clock() + RETRY_S
+            log.warning("link to %s: data plane %s:%d unreachable (%s: %s); using the gRPC stream, "
+                        "retrying the data plane in %gs", self.peer, self.host, plane.port,
+                        type(exc).__name__, exc, RETRY_S)
+            raise NotOffered(f"data plane {self.host}:{plane.port} unreachable") from None
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def chunk_frame_prefix(chunk: pb.Chunk, n: int) -> bytes:
-    """The bytes of a serialized ``PeerFrame(chunk=...)`` that come before its ``n`` bytes of data: the
-    frame is built without copying the data into a protobuf message first (constructing a message with a
-    large bytes field costs ~1 ms per 256 KiB chunk on a busy host, more than everything else a chunk
-    costs). Prefix + data parse as the same PeerFrame: protobuf fields may come in any order."""
-    head = chunk.SerializeToString()
-    if not n:
-        return bytes((_CHUNK_FIELD,)) + _varint(len(head)) + head
-    data_len = _varint(n)
-    inner_len = len(head) + 1 + len(data_len) + n
-    return b"".join((bytes((_CHUNK_FIELD,)), _varint(inner_len), head, bytes((_DATA_FIELD,)), data_len))
-
-
-def encode_chunk_frame(chunk: pb.Chunk, data) -> bytes:
-    """A serialized ``PeerFrame(chunk=...)`` whose ``data`` is ``data`` (see ``chunk_frame_prefix``)."""
-    return chunk_frame_prefix(chunk, len(data)) + data
-
-
-class ChunkFrame:
-    """A ``PeerFrame(chunk=...)`` read without copying its data: ``chunk`` has every field but ``data``,
-    which is ``data``, a view of the received buffer (protobuf would copy it, twice: parsing and reading
-    the field; ~10% of a receiving sidecar's CPU)."""
-    __slots__ = ("chunk", "data")
-
-    def __init__(self, chunk: pb.Chunk, data):
-        self.chunk, self.data = chunk, data
-
-    @staticmethod
-    def WhichOneof(_group: str) -> str:
-        return "chunk"
-
-
-def _varint_at(buf, pos: int) -> Tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, pos
-        shift += 7
-
-
-def parse_chunk_frame(payload) -> Optional[ChunkFrame]:
-    """``payload`` as a ChunkFrame when it is a PeerFrame holding only a chunk; None otherwise (or when
-    anything is off: the caller then lets protobuf parse it, and judge it)."""
-    try:
-        if not payload or payload[0] != _CHUNK_FIELD:
-            return None
-        inner_len, start = _varint_at(payload, 1)
-        if start + inner_len != len(payload):
-            return None
-        pos, rest, data = start, [], b""
-        while pos < len(payload):
-            field_start = pos
-            tag, pos = _varint_at(payload, pos)
-            wire_type = tag & 7
-            if wire_type == 0:
-                _, pos = _varint_at(payload, pos)
-            elif wire_type == 1:
-                pos += 8
-            elif wire_type == 5:
-                pos += 4
-            elif wire_type == 2:
-                n, pos = _varint_at(payload, pos)
-                if tag >> 3 == _DATA_FIELD_NUMBER:
-                    if pos + n > len(payload):
-                        return None
-                    data = memoryview(payload)[pos:pos + n]
-                    pos += n
-                    continue
-                pos += n
-            else:
-                return None
-            if pos > len(payload):
-                return None
-            rest.append(bytes(payload[field_start:pos]))
-        return ChunkFrame(pb.Chunk.FromString(b"".join(rest)), data)
-    except Exception:       # noqa: BLE001 - protobuf decides
-        return None
-
+# ---------------------------------------------------------------------- receiving side
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -266,7 +188,7 @@ class _Abort(Exception):
 
 
 class _Context:
-    """What ``PeerService.serve_link`` needs of a gRPC servicer context."""
+    """What ``PeerService.serve`` needs of a gRPC servicer context."""
 
     async def abort(self, code: grpc.StatusCode, message: str):
         raise _Abort(code, message)
@@ -277,8 +199,8 @@ class _EOF:
 
 
 class _Connection(asyncio.BufferedProtocol):
-    """One sender's connection: frames are read straight into their own buffers, handed to
-    ``PeerService.serve_link`` in order, and its replies written back."""
+    """One sender's connection: frames are read straight into their own buffers, handed to the peer
+    service in order, and its replies written back."""
 
     def __init__(self, plane: "DataPlaneServer"):
         self.plane = plane
@@ -377,10 +299,10 @@ class _Connection(asyncio.BufferedProtocol):
             kind, payload = item
             source = self.plane.tickets.redeem(payload) if kind == HELLO else None
             if source is None:
-                self.plane.peer.sc.metrics.rejected.labels("UNAUTHENTICATED").inc()
+                self.plane.rejected(grpc.StatusCode.UNAUTHENTICATED)
                 raise _Abort(grpc.StatusCode.UNAUTHENTICATED,
                              "data plane needs a valid ticket (from KVFlowPeer.DataPlane), once")
-            async for reply in self.plane.peer.serve_link(source, self._requests(), _Context()):
+            async for reply in self.plane.serve(source, self._requests(), _Context()):
                 data = reply.SerializeToString()
                 self._send(MSG, data)
                 if not self.writable.is_set():
@@ -400,12 +322,15 @@ class _Connection(asyncio.BufferedProtocol):
 
 
 class DataPlaneServer:
-    """The receiving side's TCP listener; frames go to ``PeerService.serve_link`` like ``Link``'s."""
+    """The receiving side's TCP listener. ``serve(source, frames, context)`` handles one sender's frames and
+    yields the replies (``PeerService.serve``), ``parse`` turns a frame's bytes into a PeerFrame (or
+    MALFORMED), ``rejected(code)`` counts a refused connection."""
 
-    def __init__(self, peer_service, parse, max_frame_bytes: int):
-        self.peer = peer_service
-        self.parse = parse                      # bytes -> PeerFrame (or MALFORMED)
+    def __init__(self, serve, parse, max_frame_bytes: int, rejected: Callable[[grpc.StatusCode], None]):
+        self.serve = serve
+        self.parse = parse
         self.max_frame_bytes = max_frame_bytes
+        self.rejected = rejected
         self.tickets = Tickets()
         self.connections = set()
         self.server: Optional[asyncio.base_events.Server] = None

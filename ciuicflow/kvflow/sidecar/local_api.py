@@ -1,0 +1,174 @@
+"""``KVFlow``, the local API: ``Send`` (a request's header checked, then its messages ingested for the
+destination's peer sender), ``Recv`` (a received transfer delivered as it arrives), ``Stats`` and
+``ShmProbe``."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+import grpc
+
+from ..core.transfer import TransferFailed
+from ..proto import kvflow_pb2 as pb
+from ..proto import kvflow_pb2_grpc as pb_grpc
+from ..proto import shm as shmlib
+from ..proto.codec import MALFORMED
+from ..proto.messages import AUTH_METADATA, FLOW_METADATA, PAYLOAD_KINDS, check_key, priority_from_pb
+from .delivery import RecvRing, deliver
+
+log = logging.getLogger("ciuicflow.kvflow")
+
+
+class LocalApi(pb_grpc.KVFlowServicer):
+    """``KVFlow`` for the inference server beside this sidecar: sends go to ``senders`` (peer name ->
+    PeerSender) through ``ingest``; receives come from ``store``. ``api_token``: required if set;
+    ``local_shm``: shared-memory handoff allowed; ``shutting_down()`` refuses new work; ``stats()`` is the
+    document ``Stats`` returns."""
+
+    def __init__(self, senders, ingest, store, metrics, *, api_token: Optional[str], local_shm: bool,
+                 shutting_down: Callable[[], bool], stats: Callable[[], dict]):
+        self.senders = senders
+        self.ingest = ingest
+        self.store = store
+        self.metrics = metrics
+        self.api_token = api_token
+        self.local_shm = local_shm
+        self.shutting_down = shutting_down
+        self.stats = stats
+
+    async def _reject(self, context, code: grpc.StatusCode, message: str):
+        self.metrics.rejected.labels(code.name).inc()
+        await context.abort(code, message)
+
+    async def _check_auth(self, context):
+        token = self.api_token
+        if token and dict(context.invocation_metadata()).get(AUTH_METADATA) != f"Bearer {token}":
+            await self._reject(context, grpc.StatusCode.UNAUTHENTICATED, "local API needs a valid token")
+
+    # ------------------------------------------------------------------ Send
+    async def Send(self, request_iterator, context):
+        await self._check_auth(context)
+        if self.shutting_down():
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
+        flow = dict(context.invocation_metadata()).get(FLOW_METADATA, "").lower() == "enabled"
+        iterator = request_iterator.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "empty Send stream: expected a SendHeader")
+        if first is MALFORMED:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed SendRequest")
+        if first.WhichOneof("msg") != "header":
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "the first SendRequest must be a header")
+        h = first.header
+        err = check_key(h.key)
+        priority = priority_from_pb(h.priority)
+        if err:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, err)
+        if priority is None:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"unknown priority value {h.priority}")
+        if h.payload_kind and h.payload_kind not in PAYLOAD_KINDS:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"payload_kind must be one of {PAYLOAD_KINDS}, got {h.payload_kind!r}")
+        if h.deadline_s < 0 or h.lease_s < 0:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "deadline_s and lease_s must be >= 0")
+        sender = self.senders.get(h.dest)
+        if sender is None:
+            known = ", ".join(sorted(self.senders)) or "none"
+            await self._reject(context, grpc.StatusCode.NOT_FOUND, f"unknown peer {h.dest!r} (known: {known})")
+        outbox = sender.outbox
+        try:
+            t, done = outbox.create(h.key, priority, flow, h.deadline_s, h.payload_kind or "bytes", h.resume,
+                                    h.lease_s)
+        except TransferFailed as exc:
+            await self._reject(context, exc.code, exc.message)
+        ingest = asyncio.create_task(self.ingest.run(sender, t, iterator))
+        try:
+            await asyncio.wait({ingest, done}, return_when=asyncio.FIRST_COMPLETED)
+            if not done.done():
+                try:
+                    ingest.result()
+                except TransferFailed as exc:
+                    outbox.fail(t, exc.code, exc.message)
+                except Exception as exc:    # noqa: BLE001
+                    outbox.fail(t, grpc.StatusCode.CANCELLED, f"local sender stream broke: {exc}")
+            try:
+                return await done
+            except TransferFailed as exc:
+                if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
+                    self.metrics.rejected.labels(exc.code.name).inc()
+                await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:
+            outbox.fail(t, grpc.StatusCode.CANCELLED, "the local client cancelled the send")
+            raise
+        finally:
+            if not ingest.done():
+                ingest.cancel()
+            ingest.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+    # ------------------------------------------------------------------ Recv
+    async def Recv(self, request, context):
+        await self._check_auth(context)
+        if request is MALFORMED:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed RecvRequest")
+        err = check_key(request.key)
+        if err:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, err)
+        if request.timeout_s < 0:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0")
+        store = self.store
+        deadline = time.monotonic() + request.timeout_s if request.timeout_s > 0 else None
+        tomb = store.tombstones.get(request.key)
+        if request.key not in store.entries and tomb is not None and tomb[0] == "expired":
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"transfer {request.key!r} expired: not collected within its lease")
+        entry = await store.wait_for(request.key, deadline)
+        if entry is None:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no transfer with key {request.key!r} arrived within {request.timeout_s:g}s")
+        if entry.readers:
+            await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transfer {request.key!r} is already being received")
+        ring = None
+        if request.shm_path and self.local_shm and request.shm_ring_bytes:
+            try:
+                ring = RecvRing(shmlib.open_checked(request.shm_path, shmlib.shm_dir(), write=True),
+                                 request.shm_ring_bytes)
+                shmlib.unlink(request.shm_path)
+            except (OSError, ValueError) as exc:
+                log.info("Recv %r: shared memory not possible, sending in-band: %s", request.key, exc)
+        async for reply in deliver(entry, store, ring, deadline, request.timeout_s, self.shutting_down, context):
+            yield reply
+
+    # ------------------------------------------------------------------ Stats
+    async def Stats(self, request, context):
+        await self._check_auth(context)
+        return pb.StatsReply(json=json.dumps(self.stats()))
+
+    # ------------------------------------------------------------------ ShmProbe
+    async def ShmProbe(self, request, context):
+        await self._check_auth(context)
+        if request is MALFORMED:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed ShmProbeRequest")
+        if not self.local_shm:
+            return pb.ShmProbeReply(ok=False, message="shared memory is off (--no-local-shm)")
+        try:
+            fd = shmlib.open_checked(request.path, shmlib.shm_dir(), write=True)
+        except (OSError, ValueError) as exc:
+            return pb.ShmProbeReply(ok=False, message=f"cannot open {request.path!r}: {exc}")
+        try:
+            seen = os.pread(fd, len(request.nonce), 0)
+            if request.nonce and seen == request.nonce:
+                # written back after the first page: the client checks that this sidecar can write its files
+                os.pwrite(fd, seen, shmlib.PAGE)
+        except OSError as exc:
+            return pb.ShmProbeReply(ok=False, message=f"cannot use {request.path!r}: {exc}")
+        finally:
+            os.close(fd)
+        if not request.nonce or seen != request.nonce:
+            return pb.ShmProbeReply(ok=False, message="the file's content differs (another host or namespace)")
+        return pb.ShmProbeReply(ok=True)

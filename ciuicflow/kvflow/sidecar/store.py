@@ -1,0 +1,231 @@
+"""Received transfers, held until the local client collects them with ``Recv`` (for at most a lease)."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Dict, List, Optional, Tuple
+
+import grpc
+
+log = logging.getLogger("ciuicflow.kvflow.store")
+
+TOMBSTONES = 4096         # outcomes of transfers no longer held, kept for late receivers (most recent)
+
+
+class InChunk:
+    """A received chunk: bytes of one part from ``offset``, or, packed, several whole parts back to back
+    (``info`` and then ``more``)."""
+    __slots__ = ("part", "offset", "data", "info", "crc", "part_nbytes", "more")
+
+    def __init__(self, part, offset, data, info, crc, part_nbytes, more=()):
+        self.part = part
+        self.offset = offset
+        self.data = data
+        self.info = info
+        self.crc = crc
+        self.part_nbytes = part_nbytes
+        self.more = tuple(more)
+
+    @property
+    def last_part(self) -> int:
+        return self.part + len(self.more)
+
+    @property
+    def ends_part(self) -> bool:
+        return bool(self.more) or self.offset + len(self.data) >= self.part_nbytes
+
+    def spans(self):
+        """(part, offset, PartInfo or None, start, length) of each part's bytes in ``data``."""
+        first = len(self.data) - sum(m.nbytes for m in self.more)
+        yield self.part, self.offset, self.info, 0, first
+        start = first
+        for m in self.more:
+            yield m.index, 0, m, start, m.nbytes
+            start += m.nbytes
+
+
+class InTransfer:
+    def __init__(self, key: str, source: str, uuid: str, priority: str, payload_kind: str, lease_s: float,
+                 deadline: Optional[float]):
+        self.key = key
+        self.source = source
+        self.uuid = uuid
+        self.priority = priority
+        self.payload_kind = payload_kind
+        self.lease_s = lease_s
+        self.deadline = deadline
+        self.chunks: List[InChunk] = []
+        self.bytes = 0
+        self.total: Optional[int] = None
+        self.num_parts: Optional[int] = None
+        self.complete = False
+        self.failed: Optional[Tuple[grpc.StatusCode, str]] = None
+        now = time.monotonic()
+        self.created = now
+        self.last_activity = now
+        self.completed_at: Optional[float] = None
+        self.readers = 0
+        self.attached = None              # the peer stream feeding it, None while its sender is away
+        self.detached_at: Optional[float] = None
+        self.truncations: List[Tuple[int, int]] = []    # (generation, seq)
+        self.generation = 0
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def changed(self, timeout: Optional[float]) -> bool:
+        event = self._event
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def expected_next(self) -> Tuple[int, int, Optional[int]]:
+        """(part, offset, part_nbytes or None when a new part starts) of the next chunk."""
+        if not self.chunks:
+            return 0, 0, None
+        last = self.chunks[-1]
+        if last.ends_part:
+            return last.last_part + 1, 0, None
+        return last.part, last.offset + len(last.data), last.part_nbytes
+
+
+class Store:
+    """Received transfers by key, with leases (``lease_s``: the default); memory counted in ``budget``. A
+    transfer whose sender went away fails after ``resume_timeout_s``. ``spool``: a durable copy (optional)."""
+
+    def __init__(self, budget, metrics, lease_s: float, resume_timeout_s: float):
+        self.budget = budget
+        self.metrics = metrics
+        self.lease_s = lease_s
+        self.resume_timeout_s = resume_timeout_s
+        self.entries: Dict[str, InTransfer] = {}
+        self.tombstones: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
+        self._arrival = asyncio.Event()
+        self.completed = 0
+        self.expired = 0
+        self.collected = 0
+        self.spool = None
+
+    # ------------------------------------------------------------------ membership
+    def add(self, entry: InTransfer) -> None:
+        self.entries[entry.key] = entry
+        self.tombstones.pop(entry.key, None)
+        if self.spool:
+            self.spool.create(entry)
+        self._arrival.set()
+        self._arrival = asyncio.Event()
+
+    def _tombstone(self, entry: InTransfer, reason: str, code=None, message: str = "") -> None:
+        self.tombstones[entry.key] = (reason, entry.uuid, code, message)
+        self.tombstones.move_to_end(entry.key)
+        while len(self.tombstones) > TOMBSTONES:
+            self.tombstones.popitem(last=False)
+
+    def drop(self, entry: InTransfer, reason: str) -> None:
+        if self.entries.get(entry.key) is entry:
+            del self.entries[entry.key]
+        self._release(entry)
+        if self.spool:
+            self.spool.delete(entry)
+        code, message = entry.failed if entry.failed else (None, "")
+        self._tombstone(entry, reason, code, message)
+        entry.notify()
+
+    def _release(self, entry: InTransfer) -> None:
+        if entry.bytes:
+            self.budget.release(entry.source, entry.bytes)
+        entry.bytes = 0
+        entry.chunks = []
+
+    def truncate(self, entry: InTransfer, seq: int) -> None:
+        dropped = entry.chunks[seq:]
+        n = sum(len(c.data) for c in dropped)
+        del entry.chunks[seq:]
+        entry.bytes -= n
+        self.budget.release(entry.source, n)
+        entry.generation += 1
+        entry.truncations.append((entry.generation, seq))
+        if self.spool:
+            self.spool.rewrite(entry)
+
+    def fail(self, entry: InTransfer, code: grpc.StatusCode, message: str) -> None:
+        if entry.failed or entry.complete:
+            return
+        log.info("incoming transfer %r from %s failed: %s %s", entry.key, entry.source, code.name, message)
+        entry.failed = (code, message)
+        entry.last_activity = time.monotonic()
+        self._release(entry)
+        if self.spool:
+            self.spool.delete(entry)
+        self.metrics.transfers.labels(entry.source, entry.priority, "recv", code.name).inc()
+        entry.notify()
+
+    def mark_complete(self, entry: InTransfer) -> None:
+        entry.complete = True
+        entry.completed_at = time.monotonic()
+        self.completed += 1
+        if self.spool:
+            self.spool.complete(entry)
+        self.metrics.transfers.labels(entry.source, entry.priority, "recv", "OK").inc()
+        self.metrics.latency.labels(entry.priority, "recv").observe(entry.completed_at - entry.created)
+        entry.notify()
+
+    def collect(self, entry: InTransfer) -> None:
+        self.collected += 1
+        self.drop(entry, "collected")
+
+    async def wait_for(self, key: str, deadline: Optional[float]) -> Optional[InTransfer]:
+        while True:
+            entry = self.entries.get(key)
+            if entry is not None:
+                return entry
+            event = self._arrival
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                return None
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except asyncio.TimeoutError:
+                return None
+
+    # ------------------------------------------------------------------ leases, deadlines, lost senders
+    def sweep(self) -> None:
+        now = time.monotonic()
+        for entry in list(self.entries.values()):
+            if not entry.complete and not entry.failed:
+                if entry.deadline is not None and now > entry.deadline:
+                    self.fail(entry, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"transfer {entry.key!r} from {entry.source!r} missed its deadline "
+                              f"({len(entry.chunks)} chunks arrived)")
+                elif entry.attached is None and entry.detached_at is not None \
+                        and now - entry.detached_at > self.resume_timeout_s:
+                    self.fail(entry, grpc.StatusCode.UNAVAILABLE,
+                              f"sender {entry.source!r} went away mid-transfer and did not come back "
+                              f"within {self.resume_timeout_s:g}s")
+            if entry.readers:
+                continue
+            lease = entry.lease_s or self.lease_s
+            since = entry.completed_at if entry.complete else entry.last_activity
+            if now - since > lease:
+                if entry.complete:
+                    self.expired += 1
+                    self.metrics.leases_expired.inc()
+                    log.info("lease of %r from %s expired uncollected", entry.key, entry.source)
+                self.drop(entry, "expired")
+
+    def snapshot(self) -> dict:
+        return {
+            "transfers": len(self.entries),
+            "complete": sum(1 for e in self.entries.values() if e.complete),
+            "bytes": sum(e.bytes for e in self.entries.values()),
+            "completed": self.completed,
+            "collected": self.collected,
+            "expired": self.expired,
+            "keys": sorted(self.entries)[:100],
+        }
