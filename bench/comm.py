@@ -10,8 +10,8 @@ links' counters. Writes JSON (a list of records), a markdown table and a PNG cha
     python bench/comm.py --smoke                  # tiny and quick, for CI
     python bench/comm.py --methods allreduce,hierarchical_1bit,no_comm --rate 200mbit --json out/c.json
 
-Methods: allreduce, fp16_compress_hook, powerSGD_hook:R, hierarchical_allreduce, hierarchical_1bit,
-hierarchical_powersgd:R, onebit, powersgd:R, no_comm (":R" = rank, default 1). A ciuicflow hook that cannot be
+Methods: allreduce, fp16_compress_hook, powerSGD_hook:R, every method of ciuicflow's compression registry
+(ciuicflow/compression/registry.py; PowerSGD's as name:R), no_comm (":R" = rank, default 1). A ciuicflow hook that cannot be
 imported is skipped with a message; a method that crashes is recorded as failed and the rest still run.
 Needs root for namespaces; otherwise everything runs on loopback and every output says NOT SHAPED.
 """
@@ -30,9 +30,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from cluster_args import add_cluster_arguments  # noqa: E402
 WORKER = os.path.join(HERE, "comm_worker.py")
-DEFAULT_METHODS = ("allreduce,fp16_compress_hook,powerSGD_hook:1,powerSGD_hook:4,hierarchical_allreduce,"
-                   "hierarchical_1bit,hierarchical_powersgd:1,hierarchical_powersgd:4,onebit,powersgd:1,powersgd:4,"
-                   "no_comm")
+from ciuicflow.compression import registry  # noqa: E402
+
+
+def _default_methods() -> str:
+    """PyTorch's hooks, then every method of the registry (ranked ones at rank 1 and 4), no_comm."""
+    ours = []
+    for name, method in registry.METHODS.items():
+        ours += [f"{name}:1", f"{name}:4"] if method.entry.cost.kind == "lowrank" else [name]
+    return ",".join(["allreduce", "fp16_compress_hook", "powerSGD_hook:1", "powerSGD_hook:4", *ours,
+                     "no_comm"])
+
+
+DEFAULT_METHODS = _default_methods()
 SMOKE = dict(params=200_000, layers=4, batch=8, steps=3, warmup=2, bucket_cap_mb=0.25, nodes=2, ranks_per_node=2,
              lr=1e-3, probe_numel=1 << 18, timeout=240)
 

@@ -34,10 +34,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ciuicflow.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
+from ciuicflow.compression import registry  # noqa: E402
 
 TORCH_HOOKS = ("allreduce", "fp16_compress_hook", "powerSGD_hook")
-CIUICFLOW_HOOKS = ("hierarchical_allreduce", "hierarchical_1bit", "hierarchical_powersgd", "onebit", "powersgd")
-RANKED = ("powerSGD_hook", "hierarchical_powersgd", "powersgd")  # methods that take a rank (name:r)
+CIUICFLOW_HOOKS = tuple(registry.METHODS)
+# methods that take a rank (name:r)
+RANKED = ("powerSGD_hook",) + tuple(n for n, m in registry.METHODS.items() if m.entry.cost.kind == "lowrank")
 
 POWERSGD_NOTE = ("torch powerSGD_hook on gloo: each bucket's future is waited for inside the hook before returning "
                  "(unmodified, its P/Q all-reduces from future callbacks interleave across buckets and crash/hang)")
@@ -180,8 +182,8 @@ def ciuicflow_unavailable(name):
     """None when ciuicflow's hook `name` can be registered here, else why not (same answer on every rank)."""
     try:
         import ciuicflow
-        ciuicflow.register  # noqa: B018 - resolves ciuicflow.hooks
-        import ciuicflow.hooks as hooks
+        ciuicflow.register  # noqa: B018 - resolves ciuicflow.ddp
+        import ciuicflow.ddp.hooks as hooks
         getattr(hooks, name)
         if name != "hierarchical_allreduce":
             import ciuicflow.ops  # noqa: F401 - the compressing hooks need the native ops
@@ -331,8 +333,8 @@ def probe_machine(numels, repeat=5):
     tasks["matmul"] = lambda: [a @ q for _ in range(20)]
     try:
         import ciuicflow
-        from ciuicflow.collectives import shm
-        from ciuicflow.collectives.onebit import OneBitErrors
+        from ciuicflow.collectives import node_shm
+        from ciuicflow.compression.quantized import QuantizedErrors
         topology = ciuicflow.Topology.detect()
     except Exception as exc:  # the exact ring can still be measured
         out["ciuicflow_error"] = f"{type(exc).__name__}: {exc}"
@@ -340,7 +342,7 @@ def probe_machine(numels, repeat=5):
     if local > 1:
         # Intra-node bandwidth as the hierarchical collectives get it: through the node's shared
         # memory where ciuicflow uses it for CPU tensors, else gloo's all-reduce inside the node.
-        segment = shm.node_segment(topology) if topology is not None and topology.hierarchical \
+        segment = node_shm.node_segment(topology) if topology is not None and topology.hierarchical \
             else None
         out["intra_path"] = "shared_memory" if segment is not None else "gloo"
         # two sizes, so that the fixed cost per call (barriers, Python) and the cost per byte separate
@@ -356,7 +358,7 @@ def probe_machine(numels, repeat=5):
         y = torch.randn(n)
         tasks[(n, "flat_ring")] = lambda y=y: dist.all_reduce(y)
         if topology is not None:
-            errors = OneBitErrors()
+            errors = QuantizedErrors()
             ciuicflow.onebit_all_reduce(y, errors, topology, hierarchical=True)  # allocates its buffers
             tasks[(n, "hierarchical")] = lambda y=y: ciuicflow.hierarchical_all_reduce(y, topology)
             tasks[(n, "hierarchical_1bit")] = lambda y=y, e=errors: ciuicflow.onebit_all_reduce(

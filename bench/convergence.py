@@ -33,7 +33,7 @@ WORKER = os.path.join(HERE, "convergence_worker.py")
 
 
 def default_methods(task) -> list[str]:
-    from ciuicflow.hooks import HOOKS
+    from ciuicflow.ddp.hooks import HOOKS
 
     methods = ["exact", *HOOKS, "torch_powerSGD"]
     if task.adam_family:

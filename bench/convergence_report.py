@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ciuicflow.compression import registry  # noqa: E402
 
 # The exact baseline of each method: DDP's all-reduce with the task's own optimizer.
 EXACT = "exact"
-COMPRESSED_HOOKS = ("hierarchical_1bit", "onebit", "hierarchical_powersgd", "powersgd")
+COMPRESSED_HOOKS = tuple(registry.compressed_methods())
 OPTIMIZERS = ("onebit_adam", "zero_one_adam")
 
 

@@ -3,7 +3,7 @@ same batches, and rank 0 appends a JSON record per method to --out as soon as it
 
 Methods:
   exact            DDP with PyTorch's default all-reduce (its ``allreduce_hook``)
-  <ciuicflow hook> every hook of ``ciuicflow.hooks.HOOKS``, registered with its default state
+  <ciuicflow hook> every hook of ``ciuicflow.ddp.HOOKS``, registered with its default state
                    (``ciuicflow.register(ddp, name)``: nothing but the model's parameter names);
                    ``name@key=value;key=value`` sets options (comparisons only)
   torch_powerSGD   PyTorch's ``powerSGD_hook`` at the rank and warm-up of ciuicflow's
@@ -89,7 +89,8 @@ def make_optimizer(task, params):
 def setup(task, method):
     """(model, the module to call, optimizer, hook state or None, byte counter)."""
     import ciuicflow
-    from ciuicflow.hooks import DEFAULT_WARMUP_STEPS, HOOKS, POWERSGD_RANK
+    from ciuicflow.compression.powersgd import DEFAULT_RANK as POWERSGD_RANK
+    from ciuicflow.ddp.hooks import DEFAULT_WARMUP_STEPS, HOOKS
     from ciuicflow.optim import OneBitAdam, ZeroOneAdam
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd

@@ -5,23 +5,19 @@ torch.distributed machinery, and ``import ciuicflow`` stays cheap.
 """
 from importlib import import_module
 
+from ciuicflow.compression import registry as _registry
+
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# public name -> module that defines it; every method's hook and state come from the registry
 _EXPORTS = {
     "ops": "ciuicflow.ops",
     "Topology": "ciuicflow.topology",
     "hierarchical_all_reduce": "ciuicflow.collectives.hierarchical",
-    "onebit_all_reduce": "ciuicflow.collectives.onebit",
-    "OneBitState": "ciuicflow.hooks",
-    "PowerSGDState": "ciuicflow.hooks",
-    "AllReduceState": "ciuicflow.hooks",
-    "hierarchical_allreduce": "ciuicflow.hooks",
-    "hierarchical_1bit": "ciuicflow.hooks",
-    "hierarchical_powersgd": "ciuicflow.hooks",
-    "onebit": "ciuicflow.hooks",
-    "powersgd": "ciuicflow.hooks",
-    "register": "ciuicflow.hooks",
+    "onebit_all_reduce": "ciuicflow.compression.onebit",
+    **{name: "ciuicflow.ddp.hooks" for name in _registry.METHODS},
+    **{entry.state: "ciuicflow.ddp.hooks" for entry in _registry.ENTRIES},
+    "register": "ciuicflow.ddp.hooks",
     "monitor": "ciuicflow.monitor",
     "Monitor": "ciuicflow.monitor.monitor",
     "optim": "ciuicflow.optim",

@@ -10,8 +10,9 @@ cost of compression on the CPU, not the savings on a network.
 """
 import argparse
 
-METHODS = ("exact", "hierarchical_allreduce", "hierarchical_1bit", "hierarchical_powersgd",
-           "onebit", "powersgd")
+from ciuicflow.compression import registry
+
+METHODS = ("exact", *registry.METHODS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +79,7 @@ def _launch(args, methods):
     digits = load_digits()
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-                                "ciuicflow.hooks"])
+                                "ciuicflow.ddp"])
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=args.timeout))
     messages = ctx.Queue()
@@ -190,7 +191,7 @@ def _train_one(method, rank, world, config, digits, messages):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ciuicflow
-    from ciuicflow.collectives import Link, ring_all_reduce_bytes
+    from ciuicflow.collectives.primitives import Hop, ring_all_reduce_bytes
 
     x_train, y_train, x_test, y_test = _split(digits, config["seed"])
     torch.manual_seed(config["seed"])
@@ -204,7 +205,7 @@ def _train_one(method, rank, world, config, digits, messages):
         options = {}
         if method != "hierarchical_allreduce":
             options["warmup_steps"] = config["warmup_steps"]
-        if method.endswith("powersgd"):
+        if registry.method(method).entry.cost.kind == "lowrank":
             options["rank"] = config["rank"]
         state = ciuicflow.register(ddp, method, **options)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=0.9)
@@ -234,8 +235,8 @@ def _train_one(method, rank, world, config, digits, messages):
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item() * 100
     parameters = sum(p.numel() for p in model.parameters())
     if state is None:  # DDP's own flat all-reduce: the same byte model, computed
-        link = Link.flat(ciuicflow.Topology.detect())
-        inter_per_step = ring_all_reduce_bytes(parameters * 4, world) * link.inter_share
+        hop = Hop.flat(ciuicflow.Topology.detect())
+        inter_per_step = ring_all_reduce_bytes(parameters * 4, world) * hop.inter_share
         ratio = None
     else:
         stats = state.stats()

@@ -31,6 +31,9 @@ __all__ = [
     "onebit_unpack",
     "onebit_unpack_mean",
     "orthogonalize_",
+    "int8_pack",
+    "int8_unpack",
+    "int8_unpack_mean",
     "has_cuda_kernels",
 ]
 
@@ -107,6 +110,35 @@ def orthogonalize_(m: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
     return m
 
 
+def int8_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` to int8 with one scale per chunk, with error feedback.
+
+    ``y = x + error``; per chunk ``scale = max(|y|) / 127`` (NaN if the chunk holds a NaN);
+    ``values[i] = round_half_even(y[i] / scale)`` clamped to [-127, 127] (0 where the scale is 0 or
+    not finite); ``error`` (float32, same numel, contiguous) becomes ``y - values * scale``.
+
+    Returns ``(values, scales)``: int8 ``[n]`` and float32 ``[ceil(n/chunk_size)]``.
+    """
+    return torch.ops.ciuicflow.int8_pack(x, error, chunk_size)
+
+
+def int8_unpack(values: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[i] = values[i] * scales[i // chunk_size]``, float32 ``[numel]``."""
+    out = scales.new_empty(numel) if out is None else out
+    torch.ops.ciuicflow.int8_unpack_into(values, scales, numel, chunk_size, out)
+    return out
+
+
+def int8_unpack_mean(values: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``W`` int8 vectors: ``values [W, numel]``, ``scales [W, ceil(numel/chunk_size)]``,
+    summed in row order (the same bits on every rank that holds the same rows), float32."""
+    out = scales.new_empty(numel) if out is None else out
+    torch.ops.ciuicflow.int8_unpack_mean_into(values, scales, numel, chunk_size, out)
+    return out
+
+
 def has_cuda_kernels() -> bool:
     """Whether this build of the extension has the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("ciuicflow::onebit_pack", "CUDA")
@@ -147,4 +179,21 @@ def _onebit_unpack_mean_into_fake(packed, scales, numel, chunk_size, out):
 
 @torch.library.register_fake("ciuicflow::orthogonalize_")
 def _orthogonalize_fake(m, eps):
+    return None
+
+
+@torch.library.register_fake("ciuicflow::int8_pack")
+def _int8_pack_fake(x, error, chunk_size):
+    n = x.numel()
+    return (x.new_empty((n,), dtype=torch.int8),
+            x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))
+
+
+@torch.library.register_fake("ciuicflow::int8_unpack_into")
+def _int8_unpack_into_fake(values, scales, numel, chunk_size, out):
+    return None
+
+
+@torch.library.register_fake("ciuicflow::int8_unpack_mean_into")
+def _int8_unpack_mean_into_fake(values, scales, numel, chunk_size, out):
     return None

@@ -35,7 +35,7 @@ def _context():
         _CONTEXT = multiprocessing.get_context("forkserver")
         # what every child would import anyway; DDP's constructor imports torch._dynamo
         _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel",
-                                         "torch._dynamo", "ciuicflow.hooks"])
+                                         "torch._dynamo", "ciuicflow.ddp"])
     return _CONTEXT
 
 

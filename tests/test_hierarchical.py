@@ -33,9 +33,10 @@ def _gather(tensor):
 
 
 def _hierarchical_matches_exact(rank, world, node_sum="auto"):
-    from ciuicflow.collectives import Traffic
-    from ciuicflow.collectives import shm
-    from ciuicflow.collectives.hierarchical import NODE_SUM_ENV, hierarchical_all_reduce
+    from ciuicflow.collectives.primitives import Traffic
+    from ciuicflow.collectives import node_shm as shm
+    from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
+    from ciuicflow.collectives.routes import NODE_SUM_ENV
     from ciuicflow.topology import Topology
 
     os.environ[NODE_SUM_ENV] = node_sum
@@ -97,12 +98,13 @@ def test_world_size_one_is_identity():
 
 def _identity_check(rank, world):
     from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
-    from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
-    from ciuicflow.collectives.powersgd import PowerSGDMemory, powersgd_all_reduce
+    from ciuicflow.compression.onebit import onebit_all_reduce
+    from ciuicflow.compression.quantized import QuantizedErrors
+    from ciuicflow.compression.powersgd import PowerSGDMemory, powersgd_all_reduce
     x = torch.randn(6, 5)
     ok = True
     for reduce in (lambda t: hierarchical_all_reduce(t),
-                   lambda t: onebit_all_reduce(t, OneBitErrors(), hierarchical=False),
+                   lambda t: onebit_all_reduce(t, QuantizedErrors(), hierarchical=False),
                    lambda t: powersgd_all_reduce(t, PowerSGDMemory(), hierarchical=False)):
         y = x.clone()
         reduce(y)
@@ -116,7 +118,8 @@ def test_bad_inputs_raise_clear_errors():
 
 def _bad_inputs(rank, world):
     from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
-    from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
+    from ciuicflow.compression.onebit import onebit_all_reduce
+    from ciuicflow.compression.quantized import QuantizedErrors
     with pytest.raises(TypeError, match="floating-point"):
         hierarchical_all_reduce(torch.ones(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="contiguous"):
@@ -124,7 +127,7 @@ def _bad_inputs(rank, world):
     with pytest.raises(ValueError, match="op must be"):
         hierarchical_all_reduce(torch.ones(4), op="max")
     with pytest.raises(ValueError, match="multiple of 8"):
-        onebit_all_reduce(torch.ones(4), OneBitErrors(), chunk_size=12)
+        onebit_all_reduce(torch.ones(4), QuantizedErrors(), chunk_size=12)
     return True
 
 
@@ -134,12 +137,13 @@ def _bad_inputs(rank, world):
 def _onebit_invariant(rank, world, hierarchical, chunk_size, numel, steps, exclude_every,
                       server=True):
     """Run `steps` compressed all-reduces; return what the invariant check needs."""
-    from ciuicflow.collectives import Traffic
-    from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
+    from ciuicflow.collectives.primitives import Traffic
+    from ciuicflow.compression.onebit import onebit_all_reduce
+    from ciuicflow.compression.quantized import QuantizedErrors
     from ciuicflow.topology import Topology
 
     topology = Topology.detect()
-    errors = OneBitErrors()
+    errors = QuantizedErrors()
     mask = None
     if exclude_every:
         mask = torch.zeros(numel, dtype=torch.bool)
@@ -196,7 +200,7 @@ def test_onebit_error_feedback_invariant_and_overflow():
 
 
 def _onebit_overflow_by_reduce_scatter(rank, world):
-    from ciuicflow.collectives.hierarchical import NODE_SUM_ENV
+    from ciuicflow.collectives.routes import NODE_SUM_ENV
 
     os.environ[NODE_SUM_ENV] = "reduce_scatter"
     return _onebit_overflow(rank, world)
@@ -260,10 +264,11 @@ def _check_onebit_invariant(results, world, nodes, steps, hierarchical, chunk_si
 
 
 def _onebit_overflow(rank, world):
-    from ciuicflow.collectives import Traffic
-    from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
+    from ciuicflow.collectives.primitives import Traffic
+    from ciuicflow.compression.onebit import onebit_all_reduce
+    from ciuicflow.compression.quantized import QuantizedErrors
 
-    errors, traffic = OneBitErrors(), Traffic()
+    errors, traffic = QuantizedErrors(), Traffic()
     onebit_all_reduce(_input(rank, 1, 300), errors, chunk_size=16, traffic=traffic)
     before = (errors.worker.clone(), errors.server.clone())
     x = _input(rank, 2, 300)
@@ -281,8 +286,8 @@ def _onebit_overflow(rank, world):
 
 
 def _powersgd_checks(rank, world, hierarchical):
-    from ciuicflow.collectives import Traffic
-    from ciuicflow.collectives.powersgd import PowerSGDMemory, powersgd_all_reduce
+    from ciuicflow.collectives.primitives import Traffic
+    from ciuicflow.compression.powersgd import PowerSGDMemory, powersgd_all_reduce
 
     shapes = [(24, 16), (16,), (8, 2, 3), (5,)]
     numel = sum(torch.Size(s).numel() for s in shapes)
@@ -336,8 +341,8 @@ def test_powersgd_exact_at_full_rank_error_feedback_invariant_and_overflow():
 
 
 def _powersgd_overflow(rank, world):
-    from ciuicflow.collectives import Traffic
-    from ciuicflow.collectives.powersgd import PowerSGDMemory, powersgd_all_reduce
+    from ciuicflow.collectives.primitives import Traffic
+    from ciuicflow.compression.powersgd import PowerSGDMemory, powersgd_all_reduce
 
     memory, traffic = PowerSGDMemory(), Traffic()
     powersgd_all_reduce(_input(rank, 1, 400).view(20, 20), memory, traffic=traffic)
@@ -359,7 +364,7 @@ def _powersgd_overflow(rank, world):
 def _shared_memory_fallback(rank, world, break_attach):
     import warnings
 
-    from ciuicflow.collectives import shm
+    from ciuicflow.collectives import node_shm as shm
     from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
     from ciuicflow.topology import Topology
 
@@ -407,15 +412,16 @@ def test_shared_memory_node_sum_and_its_fallback(break_attach):
 
 def _onebit_decay_and_guard(rank, world):
     from ciuicflow import ops
-    from ciuicflow.collectives import Traffic
-    from ciuicflow.collectives.onebit import OneBitErrors, onebit_all_reduce
+    from ciuicflow.collectives.primitives import Traffic
+    from ciuicflow.compression.onebit import onebit_all_reduce
+    from ciuicflow.compression.quantized import QuantizedErrors
     from ciuicflow.topology import Topology
 
     topology = Topology.detect()
     numel, chunk = 1000, 40
     out = {}
     # error_decay=0: no memory at all, the mean of each rank's scale x sign of its own input
-    errors = OneBitErrors()
+    errors = QuantizedErrors()
     for step in range(3):
         x = _input(rank, 50 + step, numel)
         onebit_all_reduce(x, errors, topology, hierarchical=False, chunk_size=chunk,
@@ -429,7 +435,7 @@ def _onebit_decay_and_guard(rank, world):
         out["decay0_gap"] = max(out["decay0_gap"], (x.double() - want).abs().max().item())
     # the guard: a threshold every step exceeds makes the next step exact and send the memory
     for server in (True, False):
-        errors, traffic = OneBitErrors(), Traffic()
+        errors, traffic = QuantizedErrors(), Traffic()
         x0 = _input(rank, 60, numel)
         onebit_all_reduce(x0, errors, topology, chunk_size=chunk, server=server,
                           guard_threshold=1e-6, traffic=traffic)

@@ -211,17 +211,18 @@ def _modes(rank, world):
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     for step in range(12):
         _step(ddp, optimizer, rank, step)
-    default = ciuicflow.hooks.default_state("hierarchical_powersgd")
+    default = ciuicflow.ddp.default_state("hierarchical_powersgd")
     out["default_state"] = {"iter": default.iter, "topology": default.topology.describe(),
                             "equal": _replicas_equal(_flat_params(model)),
                             "compressed": default.stats()["compressed_steps"]}
     # an empty bucket (DDP does not make one here; the hooks' bucket path is fed one directly)
-    from ciuicflow.hooks import _Bucket
+    import ciuicflow.ddp
+    from ciuicflow.ddp.bucket import BucketView
     for state in (ciuicflow.AllReduceState(), ciuicflow.OneBitState(warmup_steps=0),
                   ciuicflow.PowerSGDState(warmup_steps=0)):
-        for hierarchical in (True, False):
-            empty = _Bucket(0, torch.empty(0), True, [], [])
-            assert state._reduce_bucket(empty, 0, hierarchical).numel() == 0
+        for route in ("hierarchical", "flat"):
+            empty = BucketView(0, torch.empty(0), True, [], [])
+            assert state._reduce_bucket(empty, 0, route).numel() == 0
     out["empty"] = _replicas_equal(torch.ones(3))  # every rank got here, none hung
     return out
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ciuicflow import cli
-from ciuicflow.hooks import AllReduceState
+from ciuicflow.ddp.state import AllReduceState
 from ciuicflow.monitor import Monitor, find_hang_suspects, find_stragglers, load_run, traffic_matrix
 from ciuicflow.monitor.stragglers import HangWatchdog, Heartbeat, describe_hang
 from tests.dist_utils import run_distributed

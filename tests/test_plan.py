@@ -36,9 +36,14 @@ def test_parsers():
 
 
 def test_planner_defaults_are_the_hooks_defaults():
-    from ciuicflow import hooks
+    import ciuicflow
 
-    assert pl.ONEBIT_CHUNK == hooks.ONEBIT_CHUNK_SIZE and pl.POWERSGD_RANK == hooks.POWERSGD_RANK
+    assert pl.POWERSGD_RANK == ciuicflow.PowerSGDState().rank
+    # every compressing method of the registry is a strategy, with the hooks' chunk size
+    from ciuicflow.compression import registry
+    assert set(registry.compressed_methods()) <= set(pl.STRATEGIES)
+    for state, family in ((ciuicflow.OneBitState(), "onebit"), (ciuicflow.Int8State(), "int8")):
+        assert state.chunk_size == registry.FAMILIES[family].cost.chunk_size
 
 
 def _cluster(nodes=2, gpus=2, intra=10e9, inter=1e9, lat=0.0):

@@ -13,9 +13,8 @@ It looks at:
   ``NCCL_P2P_DISABLE``, ``NCCL_NET_GDR_LEVEL``, ``NCCL_DEBUG``, ...) checked against the hardware;
 - torch, NCCL and gloo, and whether ciuicflow's extension has CUDA kernels;
 
-and ends with recommendations: which hook (``hierarchical_allreduce``, ``hierarchical_1bit``,
-``hierarchical_powersgd``, ``onebit``, ``powersgd``) and which variables. Bandwidths it quotes
-are nominal rates for comparison (25 GB/s per NVLink per direction, PCIe 4.0 x16 class figures),
+and ends with recommendations: which hook (a method of the compression registry) and which
+variables. Bandwidths it quotes are nominal rates for comparison (25 GB/s per NVLink per direction, PCIe 4.0 x16 class figures),
 not measurements; ``ciuicflow plan`` turns them into step-time predictions.
 
 ``detect_interconnect()`` returns the parsed interconnect (NVLink islands, GPUs per island, a

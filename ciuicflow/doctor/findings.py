@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ciuicflow.compression import registry
 from ciuicflow.doctor.interconnect import Interconnect
 
 
@@ -21,6 +22,10 @@ class Recommendation:
     options: dict = field(default_factory=dict)  # keyword arguments of ciuicflow.register
     env: dict = field(default_factory=dict)
     command: str | None = None
+
+    def __post_init__(self):
+        if self.hook is not None:
+            registry.method(self.hook)  # a hook the registry does not know is a bug here
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """Recommendations: which hook across and within nodes, which variables, what to plan."""
 from __future__ import annotations
 
+from ciuicflow.compression import registry
 from ciuicflow.doctor.findings import Diagnosis, Recommendation
 from ciuicflow.doctor.interconnect import Interconnect
 from ciuicflow.doctor.nccl import ib_hca_matches, socket_ifname_matches, switched_on
 
-# the hooks the doctor chooses among
-# method names: to be read from the compression registry
-HOOKS = ("hierarchical_allreduce", "hierarchical_1bit", "hierarchical_powersgd", "onebit", "powersgd")
+# the hooks the doctor chooses among: every method of the compression registry
+HOOKS = tuple(registry.METHODS)
+_POWERSGD_RANK = registry.FAMILIES["powersgd"].cost.rank
 
 
 def _inter_node_gbit(d: Diagnosis, environ: dict) -> tuple[float | None, str]:
@@ -102,8 +103,9 @@ def _multi_node_hook(ic, inter_gbit, carrier, nodes) -> Recommendation:
             "hierarchical_powersgd compresses further for models made of large matrices",
             hook="hierarchical_1bit")
     return Recommendation(
-        f"hook {where}", facts + ": a slow network; low-rank compression (rank 16 by default: "
-        "16x+ less inter-node traffic for large matrices) between nodes, exact inside; "
+        f"hook {where}", facts + f": a slow network; low-rank compression (rank {_POWERSGD_RANK} by "
+        f"default: {_POWERSGD_RANK}x+ less inter-node traffic for large matrices) between nodes, "
+        "exact inside; "
         "hierarchical_1bit if the model is mostly small or non-matrix parameters",
         hook="hierarchical_powersgd")
 

@@ -69,7 +69,7 @@ class StatsSource:
         the memory (an optimizer's state_dict may copy every buffer)."""
         if self.owner is None:
             return False
-        from ciuicflow.hooks import AllReduceState
+        from ciuicflow.ddp.state import AllReduceState
 
         return isinstance(self.owner, AllReduceState)
 

@@ -31,7 +31,6 @@ exactly zero).
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -39,9 +38,11 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ciuicflow.collectives import Traffic
 from ciuicflow.collectives.hierarchical import flat_all_reduce, hierarchical_all_reduce
-from ciuicflow.collectives.onebit import DEFAULT_CHUNK_SIZE, OneBitErrors, onebit_all_reduce
+from ciuicflow.collectives.primitives import Traffic
+from ciuicflow.compression.onebit import DEFAULT_CHUNK_SIZE, OneBitCompressor
+from ciuicflow.compression.quantized import QuantizedErrors, quantized_all_reduce
+from ciuicflow.optim.engines import prepare_engines
 from ciuicflow.topology import Topology
 
 _STATE_KEY = "onebit"
@@ -57,7 +58,7 @@ class _FlatBucket:
     flats: dict  # state key -> flat buffer
     exact_mask: torch.Tensor | None
     group_indices: list  # (param group, indices into params of its members)
-    errors: OneBitErrors = field(default_factory=OneBitErrors)
+    errors: QuantizedErrors = field(default_factory=QuantizedErrors)
     cache: dict = field(default_factory=dict)  # derived from the state; rebuilt after a load
 
     def views(self, flat: torch.Tensor) -> list:
@@ -90,6 +91,9 @@ class CompressedMomentumOptimizer(Optimizer):
         self.group = group
         self.hierarchical = bool(hierarchical)
         self.chunk_size = int(chunk_size)
+        # 1-bit Adam's exchange: two phases, all of the error carried over, no accuracy guard
+        self._compressor = OneBitCompressor(chunk_size=self.chunk_size, error_decay=1.0, phases=2,
+                                            guard="off")
         self.caller_averages_grads = bool(caller_averages_grads)
         self.traffic = Traffic()  # modelled bytes sent by this rank, warm-up and compressed
         self.steps_taken = 0
@@ -99,9 +103,7 @@ class CompressedMomentumOptimizer(Optimizer):
         self._loaded_errors: list | None = None
         self._exact_step_listeners: list = []
         self._skip_next_steps = 0  # DeepSpeed's state-allocating step (see integrations.deepspeed)
-        if "deepspeed" in sys.modules:  # deepspeed.initialize must know how to drive us
-            from ciuicflow.integrations.deepspeed import install
-            install()
+        prepare_engines()  # deepspeed.initialize must know how to drive us
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_buckets", None) is not None or getattr(self, "steps_taken", 0):
@@ -193,9 +195,9 @@ class CompressedMomentumOptimizer(Optimizer):
 
     def _compressed_average(self, bucket: _FlatBucket, flat: torch.Tensor) -> None:
         """Average ``flat`` (laid out as the bucket) in place: 1-bit with the bucket's errors."""
-        onebit_all_reduce(flat, bucket.errors, self._topo(), hierarchical=self.hierarchical,
-                          chunk_size=self.chunk_size, exact_mask=bucket.exact_mask,
-                          measure=False, traffic=self.traffic)  # no accuracy guard here
+        quantized_all_reduce(self._compressor, flat, bucket.errors, self._topo(),
+                             hierarchical=self.hierarchical, exact_mask=bucket.exact_mask,
+                             traffic=self.traffic)
 
     def _notify_exact_step(self) -> None:
         for listener in self._exact_step_listeners:

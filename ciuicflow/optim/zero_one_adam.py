@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ciuicflow.collectives.onebit import DEFAULT_CHUNK_SIZE, OneBitErrors
+from ciuicflow.compression.onebit import DEFAULT_CHUNK_SIZE
+from ciuicflow.compression.quantized import QuantizedErrors
 from ciuicflow.optim.onebit_adam import CompressedMomentumOptimizer, _check_adam_args, _FlatBucket
 
 
@@ -128,7 +129,7 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
                     self.var_interval *= 2
             if t >= self.var_freeze_step:
                 for bucket in buckets:
-                    bucket.errors = OneBitErrors()  # they held gradients; from now on, directions
+                    bucket.errors = QuantizedErrors()  # they held gradients; from now on, directions
                 self.steps_since_sync = 0
                 self._restart_sums()
                 self._set_frozen(True)

@@ -35,12 +35,12 @@ from ciuicflow.plan.calibration import (TCP_EFFICIENCY, calibrate, fit_local_sec
 from ciuicflow.plan.cli import add_arguments, run, table
 from ciuicflow.plan.cost_model import Estimate, estimate, plan, recommend
 from ciuicflow.plan.inputs import ClusterSpec, Workload, compute_seconds_from_flops, powersgd_elements
-from ciuicflow.plan.methods import (BENCH_METHODS, EXACT_STRATEGIES, ONEBIT_CHUNK, POWERSGD_RANK, RANKED,
+from ciuicflow.plan.methods import (BENCH_METHODS, EXACT_STRATEGIES, POWERSGD_RANK, RANKED,
                                     STRATEGIES)
 from ciuicflow.plan.units import parse_bandwidth, parse_count, parse_seconds
 
 __all__ = [
-    "STRATEGIES", "EXACT_STRATEGIES", "RANKED", "BENCH_METHODS", "ONEBIT_CHUNK", "POWERSGD_RANK",
+    "STRATEGIES", "EXACT_STRATEGIES", "RANKED", "BENCH_METHODS", "POWERSGD_RANK",
     "parse_count", "parse_bandwidth", "parse_seconds", "ClusterSpec", "Workload",
     "compute_seconds_from_flops", "powersgd_elements", "Estimate", "estimate", "plan", "recommend",
     "TCP_EFFICIENCY", "machine_cluster", "fit_local_seconds_per_element", "calibrate",

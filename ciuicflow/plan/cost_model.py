@@ -5,7 +5,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ciuicflow.plan.inputs import ClusterSpec, Workload, powersgd_elements
-from ciuicflow.plan.methods import EXACT_STRATEGIES, POWERSGD_RANK, RANKED, STRATEGIES
+from ciuicflow.plan.methods import EXACT_STRATEGIES, POWERSGD_RANK, RANKED, STRATEGIES, cost, \
+    hierarchical
 
 @dataclass
 class Estimate:
@@ -95,12 +96,12 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
         parts["ring"] = comm
     elif strategy == "hierarchical":
         comm, inter, intra = _hierarchical(c, nbytes, parts=parts)
-    elif strategy in ("hierarchical_1bit", "onebit"):
-        comm, inter, intra, compress = _onebit(c, w, strategy == "hierarchical_1bit", parts)
+    elif cost(strategy).kind == "quantized":
+        comm, inter, intra, compress = _quantized(c, w, cost(strategy), hierarchical(strategy), parts)
     else:
         # each bucket holds its share of the matrices
         elements = [e / buckets for e in powersgd_elements(workload, rank)]
-        comm, inter, intra, compress = _powersgd(c, w, rank, elements, strategy == "hierarchical_powersgd", parts)
+        comm, inter, intra, compress = _powersgd(c, w, rank, elements, hierarchical(strategy), parts)
     comm = (comm + compress) * buckets
     inter, intra, compress = inter * buckets, intra * buckets, compress * buckets
     parts = {k: v * buckets for k, v in parts.items()}
@@ -110,10 +111,12 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
                     parts, buckets)
 
 
-def _onebit(c: ClusterSpec, w: Workload, hierarchical: bool, parts: dict) -> tuple:
+def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, parts: dict) -> tuple:
+    """A quantising method (1-bit, int8): the two-phase exchange of compression.quantized."""
     g, n, p = c.gpus_per_node, c.nodes, c.world
     elems = w.params
-    per_elem = 1 / 8 + 4 / w.onebit_chunk  # sign bits + one float32 scale per chunk
+    chunk = w.chunk_size or method_cost.chunk_size
+    per_elem = method_cost.payload_bits / 8 + 4 / chunk  # the values + one float32 scale per chunk
     if hierarchical and n > 1 and g > 1:
         nbytes = elems * w.grad_bytes
         rs = _scatter_or_gather(g, nbytes, c.intra_bw, c.intra_latency)

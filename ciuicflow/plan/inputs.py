@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ciuicflow.plan.methods import ONEBIT_CHUNK
 
 @dataclass
 class ClusterSpec:
@@ -48,7 +47,7 @@ class Workload:
     grad_bytes: int = 4
     hidden: int | None = None
     matrix_shapes: list | None = None
-    onebit_chunk: int = ONEBIT_CHUNK
+    chunk_size: int | None = None  # elements per scale of the quantising methods (default: each one's)
     # compressors' element-wise work per gradient element; GPU default: ~10 passes of 4 bytes at 2 TB/s
     local_seconds_per_element: float = 2e-11
     matmul_flops: float = 5e13  # float32 matmul flop/s for PowerSGD's factors

@@ -1,17 +1,26 @@
-"""The strategies the planner models, and the hooks' parameters it assumes."""
+"""The strategies the planner models: the two exact all-reduces and every compressing method of the
+compression registry, with the registry's defaults (chunk sizes, ranks)."""
+from ciuicflow.compression import registry
 
-# method names: to be read from the compression registry
-STRATEGIES = ("flat_ring", "hierarchical", "hierarchical_1bit", "hierarchical_powersgd", "onebit", "powersgd")
 EXACT_STRATEGIES = ("flat_ring", "hierarchical")
-RANKED = ("hierarchical_powersgd", "powersgd")
+STRATEGIES = EXACT_STRATEGIES + tuple(registry.compressed_methods())
+RANKED = tuple(name for name in STRATEGIES[2:] if registry.method(name).entry.cost.kind == "lowrank")
 
 # bench/comm.py method -> (strategy, gradient bytes per element on the wire)
 BENCH_METHODS = {
-    "allreduce": ("flat_ring", 4), "fp16_compress_hook": ("flat_ring", 2), "powerSGD_hook": ("powersgd", 4),
-    "hierarchical_allreduce": ("hierarchical", 4), "hierarchical_1bit": ("hierarchical_1bit", 4),
-    "hierarchical_powersgd": ("hierarchical_powersgd", 4), "onebit": ("onebit", 4), "powersgd": ("powersgd", 4),
+    "allreduce": ("flat_ring", 4), "fp16_compress_hook": ("flat_ring", 2),
+    "powerSGD_hook": (registry.FAMILIES["powersgd"].methods["flat"], 4),
+    registry.FAMILIES["allreduce"].methods["hierarchical"]: ("hierarchical", 4),
+    **{name: (name, 4) for name in STRATEGIES[2:]},
 }
 
-# the hooks' defaults, which the model assumes (tests/test_plan.py checks that they agree)
-ONEBIT_CHUNK = 256  # elements per scale of the 1-bit hooks
-POWERSGD_RANK = 16  # the PowerSGD hooks' rank
+POWERSGD_RANK = registry.FAMILIES["powersgd"].cost.rank  # the rank when none is given
+
+
+def cost(strategy: str) -> registry.Cost:
+    """The registry's cost description of a compressing strategy."""
+    return registry.method(strategy).entry.cost
+
+
+def hierarchical(strategy: str) -> bool:
+    return registry.method(strategy).hierarchical

@@ -1,5 +1,5 @@
 // CUDA registrations: argument checks and allocation in ATen, the work in kernels.cu.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor> onebit_pack_cuda(const at::Tensor& x, at::Ten
   auto scales = at::empty({ceil_div(n, chunk_size)}, x.options().dtype(at::kFloat));
   check_cuda(cuda::onebit_pack(xc.const_data_ptr(), elem_type(xc), error.data_ptr<float>(),
                                packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), n, chunk_size,
-                               at::cuda::getCurrentCUDAStream()),
+                               c10::cuda::getCurrentCUDAStream()),
              "onebit_pack");
   return {packed, scales};
 }
@@ -45,7 +45,7 @@ void onebit_unpack_into_cuda(const at::Tensor& packed, const at::Tensor& scales,
   auto sc = scales.contiguous();
   check_cuda(cuda::onebit_unpack(pc.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(),
                                  out.data_ptr<float>(), numel, chunk_size,
-                                 at::cuda::getCurrentCUDAStream()),
+                                 c10::cuda::getCurrentCUDAStream()),
              "onebit_unpack");
 }
 
@@ -58,7 +58,7 @@ void onebit_unpack_mean_into_cuda(const at::Tensor& packed, const at::Tensor& sc
   auto sc = scales.contiguous();
   check_cuda(cuda::onebit_unpack_mean(pc.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(),
                                       out.data_ptr<float>(), pc.size(0), numel, chunk_size,
-                                      at::cuda::getCurrentCUDAStream()),
+                                      c10::cuda::getCurrentCUDAStream()),
              "onebit_unpack_mean");
 }
 
@@ -83,7 +83,7 @@ void orthogonalize_cuda(at::Tensor& m, double eps) {
   auto rows = columns_as_float_rows(m);
   check_cuda(cuda::gram_schmidt_rows(rows.data_ptr<float>(), rows.size(0), rows.size(1),
                                      rows.size(2), static_cast<float>(eps),
-                                     at::cuda::getCurrentCUDAStream()),
+                                     c10::cuda::getCurrentCUDAStream()),
              "orthogonalize_");
   write_back_columns(m, rows);
 }

@@ -29,6 +29,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ciuicflow.collectives.primitives import nonfinite_flag
+
 _ALIGN = 64
 _TOKEN_BYTES = 16
 _NAME_BYTES = 256
@@ -60,8 +62,6 @@ class NodeSegment:
     def node_sum(self, flat: torch.Tensor, shard_len: int, with_flag: bool):
         """Step 1-2 for ``flat``: return (this rank's shard of the node sum, a view into the
         segment; the node's non-finite flag or None)."""
-        from ciuicflow.collectives.hierarchical import nonfinite_flag
-
         padded = shard_len * self.local_size
         inputs, output, flags = self._areas(flat.dtype, padded)
         mine = inputs[self.local_rank]

@@ -1,27 +1,29 @@
-"""Two-phase 1-bit all-reduce with error feedback, in the form 1-bit Adam uses.
+"""Quantisation with error feedback over a route: what 1-bit and int8 share.
 
-Over a group of W ranks, a tensor is cut into W segments; rank j is the "server" of segment j.
+A ``Codec`` turns a float vector into bytes: a payload and one float32 scale per chunk of
+``chunk`` elements, with error feedback (``pack(x, error)`` adds ``error`` to ``x``, quantises, and
+leaves in ``error`` what the quantisation dropped). ``QuantizedStep`` runs the exchange over a hop
+of W ranks in one of two forms:
 
-1. worker: each rank adds its worker error to its tensor, keeps the sign of every element and one
-   scale (mean |value|) per chunk, and keeps what that drops as its new worker error;
-2. all-to-all: segment j of every rank goes to rank j;
-3. server: rank j averages the W compressed copies of its segment (``onebit_unpack_mean``), adds
-   its server error, compresses again and keeps what that drops as its server error;
-4. all-gather: every rank receives every compressed segment and decompresses the whole tensor.
+- two phases (the form 1-bit Adam uses): the tensor is cut into W segments and rank j is the
+  "server" of segment j.
+  1. worker: each rank packs its tensor plus its worker error, keeping what that drops;
+  2. all-to-all: segment j of every rank goes to rank j;
+  3. server: rank j averages the W packed copies of its segment (``unpack_mean``), adds its server
+     error, packs again and keeps what that drops as its server error;
+  4. all-gather: every rank receives every packed segment and unpacks the whole tensor.
+- one phase: every rank gathers every rank's packed tensor and averages them itself: no second
+  quantisation, (W-1) instead of 2(W-1)/W of the packed bytes, the same for W = 2.
 
-Both collectives carry about 1/32 of the float32 bytes. The result is bit-for-bit the same on
-every rank (it is decompressed from the same bytes). What has not been sent yet is exactly what
-the error buffers hold: summed over steps, output + mean(worker errors) + server errors equals the
-sum of the exact means (see tests/test_hierarchical.py).
+The result is bit-for-bit the same on every rank (it is unpacked from the same bytes). What has not
+been sent yet is exactly what the error buffers hold: summed over steps, output + mean(worker
+errors) + server errors equals the sum of the exact means (tests/test_hierarchical.py).
 
-Positions that must stay exact (parameters excluded from compression) travel in the same two
-collectives as float32 values: summed by their server, gathered back: a reduce-scatter and an
-all-gather, that is an all-reduce, with no extra round trip. Every rank also sends a non-finite
-flag to every server; when any rank holds inf/NaN the step becomes an exact all-reduce and the
-error buffers are left as they were (AMP's GradScaler then sees the overflow and skips the step).
-
-``onebit_all_reduce`` runs it flat over the whole group, or as the inter-node step of the
-hierarchical all-reduce (then the error buffers hold node-level quantities: one per shard).
+Positions that must stay exact (parameters excluded from compression) travel in the same
+collectives as float32 values: summed by their server, gathered back. Every rank also sends a
+non-finite flag (and, for the accuracy guard, two norms) to every server; when any rank holds
+inf/NaN the step becomes an exact all-reduce and the error buffers are left as they were (AMP's
+GradScaler then sees the overflow and skips the step).
 """
 from __future__ import annotations
 
@@ -30,38 +32,62 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ciuicflow.collectives import Link, Traffic, all_gather, all_reduce, all_to_all, \
-    ring_all_reduce_bytes, snapshot, update_guard
-from ciuicflow.collectives.hierarchical import add_exact_traffic, check_reducible, \
-    nonfinite_flag, reduce_in_place
+from ciuicflow.collectives.primitives import Hop, Traffic, all_gather, all_reduce, all_to_all, \
+    check_reducible, nonfinite_flag
+from ciuicflow.collectives.routes import FlatRoute, HierarchicalRoute
 from ciuicflow.topology import Topology
-
-# Elements per scale. A chunk's scale is the mean |value| of its elements, so a chunk spanning
-# elements of different size sends the small ones a large +-scale (noise) and the large ones too
-# little (delay). 256 costs 1/8 bit of scale per element (28x against float32, not 31x); with 2048,
-# bench/convergence.py lost accuracy with every 1-bit method, and ZeroOneAdam diverged on its
-# regression task (docs/convergence.md).
-DEFAULT_CHUNK_SIZE = 256
+from ciuicflow.compression.base import Compressor, Context, GuardedMemory, guard_due, \
+    snapshot, update_guard
 
 
-class OneBitErrors:
-    """Error-feedback memory of one tensor's 1-bit all-reduce (float32, on the tensor's device).
+def native_ops():
+    """``ciuicflow.ops``, loaded on first use: states and hooks that never compress work without
+    the native build."""
+    from ciuicflow import ops
+    return ops
+
+
+class Codec:
+    """How a quantiser lays values out in bytes (the native ops do the work).
+
+    ``granule``: a chunk holds a multiple of this many elements (whole bytes of payload)."""
+
+    name: str
+    granule: int = 1
+
+    def payload_bytes(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def pack(self, x: torch.Tensor, error: torch.Tensor, chunk: int):
+        """(payload uint8 [payload_bytes(n)], scales float32 [ceil(n / chunk)]); ``error`` (float32,
+        n elements) holds x + error on entry's behalf, minus what was packed, on return."""
+        raise NotImplementedError
+
+    def unpack(self, payload, scales, numel: int, chunk: int, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def unpack_mean(self, payload, scales, numel: int, chunk: int,
+                    out: torch.Tensor) -> torch.Tensor:
+        """The mean of W packed vectors (rows of ``payload`` and ``scales``), summed in row order."""
+        raise NotImplementedError
+
+
+class QuantizedErrors(GuardedMemory):
+    """Error-feedback memory of one tensor's quantised all-reduce (float32, on the tensor's device).
 
     ``worker``: what this rank has not yet sent of its input (W segments, padding included);
     ``server``: what it has not yet sent of the mean of the segment it serves."""
 
     def __init__(self):
+        super().__init__()
         self.worker: torch.Tensor | None = None
         self.server: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None  # the next worker error is written here first
         self._mean: torch.Tensor | None = None   # the server's decompressed mean, reused
         self._out: torch.Tensor | None = None    # the decompressed result, reused
         self._splits: dict = {}
-        # what the accuracy guard reads (collectives.update_guard): ||worker error|| over the
-        # running mean of ||input||, the largest over the ranks of the exchange (the same on all)
-        self.relative_error: float | None = None
-        self._guard_stale = False  # relative_error was measured before the guard's last exact step
-        self._grad_norm_ema: float | None = None
+        # the guard's measure (base.update_guard): ||worker error|| over the running mean of
+        # ||input||, the largest over the ranks of the exchange (the same on all)
 
     def ensure(self, layout: "_Layout", device) -> None:
         shapes = (layout.parts * layout.segment, layout.segment if layout.server else 0)
@@ -71,7 +97,7 @@ class OneBitErrors:
         elif (self.worker.numel(), self.server.numel()) != shapes:
             raise RuntimeError(
                 f"1-bit error buffers hold ({self.worker.numel()}, {self.server.numel()}) elements "
-                f"but this tensor needs {shapes}: one OneBitErrors serves one tensor layout")
+                f"but this tensor needs {shapes}: one QuantizedErrors serves one tensor layout")
         elif self.worker.device != torch.device(device) and device is not None:
             self.worker, self.server = self.worker.to(device), self.server.to(device)
         if self._spare is None or self._spare.shape != self.worker.shape \
@@ -96,7 +122,6 @@ class OneBitErrors:
             self.server.zero_()
 
 
-
 @dataclass(frozen=True)
 class _Layout:
     """How ``numel`` compressed and ``exact`` exact elements are cut over ``world`` ranks."""
@@ -105,81 +130,42 @@ class _Layout:
     exact: int
     world: int
     segment: int  # compressed elements per segment, a whole number of chunks
-    chunk: int    # elements per scale; a multiple of 8 so a chunk is whole bytes
+    chunk: int    # elements per scale; a multiple of the codec's granule (whole bytes)
     raw: int      # exact elements per segment
-    server: bool = True  # two phases (segments served by ranks) or one (the whole tensor)
+    server: bool  # two phases (segments served by ranks) or one (the whole tensor)
+    packed_bytes: int  # payload bytes per segment
 
     @staticmethod
-    def plan(numel: int, exact: int, world: int, chunk_size: int,
-             server: bool = True) -> "_Layout":
+    def plan(codec: Codec, numel: int, exact: int, world: int, chunk_size: int,
+             server: bool) -> "_Layout":
         """Two phases: ``world`` segments, one per server. One phase: a single segment (the whole
         tensor) that every rank gathers from every other."""
         parts = world if server else 1
         per_rank = -(-numel // parts)
         raw = -(-exact // parts)
         if per_rank == 0:
-            return _Layout(numel, exact, world, 0, chunk_size, raw, server)
-        # As many chunks as chunk_size asks for, but evened out: padding stays under 8 per chunk.
+            return _Layout(numel, exact, world, 0, chunk_size, raw, server, 0)
+        # As many chunks as chunk_size asks for, but evened out: padding stays under a granule
+        # per chunk.
         nchunks = -(-per_rank // chunk_size)
         chunk = -(-per_rank // nchunks)
-        chunk = -(-chunk // 8) * 8  # whole bytes of signs
-        return _Layout(numel, exact, world, nchunks * chunk, chunk, raw, server)
+        chunk = -(-chunk // codec.granule) * codec.granule
+        segment = nchunks * chunk
+        return _Layout(numel, exact, world, segment, chunk, raw, server,
+                       codec.payload_bytes(segment))
 
     @property
     def parts(self) -> int:
         return self.world if self.server else 1
 
     @property
-    def packed_bytes(self) -> int:
-        return self.segment // 8
-
-    @property
     def nscales(self) -> int:
         return self.segment // self.chunk if self.segment else 0
 
 
-def onebit_all_reduce(tensor: torch.Tensor, errors: OneBitErrors, topology: Topology | None = None,
-                      *, hierarchical: bool = True, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                      exact_mask: torch.Tensor | None = None, error_decay: float = 1.0,
-                      server: bool = True, guard_threshold: float | None = None,
-                      measure: bool = True, traffic: Traffic | None = None) -> torch.Tensor:
-    """Average ``tensor`` in place over the topology's group with 1-bit compression; return it.
 
-    ``hierarchical=True`` compresses only the inter-node step of the hierarchical all-reduce
-    (on a single node the all-reduce is then exact); ``False`` compresses all traffic, flat over
-    the group. ``errors`` persists between calls for the same tensor. ``exact_mask`` (bool, same
-    numel) marks positions reduced exactly. ``error_decay``, ``server``, ``guard_threshold`` and
-    ``measure``: see ``OneBitStep``. ``traffic`` accumulates the bytes sent.
-    """
-    check_reducible(tensor)
-    if chunk_size <= 0 or chunk_size % 8:
-        raise ValueError(f"chunk_size must be a positive multiple of 8, got {chunk_size}")
-    if exact_mask is not None and (exact_mask.dtype != torch.bool
-                                   or exact_mask.numel() != tensor.numel()):
-        raise ValueError("exact_mask must be a bool tensor with as many elements as the tensor")
-    topology = topology if topology is not None else Topology.detect()
-    flat = tensor.view(-1)
-    if not 0.0 <= error_decay <= 1.0:
-        raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
-    step = OneBitStep(errors, chunk_size, exact_mask, error_decay=error_decay, server=server,
-                      guard_threshold=guard_threshold, measure=measure)
-    if hierarchical:
-        if traffic is not None:
-            add_exact_traffic(traffic, flat, topology)
-        reduce_in_place(flat, topology, "mean", step, traffic)
-    elif topology.world_size > 1 and flat.numel() > 0:
-        link = Link.flat(topology)
-        if traffic is not None:
-            traffic.add_exact(link, ring_all_reduce_bytes(flat.numel() * flat.element_size(),
-                                                          link.size))
-        result = step(flat, link, None, 0, traffic)
-        if result is not flat:
-            flat.copy_(result)
-    return tensor
-
-
-class OneBitStep:
-    """One 1-bit exchange over a link: ``step(x, link, flag, offset, traffic) -> mean of x``.
+class QuantizedStep:
+    """One quantised exchange over a hop: ``step(x, hop, flag, offset, traffic) -> mean of x``.
 
     ``error_decay``: the share of the error-feedback memory carried into the next step (1: all
     of it, classic error feedback). ``server``: two phases (each rank serves a segment and
@@ -192,10 +178,11 @@ class OneBitStep:
 
     needs_flag = True
 
-    def __init__(self, errors: OneBitErrors, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    def __init__(self, codec: Codec, errors: QuantizedErrors, chunk_size: int,
                  exact_mask: torch.Tensor | None = None, *, error_decay: float = 1.0,
                  server: bool = True, guard_threshold: float | None = None,
                  measure: bool = True):
+        self.codec = codec
         self.errors = errors
         self.chunk_size = chunk_size
         self.exact_mask = exact_mask
@@ -204,22 +191,19 @@ class OneBitStep:
         self.guard_threshold = guard_threshold if measure else None
         self.measure = bool(measure)
 
-    def __call__(self, x: torch.Tensor, link: Link, flag, offset: int,
+    def __call__(self, x: torch.Tensor, hop: Hop, flag, offset: int,
                  traffic: Traffic | None) -> torch.Tensor:
-        from ciuicflow import ops
-
-        world = link.size
+        codec = self.codec
+        world = hop.size
         if world == 1:
             return x
         errors = self.errors
-        if self.guard_threshold is not None and errors.relative_error is not None \
-                and not errors._guard_stale and errors.relative_error > self.guard_threshold \
-                and errors.worker is not None:
-            return self._flush(x, link, offset, traffic)
+        if guard_due(errors, self.guard_threshold) and errors.worker is not None:
+            return self._flush(x, hop, offset, traffic)
         compressed_at, exact_at = self._split(offset, x.numel(), x.device)
         xc = x if compressed_at is None else x[compressed_at]
         xe = x.new_empty(0, dtype=torch.float32) if exact_at is None else x[exact_at].float()
-        layout = _Layout.plan(xc.numel(), xe.numel(), world, self.chunk_size, self.server)
+        layout = _Layout.plan(codec, xc.numel(), xe.numel(), world, self.chunk_size, self.server)
         errors.ensure(layout, x.device)
         if flag is None:
             flag = nonfinite_flag(x)
@@ -234,7 +218,7 @@ class OneBitStep:
         if layout.segment:
             # Segments are whole chunks, so packing the unpadded values gives the first bytes and
             # scales of the padded layout; the padding's bits and scales stay zero (it unpacks to 0).
-            packed, scales = ops.onebit_pack(xc, worker_error[:layout.numel], layout.chunk)
+            packed, scales = codec.pack(xc, worker_error[:layout.numel], layout.chunk)
             packed = _padded(packed, parts * layout.packed_bytes)
             scales = _padded(scales, parts * layout.nscales)
             worker_error[layout.numel:].zero_()  # padding carries no error
@@ -252,18 +236,18 @@ class OneBitStep:
         if self.server:
             send = _rows(world, packed, scales, flags.expand(world, 3), raw)
             received = torch.empty_like(send)
-            all_to_all(received, send, link, traffic)
+            all_to_all(received, send, hop, traffic)
         else:
             send = _rows(1, packed, scales, flags, raw)
             received = send.new_empty(world, send.shape[1])
-            all_gather(received, send.view(-1), link, traffic)
+            all_gather(received, send.view(-1), hop, traffic)
         r_packed, r_scales, r_flags, r_raw = _unrows(received, layout, with_flag=True)
 
         if bool(r_flags[:, 0].sum() > 0):  # a rank holds inf/NaN: exact this step, errors untouched
             if traffic is not None:
                 traffic.nonfinite_fallbacks += 1
             x.div_(world)
-            return all_reduce(x, link, traffic)
+            return all_reduce(x, hop, traffic)
         errors.worker, errors._spare = worker_error, errors.worker
         if self.measure:
             largest = r_flags[:, 1:].max(0).values.tolist()  # the same on every rank of the exchange
@@ -273,22 +257,22 @@ class OneBitStep:
                                 r_raw.sum(0).div_(world), mean_of_rows=True)
 
         # Phase 2 (server of segment `me`): average, compress again with the server error, gather.
-        me = dist.get_rank(link.group)
+        me = dist.get_rank(hop.group)
         real = max(0, min(layout.segment, layout.numel - me * layout.segment))
         if layout.segment:
-            mean = ops.onebit_unpack_mean(r_packed, r_scales, layout.segment, layout.chunk,
-                                          out=errors._mean)
+            mean = codec.unpack_mean(r_packed, r_scales, layout.segment, layout.chunk,
+                                     errors._mean)
             mean[real:] = 0
             if self.error_decay != 1.0:
                 errors.server.mul_(self.error_decay)
-            s_packed, s_scales = ops.onebit_pack(mean, errors.server, layout.chunk)
+            s_packed, s_scales = codec.pack(mean, errors.server, layout.chunk)
             errors.server[real:].zero_()
         else:
             s_packed, s_scales = packed[:0], scales[:0]
         raw_mean = r_raw.sum(0).div_(world)
         send2 = _rows(1, s_packed, s_scales, None, raw_mean)
         gathered = send2.new_empty(world, send2.shape[1])
-        all_gather(gathered, send2.view(-1), link, traffic)
+        all_gather(gathered, send2.view(-1), hop, traffic)
         g_packed, g_scales, _, g_raw = _unrows(gathered, layout, with_flag=False)
         return self._finish(x, layout, compressed_at, exact_at, g_packed, g_scales,
                             g_raw.reshape(-1), mean_of_rows=False)
@@ -296,15 +280,13 @@ class OneBitStep:
     def _finish(self, x, layout, compressed_at, exact_at, packed, scales, raw, mean_of_rows):
         """Write the decompressed result into x: the rows' mean (one phase) or the rows laid end to
         end (two phases: row j is segment j)."""
-        from ciuicflow import ops
-
-        errors = self.errors
-        unpack = (lambda n, out: ops.onebit_unpack_mean(
-            packed[:, :-(-n // 8)].contiguous(), scales[:, :-(-n // layout.chunk)].contiguous(), n,
-            layout.chunk, out=out)) if mean_of_rows else \
-            (lambda n, out: ops.onebit_unpack(packed.view(-1)[:-(-n // 8)],
-                                              scales.view(-1)[:-(-n // layout.chunk)], n,
-                                              layout.chunk, out=out))
+        codec, errors = self.codec, self.errors
+        nbytes, nscales = codec.payload_bytes, (lambda n: -(-n // layout.chunk))
+        unpack = (lambda n, out: codec.unpack_mean(
+            packed[:, :nbytes(n)].contiguous(), scales[:, :nscales(n)].contiguous(), n,
+            layout.chunk, out)) if mean_of_rows else \
+            (lambda n, out: codec.unpack(packed.view(-1)[:nbytes(n)],
+                                         scales.view(-1)[:nscales(n)], n, layout.chunk, out))
         if compressed_at is None and x.dtype == torch.float32 and x.is_contiguous():
             if layout.numel:  # straight into x: the first numel elements of the padded layout
                 unpack(layout.numel, x)
@@ -320,7 +302,7 @@ class OneBitStep:
             x[exact_at] = raw[:layout.exact].to(x.dtype)
         return x
 
-    def _flush(self, x, link, offset, traffic):
+    def _flush(self, x, hop, offset, traffic):
         """The guard's exact step: x plus everything the memory held, averaged exactly, so the
         sum over steps stays the exact one; the memory starts again from zero."""
         errors = self.errors
@@ -330,18 +312,18 @@ class OneBitStep:
         owed = errors.worker[:numel].clone()
         if errors.server.numel():  # this rank's segment's server error, held by this rank only:
             # times W, as the mean below divides everything by W
-            me = dist.get_rank(link.group)
+            me = dist.get_rank(hop.group)
             seg = errors.server.numel()
             lo, hi = me * seg, min(numel, (me + 1) * seg)
             if hi > lo:
-                owed[lo:hi] += errors.server[:hi - lo] * link.size
+                owed[lo:hi] += errors.server[:hi - lo] * hop.size
         if compressed_at is None:
             pending += owed
         else:
             pending[compressed_at] = owed
         total = x.float() + pending
-        total.div_(link.size)
-        all_reduce(total, link, traffic)  # mean of (x + worker error) + server error
+        total.div_(hop.size)
+        all_reduce(total, hop, traffic)  # mean of (x + worker error) + server error
         x.copy_(total.to(x.dtype))
         if bool(nonfinite_flag(total) > 0):  # an overflow: the step is skipped, keep the memory
             if traffic is not None:
@@ -406,3 +388,81 @@ def _unrows(rows: torch.Tensor, layout: _Layout, with_flag: bool):
     as_float = (lambda t: t.view(torch.float32) if t.shape[1] else
                 t.new_empty(t.shape[0], 0, dtype=torch.float32))
     return packed, as_float(scales), as_float(flags), as_float(raw)
+
+
+# ------------------------------------------------------------------------------------------------
+# The compressor and the function form
+
+
+class QuantizedCompressor(Compressor):
+    """Base of the quantising compressors: a subclass sets ``name``, ``codec`` and its defaults.
+
+    Options:
+        chunk_size: elements that share one scale (a positive multiple of the codec's granule).
+        error_decay: share of the error-feedback memory carried into the next step, in [0, 1]
+            (1: classic error feedback).
+        phases: 2 (each rank serves a segment and quantises its mean again: 2(W-1)/W of the packed
+            bytes), 1 (every rank gathers every packed tensor: (W-1)), or "auto": 1 when the
+            exchange has two ranks (the same bytes, without the server's second quantisation),
+            else 2.
+        guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
+            ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
+            tensor's next step is exact and sends what the memory held) or "off".
+    """
+
+    codec: Codec
+    option_names = ("chunk_size", "error_decay", "phases", "guard", "guard_threshold")
+    layout_options = ("chunk_size", "phases")
+    default_chunk_size: int
+    default_error_decay: float
+    default_guard_threshold: float
+
+    def __init__(self, *, chunk_size: int | None = None, error_decay: float | None = None,
+                 phases="auto", guard: str = "warn", guard_threshold: float | None = None):
+        chunk_size = self.default_chunk_size if chunk_size is None else chunk_size
+        error_decay = self.default_error_decay if error_decay is None else error_decay
+        granule = self.codec.granule
+        if int(chunk_size) <= 0 or int(chunk_size) % granule:
+            raise ValueError(f"chunk_size must be a positive multiple of {granule}, got "
+                             f"{chunk_size}")
+        if not 0.0 <= float(error_decay) <= 1.0:
+            raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
+        if phases not in ("auto", 1, 2):
+            raise ValueError(f"phases must be 1, 2 or 'auto', got {phases!r}")
+        self.chunk_size, self.error_decay, self.phases = int(chunk_size), float(error_decay), phases
+        self._set_guard(guard, self.default_guard_threshold if guard_threshold is None
+                        else guard_threshold)
+
+    def new_memory(self) -> QuantizedErrors:
+        return QuantizedErrors()
+
+    def step(self, errors: QuantizedErrors, route, exact_mask=None) -> QuantizedStep:
+        server = self.phases == 2 or (self.phases == "auto" and route.exchange_ranks > 2)
+        return QuantizedStep(self.codec, errors, self.chunk_size, exact_mask,
+                             error_decay=self.error_decay, server=server,
+                             guard_threshold=self.exact_step_threshold, measure=self.measure)
+
+    def exchange(self, flat, memory, route, context: Context, traffic) -> None:
+        route.reduce(flat, self.step(memory, route, context.exact_mask), traffic)
+
+
+def quantized_all_reduce(compressor: QuantizedCompressor, tensor: torch.Tensor,
+                         errors: QuantizedErrors, topology=None, *, hierarchical: bool = True,
+                         exact_mask: torch.Tensor | None = None,
+                         traffic: Traffic | None = None) -> torch.Tensor:
+    """Average ``tensor`` in place with ``compressor`` over the topology's group; return it.
+
+    ``hierarchical=True`` quantises only the inter-node step of the hierarchical all-reduce (on a
+    single node the all-reduce is then exact); ``False`` quantises all traffic, flat over the
+    group. ``errors`` persists between calls for the same tensor. ``exact_mask`` (bool, same
+    numel) marks positions reduced exactly. ``traffic`` accumulates the bytes sent."""
+    check_reducible(tensor)
+    if exact_mask is not None and (exact_mask.dtype != torch.bool
+                                   or exact_mask.numel() != tensor.numel()):
+        raise ValueError("exact_mask must be a bool tensor with as many elements as the tensor")
+    topology = topology if topology is not None else Topology.detect()
+    route = (HierarchicalRoute if hierarchical else FlatRoute)(topology)
+    flat = tensor.view(-1)
+    route.add_exact(traffic, flat)
+    compressor.exchange(flat, errors, route, Context(exact_mask=exact_mask), traffic)
+    return tensor

@@ -1,0 +1,123 @@
+"""What every compressor is: options, a memory per tensor, and an exchange over a route.
+
+A compressor averages a 1-D tensor in place over a ``Route`` (``ciuicflow.collectives.routes``):
+``exchange(flat, memory, route, context, traffic)``. It keeps what it owes from one call to the
+next (error feedback, warm start) in a memory object, one per tensor layout, made by
+``new_memory()``. The glue around it (DDP hooks, FSDP, the 1-bit optimizers) owns the memories,
+decides when to compress (warm-up) and which positions stay exact; the compressor owns the math.
+
+The accuracy guard is shared: a compressor's memory reports ``relative_error``, ||memory|| over
+the running mean of ||gradient|| (``update_guard``), and the glue warns or asks for an exact step
+when it passes ``guard_threshold``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+GUARDS = ("warn", "exact", "off")
+GUARD_EMA = 0.9  # the gradient norm the guard divides by is a running mean over about 10 steps
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the glue knows about the tensor being exchanged.
+
+    ``segments``: (offset, shape) of each parameter laid out in it (PowerSGD's matrices);
+    ``exact_mask``: bool, True where positions must be averaged exactly (or None); ``step`` and
+    ``key`` (the bucket's index) with ``seed`` seed anything random, the same on every rank."""
+
+    segments: tuple = ()
+    exact_mask: torch.Tensor | None = None
+    step: int = 0
+    key: int = 0
+    seed: int = 0
+
+
+class GuardedMemory:
+    """The fields the accuracy guard keeps in a compressor's memory."""
+
+    def __init__(self):
+        self.relative_error: float | None = None
+        self._guard_stale = False  # relative_error was measured before the guard's last exact step
+        self._grad_norm_ema: float | None = None
+
+
+def update_guard(memory: GuardedMemory, error_norm: float, grad_norm: float) -> None:
+    """The guard's measure: ||memory|| over the running mean of ||gradient||. The running mean,
+    not this step's norm: near convergence, or where the learning rate decays to 0, gradients
+    shrink faster than the memory drains, and dividing by the last one alone raised alarms on runs
+    that kept exact accuracy."""
+    ema = memory._grad_norm_ema
+    ema = grad_norm if ema is None else GUARD_EMA * ema + (1 - GUARD_EMA) * grad_norm
+    memory._grad_norm_ema = ema
+    memory.relative_error = error_norm / ema if ema > 0 else 0.0
+    memory._guard_stale = False
+
+
+def guard_due(memory: GuardedMemory, threshold: float | None) -> bool:
+    """Whether the guard asks for an exact step now (``threshold`` None: it never does)."""
+    return threshold is not None and memory.relative_error is not None \
+        and not memory._guard_stale and memory.relative_error > threshold
+
+
+def snapshot(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A detached copy for a state_dict, of a buffer that later steps reuse and overwrite."""
+    return None if tensor is None else tensor.detach().clone()
+
+
+class Compressor:
+    """Base of the compressors. A subclass sets ``name`` (the registry's key), ``option_names``
+    (its constructor's keyword options, in order), ``layout_options`` (those a checkpoint's memory
+    must match), and writes ``new_memory`` and ``exchange``.
+
+    ``guard`` ("warn", "exact" or "off") and ``guard_threshold`` are every compressing method's
+    options; ``measure`` (computing the guard's norms) is on unless the guard is off."""
+
+    name: ClassVar[str]
+    option_names: ClassVar[tuple[str, ...]] = ()
+    layout_options: ClassVar[tuple[str, ...]] = ()
+    compresses: ClassVar[bool] = True
+    guard: str = "off"
+    guard_threshold: float | None = None
+
+    def options(self) -> dict:
+        return {name: getattr(self, name) for name in self.option_names}
+
+    @property
+    def measure(self) -> bool:
+        return self.guard != "off"
+
+    @property
+    def exact_step_threshold(self) -> float | None:
+        """The threshold past which the next step is exact (guard "exact"), else None."""
+        return self.guard_threshold if self.guard == "exact" else None
+
+    def new_memory(self):
+        return None
+
+    def exchange(self, flat: torch.Tensor, memory, route, context: Context,
+                 traffic) -> None:
+        """Average ``flat`` (1-D, contiguous, floating point) in place over the route."""
+        raise NotImplementedError
+
+    def _set_guard(self, guard: str, threshold: float) -> None:
+        if guard not in GUARDS:
+            raise ValueError(f"guard must be one of {GUARDS}, got {guard!r}")
+        if not float(threshold) > 0 or float(threshold) != float(threshold):
+            raise ValueError(f"guard_threshold must be a positive number, got {threshold!r}")
+        self.guard, self.guard_threshold = guard, float(threshold)
+
+
+class ExactCompressor(Compressor):
+    """No compression: an exact mean along the route (``hierarchical_allreduce``)."""
+
+    name = "allreduce"
+    compresses = False
+
+    def exchange(self, flat, memory, route, context, traffic) -> None:
+        from ciuicflow.collectives.routes import EXACT
+
+        route.reduce(flat, EXACT, traffic)

@@ -1,0 +1,309 @@
+"""PowerSGD: rank-r compression with error feedback and warm start (Vogels et al., 2019).
+
+Each gradient matrix M (n x m, a parameter's gradient viewed as [shape[0], -1]) is sent as two
+thin factors: P = M Q (n x r) is summed over the ranks and orthonormalised (``orthogonalize_``,
+the native op), then Q = M^T P (m x r) is summed, and every rank rebuilds M ~ P Q^T / W. The part
+of M that this drops stays in the rank's error buffer and is added to the next step's gradient;
+Q is kept for the next step (warm start), which makes one power iteration per step enough.
+Vectors, small matrices and excluded parameters (``exact_mask``) go uncompressed, as in PyTorch's
+PowerSGD: a matrix is compressed only when (n + m) r * min_compression_rate < n m.
+
+The uncompressed values and a non-finite flag (read from P and those values: inf or NaN in M
+reaches its row of P) share the all-reduce of P, so a step costs two all-reduces. When any rank
+holds inf/NaN, the step becomes an exact all-reduce of the input and the error and warm-start
+buffers are left as they were.
+
+Hierarchical variant: P, Q and the exact values are summed with the hierarchical all-reduce, so
+inter-node links carry 1/L of the compressed bytes. Because P = M Q and Q = M^T P are linear in M,
+this is the same algorithm as averaging M inside each node exactly and running PowerSGD over the
+nodes, and it also compresses the intra-node traffic. On a single node the all-reduce is exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ciuicflow.collectives.primitives import Traffic, check_reducible, nonfinite_flag
+from ciuicflow.collectives.routes import EXACT, FlatRoute, HierarchicalRoute
+from ciuicflow.compression.base import Compressor, Context, GuardedMemory, guard_due, \
+    snapshot, update_guard
+from ciuicflow.compression.registry import FAMILIES
+from ciuicflow.topology import Topology
+
+
+DEFAULT_RANK = FAMILIES["powersgd"].cost.rank
+DEFAULT_GUARD_THRESHOLD = FAMILIES["powersgd"].cost.guard_threshold
+
+
+class PowerSGDMemory(GuardedMemory):
+    """Error-feedback and warm-start memory of one tensor's PowerSGD all-reduce (float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.error: torch.Tensor | None = None
+        self.q: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None  # M = gradient + error is built here, then swapped
+        self._plans: dict = {}
+        # the accuracy guard's measure, learnt one step late (in the next step's first all-reduce)
+        self._local_norms: tuple | None = None  # (||error||, ||input||) of this rank's last step
+
+    def state_dict(self) -> dict:
+        """Copies: the buffers themselves are reused and overwritten by later steps."""
+        return {"error": snapshot(self.error), "q": snapshot(self.q)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.error, self.q = snapshot(state["error"]), snapshot(state["q"])
+        self._spare = None
+
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    offset: int
+    rows: int
+    cols: int
+    rank: int
+    p_offset: int
+    q_offset: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    matrices: tuple[_Matrix, ...]
+    exact_index: torch.Tensor | None  # positions all-reduced uncompressed
+    p_numel: int
+    q_numel: int
+    numel: int
+
+
+def plan_compression(numel: int, segments, rank: int, min_compression_rate: float,
+                     exact_mask: torch.Tensor | None, device) -> _Plan:
+    """Which segments ((offset, shape) pairs) are compressed, and where their factors live."""
+    matrices, p_numel, q_numel = [], 0, 0
+    covered = torch.zeros(numel, dtype=torch.bool)
+    for offset, shape in segments:
+        size = 1
+        for dim in shape:
+            size *= dim
+        if len(shape) < 2 or size == 0:
+            continue
+        rows, cols = shape[0], size // shape[0]
+        r = min(rank, rows, cols)
+        if (rows + cols) * r * min_compression_rate >= rows * cols:
+            continue
+        if exact_mask is not None and bool(exact_mask[offset:offset + size].any()):
+            continue
+        matrices.append(_Matrix(offset, rows, cols, r, p_numel, q_numel))
+        covered[offset:offset + size] = True
+        p_numel += rows * r
+        q_numel += cols * r
+    exact_index = None if bool(covered.all()) else (~covered).nonzero().view(-1).to(device)
+    return _Plan(tuple(matrices), exact_index, p_numel, q_numel, numel)
+
+
+class PowerSGDCompressor(Compressor):
+    """``hierarchical_powersgd`` / ``powersgd``.
+
+    Options:
+        rank: rank of the approximation (PyTorch's ``matrix_approximation_rank``).
+        min_compression_rate: compress a matrix only when it shrinks at least this much.
+        error_feedback, warm_start: as in PyTorch's PowerSGD (both on by default).
+        orthogonalization_eps: added to column norms in the orthogonalisation.
+        guard, guard_threshold: the accuracy guard (see ``QuantizedCompressor``); the measure is
+            the ranks' mean ||error|| after the step before over the running mean of their ||input||.
+
+    Defaults (docs/hooks.md, "Defaults, and why"): rank 16, where momentum SGD at a constant
+    learning rate matched exact accuracy and lower ranks lost it; the guard's threshold 200, as
+    PowerSGD's memory holds the gradient noise no low rank captures and its measure does not tell
+    a good rank from a bad one: it only catches a memory that runs away.
+    """
+
+    name = "powersgd"
+    option_names = ("rank", "min_compression_rate", "error_feedback", "warm_start",
+                    "orthogonalization_eps", "guard", "guard_threshold")
+    layout_options = ("rank",)
+
+    def __init__(self, *, rank: int = DEFAULT_RANK, min_compression_rate: float = 2.0,
+                 error_feedback: bool = True, warm_start: bool = True,
+                 orthogonalization_eps: float = 0.0, guard: str = "warn",
+                 guard_threshold: float = DEFAULT_GUARD_THRESHOLD):
+        if int(rank) < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        self.rank = int(rank)
+        self.min_compression_rate = float(min_compression_rate)
+        self.error_feedback = bool(error_feedback)
+        self.warm_start = bool(warm_start)
+        self.orthogonalization_eps = float(orthogonalization_eps)
+        self._set_guard(guard, guard_threshold)
+
+    def new_memory(self) -> "PowerSGDMemory":
+        return PowerSGDMemory()
+
+    def exchange(self, flat, memory, route, context: Context, traffic) -> None:
+        """P = M Q summed with the exact values and the non-finite flag, Q = M^T P summed, M ~ P Q^T
+        (the module's docstring)."""
+        world = route.topology.world_size
+        if world == 1 or flat.numel() == 0:
+            return
+        if route.name == "hierarchical" and not route.crosses_nodes:
+            route.reduce(flat, EXACT, traffic)  # nothing crosses a node: exact is cheapest
+            return
+
+        def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
+            return route.sum(values, traffic)
+
+        rank, min_compression_rate = self.rank, self.min_compression_rate
+        error_feedback, warm_start, eps = self.error_feedback, self.warm_start, \
+            self.orthogonalization_eps
+        guard_threshold, measure = self.exact_step_threshold, self.measure
+        exact_mask, step, key, seed = context.exact_mask, context.step, context.key, \
+            context.seed
+        segments = context.segments or [(0, (flat.numel(),))]
+        plan_key = (tuple((o, tuple(s)) for o, s in segments), rank, min_compression_rate,
+                    None if exact_mask is None else exact_mask.data_ptr())
+        plan = memory._plans.get(plan_key)
+        if plan is None:
+            plan = plan_compression(flat.numel(), segments, rank, min_compression_rate, exact_mask,
+                                    flat.device)
+            memory._plans[plan_key] = plan
+
+        # M = gradient + error, in float32, in a reused buffer (a fresh one costs page faults); the
+        # input and the error stay intact for an exact fallback.
+        work = _work_buffer(memory, flat)
+        if error_feedback and memory.error is not None:
+            if memory.error.numel() != flat.numel():
+                raise RuntimeError(f"PowerSGD error buffer holds {memory.error.numel()} elements, "
+                                   f"the tensor {flat.numel()}: one memory serves one tensor")
+            torch.add(flat, memory.error.to(work.device), out=work)
+        else:
+            work.copy_(flat)
+        q = _initial_q(plan, memory, warm_start, (seed, key, step), flat.device)
+        ps = torch.empty(plan.p_numel, device=flat.device)
+        for m in plan.matrices:
+            q_m = _factor(q, m.q_offset, m.cols, m.rank)
+            _orthogonalize(q_m, eps)
+            torch.matmul(_block(work, m), q_m, out=_factor(ps, m.p_offset, m.rows, m.rank))
+
+        exact_values = flat[plan.exact_index] if plan.exact_index is not None else flat[:0]
+        # inf/NaN anywhere in a matrix reaches every entry of its row of P (NaN * 0 is NaN too), so
+        # P and the exact values together tell whether the input held one, without reading it again.
+        nonfinite = torch.maximum(nonfinite_flag(ps), nonfinite_flag(exact_values)).to(flat.dtype)
+        input_norm = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) if measure else 0.0
+        norms = flat.new_tensor(memory._local_norms or (0.0, 0.0))
+        first = torch.cat([ps.to(flat.dtype), exact_values, norms, nonfinite])
+        sum_over_ranks(first)
+        if bool(first[-1] > 0):  # a rank holds inf/NaN: exact this step, memory untouched
+            if traffic is not None:
+                traffic.nonfinite_fallbacks += 1
+            flat.div_(world)
+            sum_over_ranks(flat)
+            return
+        if memory._local_norms is not None:  # the ranks' mean norms of the step before
+            update_guard(memory, float(first[-3]) / world, float(first[-2]) / world)
+        if measure and error_feedback and guard_due(memory, guard_threshold):
+            # the guard's exact step: the input and everything the error held, averaged exactly
+            work.div_(world)
+            sum_over_ranks(work)
+            flat.copy_(work)
+            if memory.error is not None:
+                memory.error.zero_()
+            memory._local_norms, memory._guard_stale = None, True
+            if traffic is not None:
+                traffic.guard_exact_steps += 1
+            return
+
+        ps = first[:plan.p_numel].to(torch.float32)
+        for m in plan.matrices:
+            p_m = _factor(ps, m.p_offset, m.rows, m.rank)
+            _orthogonalize(p_m, eps)
+            torch.matmul(_block(work, m).t(), p_m, out=_factor(q, m.q_offset, m.cols, m.rank))
+        second = q.to(flat.dtype)
+        sum_over_ranks(second)
+        q = second.to(torch.float32).div_(world)
+
+        # The result P Q^T is written straight into the tensor (float32) or a float32 copy of it.
+        approx = flat if flat.dtype == torch.float32 else torch.empty_like(work)
+        for m in plan.matrices:
+            torch.matmul(_factor(ps, m.p_offset, m.rows, m.rank),
+                         _factor(q, m.q_offset, m.cols, m.rank).t(), out=_block(approx, m))
+        if plan.exact_index is not None:
+            approx[plan.exact_index] = first[plan.p_numel:-3].div_(world).to(approx.dtype)
+        if approx is not flat:
+            flat.copy_(approx)
+        if error_feedback:
+            work.sub_(approx)
+            if plan.exact_index is not None:
+                work[plan.exact_index] = 0.0  # exact values leave nothing behind
+            memory.error, memory._spare = work, memory.error
+            # for the guard's measure: how far the memory (what is owed) is behind the gradient
+            if measure:
+                memory._local_norms = (float(torch.linalg.vector_norm(work)), input_norm)
+        if warm_start:
+            memory.q = q
+        return
+
+
+def powersgd_all_reduce(tensor: torch.Tensor, memory: PowerSGDMemory,
+                        topology: Topology | None = None, *, segments=None,
+                        hierarchical: bool = True, exact_mask: torch.Tensor | None = None,
+                        seed: int = 0, step: int = 0, key: int = 0,
+                        traffic: Traffic | None = None, **options) -> torch.Tensor:
+    """Average ``tensor`` in place over the topology's group with PowerSGD; return it.
+
+    ``segments``: the matrices laid out in the flattened tensor, as ``(offset, shape)`` pairs (a
+    DDP bucket's gradients); default: the tensor itself, viewed as [shape[0], -1]. ``memory``
+    persists between calls for the same tensor. ``seed``, ``key`` and ``step`` seed the random
+    initial Q, the same on every rank. ``hierarchical=False`` runs flat over the group.
+    ``options``: ``PowerSGDCompressor``'s (``rank``, ``guard``, ...).
+    """
+    check_reducible(tensor)
+    compressor = PowerSGDCompressor(**options)
+    topology = topology if topology is not None else Topology.detect()
+    route = (HierarchicalRoute if hierarchical else FlatRoute)(topology)
+    flat = tensor.view(-1)
+    route.add_exact(traffic, flat)
+    if segments is None:
+        segments = [(0, tuple(tensor.shape))]
+    context = Context(tuple((o, tuple(sh)) for o, sh in segments), exact_mask, step, key, seed)
+    compressor.exchange(flat, memory, route, context, traffic)
+    return tensor
+
+
+def _work_buffer(memory: PowerSGDMemory, flat: torch.Tensor) -> torch.Tensor:
+    spare = memory._spare
+    if spare is None or spare.numel() != flat.numel() or spare.device != flat.device \
+            or spare is memory.error:
+        spare = memory._spare = torch.empty(flat.numel(), device=flat.device)
+    return spare
+
+
+def _block(flat: torch.Tensor, m: _Matrix) -> torch.Tensor:
+    return flat[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
+
+
+def _factor(flat: torch.Tensor, offset: int, rows: int, rank: int) -> torch.Tensor:
+    return flat[offset:offset + rows * rank].view(rows, rank)
+
+
+def _orthogonalize(matrix: torch.Tensor, eps: float) -> None:
+    from ciuicflow import ops  # loaded on first use, as in compression.onebit
+
+    ops.orthogonalize_(matrix, eps)
+
+
+def _initial_q(plan: _Plan, memory: PowerSGDMemory, warm_start: bool, seed_parts,
+               device) -> torch.Tensor:
+    """Q for this step: last step's (warm start) or fresh Gaussian, identical on every rank."""
+    if warm_start and memory.q is not None and memory.q.numel() == plan.q_numel:
+        return memory.q.to(device, copy=True)
+    generator = torch.Generator().manual_seed(_mix(seed_parts))
+    return torch.randn(plan.q_numel, generator=generator).to(device)
+
+
+def _mix(parts) -> int:
+    """A 63-bit seed from a few integers, the same in every process (unlike hash() of a str)."""
+    value = 0x9E3779B97F4A7C15
+    for part in parts:
+        value = (value ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 % (1 << 64)
+    return value % (1 << 63)

@@ -1,0 +1,114 @@
+"""Every compression method, once: the one place a method's name is written.
+
+The DDP hooks and their states, the FSDP path, ``plan``, ``doctor``, ``demo`` and the benches read
+this table; a new compressor is its module plus one ``Entry`` here. This module imports neither
+torch nor the compressors (``plan`` and ``doctor`` run without them): an entry names its
+compressor class by path, loaded on first use.
+
+A method is a compressor on a route: ``hierarchical`` (exact inside nodes, the compressor's
+exchange between nodes) or ``flat`` (the exchange over the whole group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import import_module
+
+ROUTES = ("hierarchical", "flat")
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What the cost model (``ciuicflow plan``) needs to know of a compressor's traffic.
+
+    ``kind``: "exact" (float values), "quantized" (``payload_bits`` per element plus a float32
+    scale per ``chunk_size`` elements, sent with the two-phase or one-phase exchange of
+    ``compression.quantized``) or "lowrank" (PowerSGD's factors at ``rank``). These are also the
+    compressors' defaults: their classes read them from here."""
+
+    kind: str
+    payload_bits: int = 32
+    chunk_size: int = 0
+    rank: int = 0
+    guard_threshold: float = 0.0
+
+
+@dataclass(frozen=True)
+class Entry:
+    family: str          # the compressor's name: "onebit"
+    compressor: str      # "module:Class", loaded on first use
+    state: str           # the name of its DDP state class
+    methods: dict        # route -> method (hook) name
+    summary: str         # what it sends, in a few words
+    cost: Cost
+    advice: str = ""     # when a user would pick it (doctor, docs)
+
+    def compressor_class(self):
+        module, _, name = self.compressor.partition(":")
+        return getattr(import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    entry: Entry = field(repr=False)
+    route: str
+
+    @property
+    def family(self) -> str:
+        return self.entry.family
+
+    @property
+    def compresses(self) -> bool:
+        return self.entry.cost.kind != "exact"
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.route == "hierarchical"
+
+    @property
+    def description(self) -> str:
+        if self.hierarchical:
+            return f"exact inside nodes, {self.entry.summary} between nodes" \
+                if self.compresses else self.entry.summary
+        return f"{self.entry.summary}, over the whole group (no topology)"
+
+
+ENTRIES = (
+    Entry("allreduce", "ciuicflow.compression.base:ExactCompressor", "AllReduceState",
+          {"hierarchical": "hierarchical_allreduce"},
+          "exact mean: intra-node reduce-scatter, inter-node all-reduce, intra-node all-gather",
+          Cost("exact"),
+          "exact; the baseline, and the choice on one node or fast inter-node links"),
+    Entry("onebit", "ciuicflow.compression.onebit:OneBitCompressor", "OneBitState",
+          {"hierarchical": "hierarchical_1bit", "flat": "onebit"},
+          "1-bit signs with a scale per chunk and error feedback",
+          Cost("quantized", payload_bits=1, chunk_size=256, guard_threshold=4.0),
+          "the most compression (about 28x); any model; watch the accuracy guard"),
+    Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",
+          {"hierarchical": "hierarchical_powersgd", "flat": "powersgd"},
+          "rank-r PowerSGD factors with error feedback and warm start",
+          Cost("lowrank", rank=16, guard_threshold=200.0),
+          "models made mostly of large matrices (transformers, MLPs)"),
+    Entry("int8", "ciuicflow.compression.int8:Int8Compressor", "Int8State",
+          {"hierarchical": "hierarchical_int8", "flat": "int8"},
+          "int8 values with a scale per chunk and error feedback",
+          Cost("quantized", payload_bits=8, chunk_size=256, guard_threshold=4.0),
+          "about 4x with almost no error; where 1-bit's error costs accuracy"),
+)
+
+METHODS: dict[str, Method] = {
+    name: Method(name, entry, route)
+    for entry in ENTRIES for route, name in entry.methods.items()
+}
+FAMILIES: dict[str, Entry] = {entry.family: entry for entry in ENTRIES}
+
+
+def method(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}") from None
+
+
+def compressed_methods() -> list[str]:
+    return [name for name, m in METHODS.items() if m.compresses]

@@ -1,0 +1,111 @@
+"""DDP communication hooks and their states, one per method of the compression registry.
+
+    state = ciuicflow.OneBitState(warmup_steps=10)
+    ddp_model.register_comm_hook(state, ciuicflow.hierarchical_1bit)
+    # or, binding parameter names (needed by exclude patterns and exact checkpoint resume):
+    state = ciuicflow.register(ddp_model, "hierarchical_1bit", exclude=["*.bias", "*norm*"])
+
+A hook is ``hook(state, bucket) -> Future[Tensor]`` (the mean of the bucket over the group); its
+state class is the registry entry's (``OneBitState`` for ``hierarchical_1bit`` and ``onebit``).
+``HOOKS`` maps each method's name to ``(hook, state class)``.
+
+Ordering: DDP calls the hook of each bucket in bucket order, the same on every rank, while
+backward is still running; every collective of a bucket is issued by one thread in that order
+(``ddp.worker``). The hook of the last bucket waits for the worker to finish, so DDP's own
+collectives at the end of backward come after ours on every rank.
+"""
+import inspect
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ciuicflow.compression import registry
+from ciuicflow.ddp.state import DEFAULT_WARMUP_STEPS, AllReduceState, CompressingState
+
+# hook name -> (default process group it was built in, state)
+_DEFAULT_STATES: dict[str, tuple[object, AllReduceState]] = {}
+
+
+def default_state(hook_name: str) -> AllReduceState | None:
+    """The state that a hook registered with ``state=None`` built on first use (per process;
+    one per hook, so two models using the same hook with ``state=None`` would share it)."""
+    entry = _DEFAULT_STATES.get(hook_name)
+    return entry[1] if entry else None
+
+
+def _state_for(state, cls, hook_name: str):
+    if state is None:
+        world = dist.distributed_c10d._get_default_group()
+        entry = _DEFAULT_STATES.get(hook_name)
+        if entry is None or entry[0] is not world:  # a new init_process_group: a new state
+            entry = _DEFAULT_STATES[hook_name] = (world, cls())
+        return entry[1]
+    if not isinstance(state, cls):
+        raise TypeError(f"{hook_name} needs a {cls.__name__} (or None), got {type(state).__name__}")
+    return state
+
+
+def _state_class(entry: registry.Entry) -> type:
+    compressor = entry.compressor_class()
+    if not compressor.compresses:
+        return AllReduceState
+    names = " and ".join(f"``{name}``" for name in entry.methods.values())
+    # the docs of the compressor and of its bases up to Compressor: what its options mean
+    compressor_docs = [_indent(c.__doc__) for c in compressor.__mro__
+                       if c.__doc__ and "compression.base" not in c.__module__
+                       and c is not object]
+    doc = "\n\n".join([f"State of {names}: {entry.summary}.",
+                        f"    The compressor: ``{compressor.__module__}.{compressor.__name__}``.",
+                        *compressor_docs, _indent(CompressingState.__doc__)])
+    return type(entry.state, (CompressingState,), {
+        "compressor_class": compressor, "__doc__": doc, "__module__": __name__})
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in inspect.cleandoc(text).splitlines())
+
+
+def _hook(method: registry.Method, cls: type) -> Callable:
+    name, route = method.name, method.route
+
+    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return _state_for(state, cls, name)._hook(bucket, route)
+
+    hook.__name__ = hook.__qualname__ = name
+    hook.__module__ = __name__
+    hook.__doc__ = f"{method.description[0].upper()}{method.description[1:]}."
+    return hook
+
+
+STATES: dict[str, type] = {entry.state: _state_class(entry) for entry in registry.ENTRIES}
+HOOKS: dict[str, tuple[Callable, type]] = {}
+for _method in registry.METHODS.values():
+    _cls = STATES[_method.entry.state]
+    HOOKS[_method.name] = (_hook(_method, _cls), _cls)
+globals().update(STATES)
+globals().update({name: hook for name, (hook, _) in HOOKS.items()})
+del _method, _cls
+
+
+def register(model: torch.nn.parallel.DistributedDataParallel, hook: str = "hierarchical_1bit",
+             **options) -> AllReduceState:
+    """Build the hook's state (bound to the model's parameter names), register it, return it.
+
+    ``options`` go to the state's constructor, e.g. ``register(ddp, "hierarchical_powersgd",
+    rank=4, warmup_steps=100, exclude=["*norm*"])``.
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"register needs a DistributedDataParallel model, got "
+                        f"{type(model).__name__}")
+    if hook not in HOOKS:
+        raise ValueError(f"unknown hook {hook!r}; choose one of {sorted(HOOKS)}")
+    function, cls = HOOKS[hook]
+    options.setdefault("process_group", model.process_group)
+    state = cls(model=model, **options)
+    model.register_comm_hook(state, function)
+    return state
+
+
+__all__ = ["register", "default_state", "HOOKS", "STATES", "DEFAULT_WARMUP_STEPS",
+           *STATES, *HOOKS]

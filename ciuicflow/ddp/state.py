@@ -1,0 +1,333 @@
+"""DDP hook states: one generic state over a compressor and a route, and its compressing form.
+
+A state owns what outlives a step: the topology (detected at first use), the per-bucket memories
+(``BucketMemories``), the parameter names (exclude patterns, resume), statistics, warm-up. The
+compressor (``ciuicflow.compression``) owns the math; ``ddp.hooks`` makes one state class per
+compressor of the registry (``OneBitState``, ``PowerSGDState``, ...).
+"""
+from __future__ import annotations
+
+import fnmatch
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ciuicflow.collectives.primitives import Traffic
+from ciuicflow.collectives.routes import EXACT, ROUTES
+from ciuicflow.compression.base import Compressor, Context, ExactCompressor
+from ciuicflow.ddp.bucket import BucketMemories, BucketView
+from ciuicflow.ddp.worker import completed, ordered_worker
+from ciuicflow.topology import Topology
+
+DEFAULT_WARMUP_STEPS = 10
+_STATE_VERSION = 1
+
+
+class AllReduceState:
+    """State of ``hierarchical_allreduce``: the group, its topology, statistics.
+
+    Args:
+        process_group: the group to reduce over (default: the default group, at first use).
+        topology: a ``Topology`` of that group (default: ``Topology.detect``, at first use).
+        overlap: issue collectives on the ordered worker thread (True) or inside the hook.
+        model: the (DDP) model, to learn parameter names; ``register`` passes it.
+    """
+
+    compressor_class: type[Compressor] = ExactCompressor
+    _config_fields = ("overlap",)
+
+    def __init__(self, process_group=None, topology: Topology | None = None, *,
+                 overlap: bool = True, model: torch.nn.Module | None = None, **options):
+        self.compressor = self.compressor_class(**options)
+        if topology is not None and process_group is not None \
+                and topology.group is not process_group:
+            raise ValueError("topology was detected on a different process group")
+        self.process_group = process_group if process_group is not None else \
+            (topology.group if topology is not None else None)
+        self.topology = topology
+        self.overlap = bool(overlap)
+        self.warmup_steps = 0
+        self.exclude: tuple[str, ...] = ()
+        self.seed = 0
+        self.iter = 0  # synchronised steps seen by the hook (no_sync steps do not count)
+        self._memories = BucketMemories(self.compressor.new_memory)
+        self._names: dict[int, str] = {}
+        self._masks: dict[str, torch.Tensor | None] = {}
+        self._warned: set[str] = set()
+        self._routes: dict = {}
+        self.reset_stats()
+        if model is not None:
+            self.bind_model(model)
+
+    @property
+    def algorithm(self) -> str:
+        return self.compressor.name
+
+    def __getattr__(self, name):
+        # the compressor's options read as the state's own (state.chunk_size, state.rank, ...)
+        compressor = self.__dict__.get("compressor")
+        if compressor is not None and name in compressor.option_names:
+            return getattr(compressor, name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    # -- public ------------------------------------------------------------------------------
+
+    def bind_model(self, model: torch.nn.Module) -> "AllReduceState":
+        """Learn parameter names (for ``exclude`` patterns and resume); ``register`` does this."""
+        module = getattr(model, "module", model)
+        self._names = {id(param): name for name, param in module.named_parameters()}
+        self._masks.clear()
+        return self
+
+    def reset_stats(self) -> None:
+        self._traffic = Traffic()             # every step
+        self._compressed_traffic = Traffic()  # steps past warm-up
+        self._time_s = 0.0
+        self._stats_steps = 0
+        self._compressed_steps = 0
+        self._buckets = 0
+        self._relative_errors: dict[int, float] = {}  # bucket index -> the guard's last measure
+        self._guard_alerts = 0
+
+    def stats(self) -> dict:
+        """Communication statistics of this rank since the last ``reset_stats()``.
+
+        Bytes follow the model of ``ciuicflow.collectives`` (bytes this rank sends); the
+        ``exact_*`` figures are what exact all-reduces along the same path would send.
+        ``compression_ratio`` = exact / actual inter-node bytes over the steps past warm-up
+        (``overall_compression_ratio``: over all steps). ``time_s``: time spent in the hook's
+        compression and communication."""
+        t, c = self._traffic, self._compressed_traffic
+        steps = self._stats_steps
+        return {
+            "algorithm": self.algorithm,
+            "topology": self.topology.describe() if self.topology is not None else None,
+            "steps": steps,
+            "compressed_steps": self._compressed_steps,
+            "buckets": self._buckets,
+            "intra_node_bytes": int(round(t.intra_bytes)),
+            "inter_node_bytes": int(round(t.inter_bytes)),
+            "exact_intra_node_bytes": int(round(t.exact_intra_bytes)),
+            "exact_inter_node_bytes": int(round(t.exact_inter_bytes)),
+            "inter_node_bytes_per_step": t.inter_bytes / steps if steps else 0.0,
+            "compression_ratio": _ratio(c.exact_inter_bytes, c.inter_bytes),
+            "overall_compression_ratio": _ratio(t.exact_inter_bytes, t.inter_bytes),
+            "nonfinite_fallbacks": t.nonfinite_fallbacks,
+            # the accuracy guard: ||error-feedback memory|| / ||gradient|| per bucket, last step
+            "relative_error": max(self._relative_errors.values()) if self._relative_errors
+            else None,
+            "relative_errors": dict(self._relative_errors),
+            "guard_alerts": self._guard_alerts,
+            "guard_exact_steps": t.guard_exact_steps,
+            "time_s": self._time_s,
+            "time_per_step_s": self._time_s / steps if steps else 0.0,
+        }
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue exactly (no process group)."""
+        return {
+            "version": _STATE_VERSION,
+            "algorithm": self.algorithm,
+            "config": self._config(),
+            "iter": self.iter,
+            "memory": self._memories.state_dict(),
+            "stats": {"traffic": self._traffic.as_dict(),
+                      "compressed_traffic": self._compressed_traffic.as_dict(),
+                      "time_s": self._time_s, "steps": self._stats_steps,
+                      "compressed_steps": self._compressed_steps, "buckets": self._buckets},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("algorithm") != self.algorithm:
+            raise ValueError(f"checkpoint is for {state.get('algorithm')!r} hooks, "
+                             f"this state is {self.algorithm!r}")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unknown checkpoint version {state.get('version')!r}")
+        for name in self.compressor.layout_options:
+            if state["config"].get(name) != getattr(self, name):
+                raise ValueError(f"checkpoint has {name}={state['config'].get(name)!r}, this state "
+                                 f"{getattr(self, name)!r}: its memory does not fit")
+        self.iter = int(state["iter"])
+        self._memories.load_state_dict(state["memory"])
+        stats = state.get("stats", {})
+        self._traffic = Traffic(**stats.get("traffic", {}))
+        self._compressed_traffic = Traffic(**stats.get("compressed_traffic", {}))
+        self._time_s = stats.get("time_s", 0.0)
+        self._stats_steps = stats.get("steps", 0)
+        self._compressed_steps = stats.get("compressed_steps", 0)
+        self._buckets = stats.get("buckets", 0)
+
+    def __getstate__(self) -> dict:
+        # The process group, the topology (it holds groups) and parameter identities stay behind.
+        return {"config": self._config(), "state": self.state_dict()}
+
+    def __setstate__(self, pickled: dict) -> None:
+        self.__init__(**pickled["config"])
+        self.load_state_dict(pickled["state"])
+
+    # -- what hooks call ---------------------------------------------------------------------
+
+    def _config(self) -> dict:
+        return {**{name: getattr(self, name) for name in self._config_fields},
+                **self.compressor.options()}
+
+    def _resolve(self) -> Topology:
+        """The topology, detected on first use (collective: runs in hook order on every rank)."""
+        if self.topology is None:
+            self.topology = Topology.detect(self.process_group)
+            self.process_group = self.topology.group
+        return self.topology
+
+    def _route(self, name: str):
+        route = self._routes.get(name)
+        if route is None:
+            route = self._routes[name] = ROUTES[name](self._resolve())
+        return route
+
+    def _hook(self, bucket: dist.GradBucket, route: str) -> torch.futures.Future:
+        info = BucketView.read(bucket)
+        step = self.iter
+        if info.is_last:
+            self.iter += 1
+        job = lambda: self._reduce_bucket(info, step, route)  # noqa: E731
+        if not self.overlap:
+            return completed(job())
+        future = ordered_worker().submit(job, info.buffer)
+        if info.is_last:
+            future.wait()  # the worker is idle again before DDP issues its own collectives
+        return future
+
+    def _reduce_bucket(self, info: BucketView, step: int, route_name: str) -> torch.Tensor:
+        start = time.perf_counter()
+        route = self._route(route_name)
+        traffic = Traffic()
+        past_warmup = self.compressor.compresses and step >= self.warmup_steps
+        if info.buffer.numel() and route.topology.world_size > 1:
+            if not (past_warmup and self._reduce_compressed(info, route, step, traffic)):
+                route.add_exact(traffic, info.buffer)
+                route.reduce(info.buffer, EXACT, traffic)
+        self._traffic.merge(traffic)
+        if past_warmup:
+            self._compressed_traffic.merge(traffic)
+        self._buckets += 1
+        if info.is_last:
+            self._stats_steps += 1
+            if past_warmup:
+                self._compressed_steps += 1
+                self._memories.end_of_step(self._warn_once)
+        self._time_s += time.perf_counter() - start
+        return info.buffer
+
+    def _reduce_compressed(self, info: BucketView, route, step: int, traffic: Traffic) -> bool:
+        """Compress this bucket if its memory is at hand; False: reduce it exactly this step."""
+        names = self._param_names(info)
+        hierarchical = route.name == "hierarchical"
+        memory = self._memories.get(info, hierarchical, names)
+        if memory is not None:
+            self._compress(info, memory, route, step, traffic)
+            return True
+        pieces = self._memories.pieces(info, hierarchical, names)
+        if pieces is None:
+            self._warn_once("layout", "ciuicflow: a DDP bucket does not match the checkpoint's "
+                            "buckets and parameter names are unknown (use ciuicflow.register or "
+                            "state.bind_model); it is all-reduced exactly until they match")
+            return False
+        where = {name: offset for name, (offset, _) in zip(names, info.segments)}
+        by_name = dict(zip(names, info.parameters))
+        for key, layout, memory in pieces:
+            # the checkpoint's bucket, rebuilt from this bucket's gradients
+            sizes = [torch.Size(shape).numel() for _, shape in layout["segments"]]
+            buffer = torch.cat([info.buffer[where[p]:where[p] + n]
+                                for p, n in zip(layout["params"], sizes)])
+            piece = BucketView(layout["index"], buffer, False, layout["segments"],
+                            [by_name[p] for p in layout["params"]])
+            self._compress(piece, memory, route, step, traffic)
+            self._memories.mark_used(key)
+            for p, n, (offset, _) in zip(layout["params"], sizes, layout["segments"]):
+                info.buffer[where[p]:where[p] + n].copy_(buffer[offset:offset + n])
+        return True
+
+    def _param_names(self, info: BucketView):
+        if not self._names:
+            return None
+        names = [self._names.get(id(p)) for p in info.parameters]
+        return None if None in names else names
+
+    def _compress(self, info: BucketView, memory, route, step: int, traffic: Traffic) -> None:
+        context = Context(tuple(info.segments), self._exact_mask(info, route.name == "hierarchical"),
+                          step, info.index, self.seed)
+        route.add_exact(traffic, info.buffer)
+        self.compressor.exchange(info.buffer, memory, route, context, traffic)
+        self._check_guard(info, memory.relative_error)
+
+    def _exact_mask(self, info: BucketView, hierarchical: bool) -> torch.Tensor | None:
+        """True where the bucket holds a parameter matching an ``exclude`` pattern."""
+        if not self.exclude:
+            return None
+        key = info.key(hierarchical)
+        if key in self._masks:
+            return self._masks[key]
+        names = self._param_names(info)
+        if names is None:
+            raise RuntimeError(
+                "exclude patterns need parameter names: use ciuicflow.register(model, ...) "
+                "or state.bind_model(model) (also after unpickling a state)")
+        mask = torch.zeros(info.buffer.numel(), dtype=torch.bool, device=info.buffer.device)
+        for name, (offset, shape) in zip(names, info.segments):
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude):
+                mask[offset:offset + torch.Size(shape).numel()] = True
+        self._masks[key] = mask if bool(mask.any()) else None
+        return self._masks[key]
+
+    def _check_guard(self, info: BucketView, relative_error: float | None) -> None:
+        """Record the bucket's relative error; above the threshold, warn (once per bucket)."""
+        compressor = self.compressor
+        if relative_error is None or compressor.guard == "off":
+            return
+        self._relative_errors[info.index] = relative_error
+        if relative_error > compressor.guard_threshold:
+            self._guard_alerts += 1
+            action = ("its next step is exact" if compressor.guard == "exact" else
+                      "pass guard='exact' to send such buckets exactly, or reduce the learning "
+                      "rate, the momentum, or raise the rank/lower the chunk size")
+            self._warn_once(f"guard{info.index}", (
+                f"ciuicflow {self.algorithm}: bucket {info.index}'s error-feedback memory is "
+                f"{relative_error:.1f}x its gradient (threshold {compressor.guard_threshold}): "
+                f"compression is falling behind and may cost accuracy; {action}"))
+
+    def _warn_once(self, tag: str, message: str) -> None:
+        if tag not in self._warned:
+            self._warned.add(tag)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def _ratio(exact: float, actual: float):
+    return exact / actual if actual else None
+
+
+class CompressingState(AllReduceState):
+    """State of a compressing hook. Besides ``AllReduceState``'s arguments:
+
+    Args:
+        warmup_steps: synchronised steps all-reduced exactly before compression starts.
+        exclude: parameter-name patterns (``fnmatch``, e.g. ``"*.bias"``, ``"*norm*"``) reduced
+            exactly; names come from ``register(model, ...)`` or ``bind_model(model)``.
+        seed: seeds anything random in the compressor (the same on every rank).
+        **options: the compressor's options (its class documents them).
+    """
+
+    _config_fields = ("overlap", "warmup_steps", "exclude", "seed")
+
+    def __init__(self, process_group=None, topology=None, *,
+                 warmup_steps: int = DEFAULT_WARMUP_STEPS, exclude=(), seed: int = 0,
+                 overlap: bool = True, model=None, **options):
+        super().__init__(process_group, topology, overlap=overlap, model=model, **options)
+        if int(warmup_steps) < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if isinstance(exclude, str):
+            exclude = (exclude,)
+        self.warmup_steps = int(warmup_steps)
+        self.exclude = tuple(exclude)
+        self.seed = int(seed)
