@@ -353,7 +353,7 @@ class Testbed:
     """Two sidecars with a sender process beside prefill0 and a receiver process beside decode0."""
 
     def __init__(self, name, workdir, launches, listens, sidecar_args=((), ()), link_bytes=None):
-        from ciuicflow.kvflow.demo import SidecarProcess
+        from ciuicflow.kvflow.sidecar.process import SidecarProcess
         self.name = name
         self.dir = os.path.join(workdir, name)
         os.makedirs(self.dir, exist_ok=True)
@@ -456,7 +456,7 @@ def _tail(path: str, n: int = 2500) -> str:
 
 
 def _host_launch(argv, **kwargs):
-    from ciuicflow.kvflow.demo import child_env
+    from ciuicflow.kvflow.sidecar.process import child_env
     return subprocess.Popen(argv, cwd=REPO, env=child_env(), start_new_session=True, **kwargs)
 
 
@@ -776,7 +776,7 @@ def main(argv=None) -> int:
 
 
 def _free_port() -> int:
-    from ciuicflow.kvflow.demo import free_port
+    from ciuicflow.kvflow.sidecar.process import free_port
     return free_port()
 
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="kv extra (transformers) not installed")
 
 from ciuicflow.kvflow import Part  # noqa: E402
-from ciuicflow.kvflow.frontends import transformers_cache as kc  # noqa: E402
+from ciuicflow.kvflow import frontends as kc  # noqa: E402
 from ciuicflow.kvflow import demo  # noqa: E402
 from ciuicflow.kvflow.client.payload import decode_part, encode_part  # noqa: E402
 
@@ -248,7 +248,7 @@ def test_kv_demo_disaggregated_decode_matches_one_process(tmp_path):
     args = parser.parse_args(["--layers", "3", "--prompts", "3", "--prompt-len", "20", "--new-tokens", "6",
                               "--layer-delay-ms", "200", "--timeout", "300", "--workdir", str(tmp_path)])
     result = demo.run_demo(args, log=print)
-    print(demo._report(result))
+    print(demo.report(result))
     assert result["same_model_everywhere"]
     assert result["local_layout"] == "mla_latent"
     assert len(result["prompts"]) == 3

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from ciuicflow.kvflow import KVFlowError
+from ciuicflow.testing.kvflow_faults import Faults
 
 RATE = 8_000_000
 
@@ -35,7 +36,7 @@ def received_bytes(sidecar) -> int:
 
 @pytest.mark.parametrize("spool", [True, False], ids=["spool", "memory"])
 def test_kvflow_receiver_killed_mid_transfer_then_restarted(sidecars, tmp_path, spool):
-    b_args = ["--link-rate", str(RATE)]
+    b_args = Faults(link_rate=RATE).flags()
     if spool:
         b_args += ["--spool-dir", str(tmp_path / "spool")]
     a, b = sidecars.pair(a_args=["--resume-timeout-s", "30"], b_args=b_args)
@@ -61,7 +62,7 @@ def test_kvflow_receiver_killed_mid_transfer_then_restarted(sidecars, tmp_path, 
 
 
 def test_kvflow_sender_killed_mid_transfer_then_retried_with_resume(sidecars):
-    a, b = sidecars.pair(b_args=["--link-rate", str(RATE), "--resume-timeout-s", "30"])
+    a, b = sidecars.pair(b_args=Faults(link_rate=RATE).flags() + ["--resume-timeout-s", "30"])
     payload = os.urandom(16 << 20)      # ~2 s on the link: more than a's and b's buffers hold at the kill
     handle = a.client().send("b", "resume-2", payload, priority="high")
     wait_until(lambda: received_bytes(b) > (2 << 20), what="2 MiB at b")
@@ -79,8 +80,8 @@ def test_kvflow_sender_killed_mid_transfer_then_retried_with_resume(sidecars):
 
 
 def test_kvflow_checksum_mismatch_is_retransmitted(sidecars):
-    a, b = sidecars.pair(a_args=["--test-corrupt-every", "3", "--chunk-size", "64KiB", "--max-chunk-size", "64KiB",
-                                 "--whole-part-bytes", "0"])
+    a, b = sidecars.pair(a_args=Faults(corrupt_every=3).flags() + ["--chunk-size", "64KiB", "--max-chunk-size",
+                                                                   "64KiB", "--whole-part-bytes", "0"])
     ca, cb = a.client(), b.client()
     payload = os.urandom(3 << 20)
     for flow in (True, False):
@@ -89,8 +90,48 @@ def test_kvflow_checksum_mismatch_is_retransmitted(sidecars):
         assert sha(cb.recv(f"corrupt-{flow}", timeout_s=30)) == sha(payload)
 
 
+def test_kvflow_faults_injected_through_the_transport_seam():
+    """In one process: sidecar a's transports wrapped by CorruptingTransport (Sidecar's wrap_transport), b
+    reading through a RateLimit (its inbound_throttle); no fault flag involved."""
+    import asyncio
+
+    from ciuicflow.kvflow import Client
+    from ciuicflow.kvflow.sidecar.app import Sidecar
+    from ciuicflow.kvflow.sidecar.config import load_config
+    from tests.kvflow.conftest import free_port
+
+    ports = {"a": free_port(), "b": free_port()}
+    payload = os.urandom(1 << 20)
+
+    def config(name, other):
+        return load_config(["--name", name, "--api", "127.0.0.1:0", "--listen", f"127.0.0.1:{ports[name]}",
+                            "--peer", f"{other}=127.0.0.1:{ports[other]}", "--chunk-size", "64KiB",
+                            "--max-chunk-size", "64KiB", "--whole-part-bytes", "0", "--drain-s", "0"])
+
+    async def run():
+        a = Sidecar(config("a", "b"), **Faults(corrupt_every=3).seams())
+        b = Sidecar(config("b", "a"), **Faults(link_rate=20_000_000).seams())
+        await b.start()
+        await a.start()
+        loop = asyncio.get_running_loop()
+        try:
+            def transfer():
+                with Client(a.api_address) as ca, Client(b.api_address) as cb:
+                    result = ca.send("b", "seam-1", payload).wait(60)
+                    return result, cb.recv("seam-1", timeout_s=30)
+            result, got = await loop.run_in_executor(None, transfer)
+        finally:
+            await a.stop()
+            await b.stop()
+        return result, got, a.stats()["peers"]["b"]
+
+    result, got, peer = asyncio.run(run())
+    assert result.retransmits > 0 and peer["retransmits"] > 0
+    assert sha(got) == sha(payload)
+
+
 def test_kvflow_unrecoverable_corruption_is_data_loss_on_both_sides(sidecars):
-    a, b = sidecars.pair(a_args=["--test-corrupt-every", "1", "--max-retransmits", "3"])
+    a, b = sidecars.pair(a_args=Faults(corrupt_every=1).flags() + ["--max-retransmits", "3"])
     with pytest.raises(KVFlowError) as e:
         a.client().send("b", "broken-1", os.urandom(100_000)).wait(30)
     assert e.value.code == grpc.StatusCode.DATA_LOSS

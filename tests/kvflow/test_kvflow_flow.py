@@ -1,4 +1,4 @@
-"""Flow control between real sidecars over an emulated slow link (--link-rate): priority overtakes bulk,
+"""Flow control between real sidecars over an emulated slow link (testing.kvflow_faults): priority overtakes bulk,
 deadlines end with an explicit status, graceful shutdown drains or fails explicitly."""
 import os
 import threading
@@ -8,13 +8,14 @@ import grpc
 import pytest
 
 from ciuicflow.kvflow import KVFlowError
+from ciuicflow.testing.kvflow_faults import Faults
 
 RATE = 10_000_000          # bytes/s of the emulated link into b
 
 
 @pytest.fixture(scope="module")
 def slow_pair(module_sidecars):
-    return module_sidecars.pair(b_args=["--link-rate", str(RATE)])
+    return module_sidecars.pair(b_args=Faults(link_rate=RATE).flags())
 
 
 def _bulk_then_urgent(a, b, flow: bool, tag: str):
@@ -68,7 +69,7 @@ def test_kvflow_deadline_exceeded_is_explicit_on_both_sides(slow_pair):
 
 
 def test_kvflow_graceful_shutdown_drains_then_fails_explicitly(sidecars):
-    a, b = sidecars.pair(a_args=["--drain-s", "1.0"], b_args=["--link-rate", str(RATE)])
+    a, b = sidecars.pair(a_args=["--drain-s", "1.0"], b_args=Faults(link_rate=RATE).flags())
     ca, cb = a.client(), b.client()
     short = os.urandom(2 << 20)                       # ~0.2 s: finishes during the drain
     h_short = ca.send("b", "drain-short", short, priority="high")
@@ -91,7 +92,7 @@ def test_kvflow_graceful_shutdown_drains_then_fails_explicitly(sidecars):
 def test_kvflow_shutdown_aborts_reach_a_slow_receiver(sidecars, flow):
     # The abort queues behind data already in the stream; at 4 MB/s that data takes well over 0.1 s to
     # drain, and the receiver must still learn that the transfer failed (not wait out the resume timeout).
-    a, b = sidecars.pair(a_args=["--drain-s", "0"], b_args=["--link-rate", "4000000"])
+    a, b = sidecars.pair(a_args=["--drain-s", "0"], b_args=Faults(link_rate=4_000_000).flags())
     ca, cb = a.client(), b.client()
     h = ca.send("b", "cut-short", os.urandom(64 << 20), priority="low", flow=flow)
     time.sleep(0.5)

@@ -13,6 +13,7 @@ from ciuicflow.kvflow import KVFlowError
 from ciuicflow.kvflow.proto import shm as shmlib
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
 from ciuicflow.kvflow.proto.codec import encode_chunk_frame
+from ciuicflow.testing.kvflow_faults import Faults
 
 CHUNK = 64 << 10
 
@@ -145,7 +146,7 @@ def test_send_shm_path_outside_dir_is_refused(pair):
 def test_no_shm_files_left_after_failures(sidecars):
     """Failed sends (unknown peer, sidecar killed mid-transfer), a cancelled receive and an abandoned
     stream leave nothing in /dev/shm."""
-    a, b = sidecars.pair(a_args=["--chunk-size", str(CHUNK)], b_args=["--link-rate", "2MB"])
+    a, b = sidecars.pair(a_args=["--chunk-size", str(CHUNK)], b_args=Faults(link_rate=2_000_000).flags())
     ca, cb = a.client(), b.client()
     with pytest.raises(KVFlowError):
         ca.send("nobody", "f-1", os.urandom(1000)).wait(10)
@@ -185,7 +186,7 @@ def test_shm_backpressure_bounds_unread_bytes(sidecars, tmp_path):
     """The client writes at most its window ahead of what the sidecar has read."""
     a, b = sidecars.pair(a_args=["--max-peer-bytes", str(1 << 20), "--max-total-bytes", str(1 << 20),
                                  "--chunk-size", str(CHUNK)],
-                         b_args=["--link-rate", "4MB", "--spool-dir", str(tmp_path / "spool")])
+                         b_args=Faults(link_rate=4_000_000).flags() + ["--spool-dir", str(tmp_path / "spool")])
     ca = a.client(shm_window_bytes=1 << 20)
     peak = [0]
     stop = threading.Event()

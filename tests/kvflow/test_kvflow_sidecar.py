@@ -12,6 +12,7 @@ import pytest
 
 from ciuicflow.kvflow import KVFlowError
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
+from ciuicflow.testing.kvflow_faults import Faults
 
 CHUNK = 64 << 10          # small chunks: many chunks per transfer at small sizes
 
@@ -277,7 +278,7 @@ def test_kvflow_backpressure_slows_open_stream(sidecars, tmp_path):
     sender frees acknowledged chunks and a transfer may be larger than the sender's cap.)"""
     a, b = sidecars.pair(a_args=["--max-peer-bytes", str(1 << 20), "--max-total-bytes", str(1 << 20),
                                  "--chunk-size", str(CHUNK), "--admission-timeout-s", "20"],
-                         b_args=["--link-rate", "8MB", "--spool-dir", str(tmp_path / "spool")])
+                         b_args=Faults(link_rate=8_000_000).flags() + ["--spool-dir", str(tmp_path / "spool")])
     # The client writes at most its shared-memory window ahead of the sidecar (8 MiB by default, most of
     # this 12 MiB transfer); a 4 MiB window leaves the sidecar's back-pressure something to hold back.
     ca, cb = a.client(shm_window_bytes=4 << 20), b.client()

@@ -1,20 +1,6 @@
-"""KV caches <-> KV-flow transfers: a transformers ``Cache`` (or raw/paged KV tensors) as ordered parts, sent
-layer by layer while prefill runs, and received layer by layer on the decode side.
-
-Wire format of one cache transfer (a "tensors" transfer of the sidecar, parts in this order):
-
-    part 0                  bytes, name "kvcache.header": JSON (format, layout, num_layers, names per layer, ...)
-    parts 1 .. L*T          tensors, name "layer.{i}.{name}" (T tensors per layer, e.g. keys then values)
-    last part (optional)    bytes, name "kvcache.meta": JSON known only once prefill ended (e.g. first token)
-
-Layouts (``header["layout"]``):
-    "mla_latent"  DeepSeek-V2/V3 multi-head latent attention as recent transformers caches it: per layer
-                  keys = compressed KV [B, 1, S, kv_lora_rank], values = rotary key [B, 1, S, qk_rope_head_dim]
-    "per_head"    ordinary per-head keys/values [B, H, S, D] (older transformers cache DeepSeek-V3 like this:
-                  keys [B, H, S, qk_nope_head_dim + qk_rope_head_dim], values [B, H, S, v_head_dim])
-    "paged"       an inference server's paged blocks: per layer one tensor [n, block_size, ...] gathered
-                  from its block table
-    "raw"         any list of tensors per layer
+"""transformers ``Cache`` objects <-> KV-flow transfers: a cache's layers as ordered parts, sent layer by
+layer while prefill runs (``LayerStreamer``) or whole (``send_cache``), and rebuilt as a DynamicCache on the
+decode side (``recv_cache``). The transfer's format: ``format.py``.
 
     with client.open("decode0", key, priority="high") as stream:
         with LayerStreamer(model, cache, stream) as streamer:       # each layer goes when it has run
@@ -26,24 +12,15 @@ Layouts (``header["layout"]``):
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-FORMAT = "ciuicflow.kvcache/1"
-HEADER_NAME = "kvcache.header"
-META_NAME = "kvcache.meta"
-LAYOUTS = ("mla_latent", "per_head", "paged", "raw")
+from .format import (FORMAT, HEADER_NAME, LAYOUTS, META_NAME, CacheFormatError, ReceivedCache, encode_json,
+                     receive_layers)
+
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 
 
-class CacheFormatError(ValueError):
-    """A cache (sent or received) that does not have the shape, layout or structure expected."""
-
-
-# ---------------------------------------------------------------------- reading a transformers cache
 def cache_layers(cache) -> List[Tuple[Any, Any]]:
     """[(keys, values)] per layer of a transformers cache, whatever its version:
     ``cache.layers[i].keys/.values`` (>= 4.56), ``cache.key_cache/value_cache`` (older DynamicCache),
@@ -143,25 +120,6 @@ def cache_header(layers: Sequence[Tuple[Any, Any]], config=None, layout: Optiona
     }
 
 
-def _encode_json(obj: dict) -> bytes:
-    return json.dumps(obj, sort_keys=True).encode()
-
-
-def cache_to_parts(cache, config=None, meta: Optional[dict] = None) -> List[Any]:
-    """The parts of a whole cache: header, keys/values of every layer, optional meta."""
-    layers = cache_layers(cache)
-    parts: List[Any] = [_encode_json(cache_header(layers, config))]
-    for keys, values in layers:
-        parts += [keys, values]
-    if meta is not None:
-        parts.append(_encode_json(meta))
-    return parts
-
-
-def _part_names(header: dict) -> List[str]:
-    return [f"layer.{i}.{n}" for i in range(header["num_layers"]) for n in header["names"]]
-
-
 def send_cache(client, dest: str, key: str, cache, config=None, meta: Optional[dict] = None,
                priority: str = "normal", deadline_s: Optional[float] = None, **kwargs):
     """Send a whole cache (e.g. after prefill); returns the SendHandle. For layer-by-layer sending while
@@ -169,12 +127,12 @@ def send_cache(client, dest: str, key: str, cache, config=None, meta: Optional[d
     layers = cache_layers(cache)
     header = cache_header(layers, config)
     with client.open(dest, key, priority=priority, deadline_s=deadline_s, **kwargs) as stream:
-        stream.append(_encode_json(header), name=HEADER_NAME)
+        stream.append(encode_json(header), name=HEADER_NAME)
         for i, (keys, values) in enumerate(layers):
             stream.append(keys, name=f"layer.{i}.keys")
             stream.append(values, name=f"layer.{i}.values")
         if meta is not None:
-            stream.append(_encode_json(meta), name=META_NAME)
+            stream.append(encode_json(meta), name=META_NAME)
     return stream.handle
 
 
@@ -250,7 +208,7 @@ class LayerStreamer:
             if index != 0:
                 raise CacheFormatError(f"decoder layer {index} ran before layer 0")
             self.header = cache_header([(keys, values)], self.config, self.layout, num_layers=self.num_layers)
-            self.stream.append(_encode_json(self.header), name=HEADER_NAME)
+            self.stream.append(encode_json(self.header), name=HEADER_NAME)
         elif int(keys.shape[2]) != self.header["seq_len"]:
             raise CacheFormatError(f"layer {index} caches {keys.shape[2]} positions, layer 0 cached "
                                    f"{self.header['seq_len']}")
@@ -269,104 +227,10 @@ class LayerStreamer:
         if missing:
             raise CacheFormatError(f"layers {missing} never ran under the LayerStreamer")
         if meta is not None:
-            self.stream.append(_encode_json(meta), name=META_NAME)
+            self.stream.append(encode_json(meta), name=META_NAME)
 
 
 # ---------------------------------------------------------------------- receiving
-@dataclass
-class LayerKV:
-    index: int
-    tensors: List[Any]          # in header["names"] order (keys, values for a transformers cache)
-    arrived: float              # time.monotonic() when its last tensor arrived
-
-
-@dataclass
-class ReceivedCache:
-    header: dict
-    layers: List[LayerKV]
-    meta: Optional[dict]
-    first_layer_at: float       # time.monotonic() when layer 0 was complete
-    last_layer_at: float
-    started: float              # when the receive call began
-    cache: Any = None           # a DynamicCache (recv_cache) or None (raw/paged)
-
-    @property
-    def first_layer_s(self) -> float:
-        return self.first_layer_at - self.started
-
-    @property
-    def tensors(self) -> List[List[Any]]:
-        return [layer.tensors for layer in self.layers]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors)
-
-
-class CacheReceiver:
-    """Iterates a cache transfer layer by layer as the parts arrive: ``header`` is set first, then each
-    ``LayerKV`` is yielded as soon as its tensors are complete; ``meta`` is set at the end."""
-
-    def __init__(self, client, key: str, timeout_s: Optional[float] = None):
-        self.key = key
-        self.started = time.monotonic()
-        self._stream = client.recv_stream(key, timeout_s)
-        self.header: Optional[dict] = None
-        self.meta: Optional[dict] = None
-
-    def cancel(self) -> None:
-        self._stream.cancel()
-
-    def __iter__(self) -> Iterator[LayerKV]:
-        parts = iter(self._stream)
-        first = next(parts, None)
-        if first is None or first.name != HEADER_NAME or first.is_tensor:
-            self._stream.cancel()
-            raise CacheFormatError(f"transfer {self.key!r} is not a KV cache: its first part is "
-                                   f"{'missing' if first is None else repr(first.name)}, not {HEADER_NAME!r}")
-        header = json.loads(bytes(first.value))
-        if header.get("format") != FORMAT:
-            raise CacheFormatError(f"transfer {self.key!r}: unknown cache format {header.get('format')!r}")
-        self.header = header
-        names = _part_names(header)
-        per_layer = len(header["names"])
-        pending: List[Any] = []
-        for pos, name in enumerate(names):
-            part = next(parts, None)
-            if part is None:
-                raise CacheFormatError(f"transfer {self.key!r} ended after {pos} of {len(names)} tensors")
-            if not part.is_tensor or part.name != name:
-                raise CacheFormatError(f"transfer {self.key!r}: part {part.index} is {part.name!r}, expected "
-                                       f"tensor {name!r}")
-            pending.append(part.value)
-            if len(pending) == per_layer:
-                yield LayerKV(pos // per_layer, pending, time.monotonic())
-                pending = []
-        rest = list(parts)
-        if rest:
-            if len(rest) != 1 or rest[0].name != META_NAME:
-                raise CacheFormatError(f"transfer {self.key!r}: unexpected parts after the layers: "
-                                       f"{[p.name for p in rest]}")
-            self.meta = json.loads(bytes(rest[0].value))
-
-
-def receive_layers(client, key: str, timeout_s: Optional[float] = None, device=None,
-                   on_layer=None) -> ReceivedCache:
-    """Receive a cache transfer layer by layer (each layer moved to ``device`` as it lands, and passed to
-    ``on_layer(LayerKV)`` if given); returns every layer, header and meta."""
-    receiver = CacheReceiver(client, key, timeout_s)
-    layers: List[LayerKV] = []
-    for layer in receiver:
-        if device is not None:
-            layer.tensors = [t.to(device, non_blocking=True) for t in layer.tensors]
-        if on_layer is not None:
-            on_layer(layer)
-        layers.append(layer)
-    if not layers:
-        raise CacheFormatError(f"transfer {key!r} holds no layers")
-    return ReceivedCache(receiver.header, layers, receiver.meta, layers[0].arrived, layers[-1].arrived,
-                         receiver.started)
-
-
 def build_dynamic_cache(layers: Sequence[Sequence[Any]], config=None):
     """A transformers DynamicCache holding these (keys, values) per layer (any transformers version)."""
     from transformers import DynamicCache
@@ -446,102 +310,3 @@ def local_cache_layout(model_type: str = "deepseek_v3") -> str:
     keys, values = cache_layers(cache)[0]
     _LOCAL_LAYOUT[model_type] = detect_layout(keys, values, cfg)
     return _LOCAL_LAYOUT[model_type]
-
-
-# ---------------------------------------------------------------------- raw tensors and paged blocks
-def send_tensors(client, dest: str, key: str, layers: Sequence[Sequence[Any]], names: Sequence[str],
-                 layout: str = "raw", extra: Optional[dict] = None, meta: Optional[dict] = None,
-                 priority: str = "normal", deadline_s: Optional[float] = None, **kwargs):
-    """Send any tensors grouped by layer (``layers[i]`` = one tensor per name); returns the SendHandle."""
-    if layout not in LAYOUTS:
-        raise CacheFormatError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not layers:
-        raise CacheFormatError("nothing to send: no layers")
-    for i, tensors in enumerate(layers):
-        if len(tensors) != len(names):
-            raise CacheFormatError(f"layer {i} has {len(tensors)} tensors, expected {len(names)} ({list(names)})")
-    header = {"format": FORMAT, "layout": layout, "num_layers": len(layers), "names": list(names),
-              "dtype": str(layers[0][0].dtype).removeprefix("torch."), **(extra or {})}
-    with client.open(dest, key, priority=priority, deadline_s=deadline_s, **kwargs) as stream:
-        stream.append(_encode_json(header), name=HEADER_NAME)
-        for i, tensors in enumerate(layers):
-            for name, t in zip(names, tensors):
-                stream.append(t, name=f"layer.{i}.{name}")
-        if meta is not None:
-            stream.append(_encode_json(meta), name=META_NAME)
-    return stream.handle
-
-
-def _block_index(block_ids, num_blocks: int):
-    import torch
-    ids = torch.as_tensor(block_ids, dtype=torch.long).reshape(-1)
-    if ids.numel() == 0:
-        raise CacheFormatError("block_ids is empty")
-    if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
-        raise CacheFormatError(f"block ids must be in [0, {num_blocks}), got {ids.tolist()}")
-    return ids
-
-
-def gather_blocks(kv_caches: Sequence[Any], block_ids) -> List[Any]:
-    """Per layer, the blocks of one request ``[len(block_ids), block_size, ...]`` from paged KV caches
-    ``[num_blocks, block_size, ...]`` (one tensor per layer, as inference servers hold them)."""
-    if not kv_caches:
-        raise CacheFormatError("no paged KV layers given")
-    out = []
-    for i, kv in enumerate(kv_caches):
-        if kv.dim() < 2:
-            raise CacheFormatError(f"layer {i}: paged KV must be [num_blocks, block_size, ...], got {tuple(kv.shape)}")
-        out.append(kv.index_select(0, _block_index(block_ids, kv.shape[0]).to(kv.device)))
-    return out
-
-
-def send_blocks(client, dest: str, key: str, kv_caches: Sequence[Any], block_ids, num_tokens: Optional[int] = None,
-                meta: Optional[dict] = None, priority: str = "normal", deadline_s: Optional[float] = None, **kwargs):
-    """Send one request's blocks of paged KV caches (one ``[num_blocks, block_size, ...]`` tensor per layer)."""
-    blocks = gather_blocks(kv_caches, block_ids)
-    block_size = int(blocks[0].shape[1])
-    return send_tensors(client, dest, key, [[b] for b in blocks], ["blocks"], layout="paged",
-                        extra={"block_size": block_size, "num_blocks": int(blocks[0].shape[0]),
-                               "num_tokens": num_tokens}, meta=meta, priority=priority,
-                        deadline_s=deadline_s, **kwargs)
-
-
-def scatter_blocks(blocks: Sequence[Any], kv_caches: Sequence[Any], block_ids) -> None:
-    """Write received per-layer blocks into this side's paged KV caches at ``block_ids`` (in place)."""
-    if len(blocks) != len(kv_caches):
-        raise CacheFormatError(f"{len(blocks)} layers of blocks for {len(kv_caches)} paged KV layers")
-    for i, (b, kv) in enumerate(zip(blocks, kv_caches)):
-        ids = _block_index(block_ids, kv.shape[0])
-        if ids.numel() != b.shape[0] or tuple(b.shape[1:]) != tuple(kv.shape[1:]):
-            raise CacheFormatError(f"layer {i}: received blocks {tuple(b.shape)} do not fit {ids.numel()} blocks "
-                                   f"of {tuple(kv.shape[1:])}")
-        kv.index_copy_(0, ids.to(kv.device), b.to(device=kv.device, dtype=kv.dtype))
-
-
-def recv_blocks(client, key: str, kv_caches: Optional[Sequence[Any]] = None, block_ids=None,
-                timeout_s: Optional[float] = None) -> ReceivedCache:
-    """Receive a ``send_blocks`` transfer; with ``kv_caches`` and ``block_ids``, also write the blocks into
-    them (the destination's own free blocks)."""
-    received = receive_layers(client, key, timeout_s)
-    if received.header["layout"] != "paged":
-        raise CacheFormatError(f"transfer {key!r} holds a {received.header['layout']!r} cache, not paged blocks")
-    if kv_caches is not None:
-        if block_ids is None:
-            raise CacheFormatError("block_ids is needed to write received blocks into kv_caches")
-        scatter_blocks([layer.tensors[0] for layer in received.layers], kv_caches, block_ids)
-    return received
-
-
-# ---------------------------------------------------------------------- checks
-def fingerprint(layers: Sequence[Sequence[Any]]) -> str:
-    """sha256 over every tensor's shape, dtype and bytes, in order: equal on both sides iff the cache
-    arrived bit for bit."""
-    import torch
-    h = hashlib.sha256()
-    for tensors in layers:
-        for t in tensors:
-            t = t.detach().cpu().contiguous()
-            h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
-            if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()

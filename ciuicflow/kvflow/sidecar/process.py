@@ -1,0 +1,102 @@
+"""A sidecar as a child process (``python -m ciuicflow.kvflow.server``), ready once it logs its ready line:
+for the kv-demo, benchmarks and scripts."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+READY_RE = re.compile(r"sidecar '(?P<name>[^']+)' ready: api=(?P<api>\S+) listen=(?P<listen>\S+)")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+class SidecarProcess:
+    """One ``python -m ciuicflow.kvflow.server`` process. ``launch(argv, stdout=...)`` starts it (default:
+    subprocess.Popen here; the benchmark passes SimCluster.popen to start it inside a network namespace)."""
+
+    def __init__(self, name: str, listen: str, peers: Dict[str, str], log_path: str, args=(),
+                 api: str = "127.0.0.1:0", launch: Optional[Callable] = None):
+        self.name = name
+        self.listen = listen
+        self.peers = dict(peers)
+        self.log_path = log_path
+        self.args = [str(a) for a in args]
+        self.api_arg = api
+        self.api: Optional[str] = None          # the bound address, from the ready line
+        self._launch = launch
+        self.proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    def argv(self) -> List[str]:
+        cmd = [sys.executable, "-m", "ciuicflow.kvflow.server", "--name", self.name, "--api", self.api_arg,
+               "--listen", self.listen]
+        for peer, addr in self.peers.items():
+            cmd += ["--peer", f"{peer}={addr}"]
+        return cmd + self.args
+
+    def start(self) -> "SidecarProcess":
+        self._log = open(self.log_path, "wb")
+        if self._launch is not None:
+            self.proc = self._launch(self.argv(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        else:
+            self.proc = subprocess.Popen(self.argv(), cwd=REPO_ROOT, env=child_env(), stdout=self._log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return ""
+
+    def wait_ready(self, timeout: float = 60.0) -> "SidecarProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = READY_RE.search(self.log())
+            if m:
+                self.api = m.group("api")
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar {self.name} exited with code {self.proc.returncode}:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+        raise RuntimeError(f"sidecar {self.name} not ready after {timeout:g}s:\n{self.log()[-3000:]}")
+
+    def terminate(self) -> None:
+        """Ask it to shut down (graceful: SIGTERM) without waiting; ``stop()`` waits."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
