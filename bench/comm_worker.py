@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -275,109 +274,6 @@ def run_method(spec, args, width, data):
     return record
 
 
-# --------------------------------------------------------------------------- machine probe (for the planner)
-
-def _timed(fn):
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _slowest(seconds):
-    """A collective lasts as long as its slowest rank."""
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _intra_fit(seconds: dict, local: int) -> dict:
-    """intra_bw and intra_alpha from the node's reduce + gather at two sizes: t = 2 (L-1) alpha +
-    2 (L-1)/L * bytes / bw, the planner's reduce-scatter + all-gather."""
-    points = sorted((key[1], t) for key, t in seconds.items() if isinstance(key, tuple) and key[0] == "intra")
-    (small, t_small), (big, t_big) = points
-
-    def moved(numel):
-        return 2 * (local - 1) / local * numel * 4
-
-    per_byte = (t_big - t_small) / (moved(big) - moved(small))
-    fixed = t_small - per_byte * moved(small)
-    if per_byte <= 0 or fixed < 0:  # noise beat the difference: all of it per byte, no fixed cost
-        per_byte, fixed = t_big / moved(big), 0.0
-    return {"intra_bw": 1 / per_byte, "intra_alpha": fixed / (2 * (local - 1))}
-
-
-def probe_machine(numels, repeat=5):
-    """What the planner needs to know about this machine, measured with every rank busy at once:
-    latency (a one-element all-reduce), intra-node bandwidth and latency (the node's reduce and gather at two
-    sizes, inside each node at the same time),
-    float32 matmul rate (PowerSGD-shaped), and the time of a flat, a hierarchical and a hierarchical 1-bit
-    all-reduce of each size in ``numels`` (the last two need ciuicflow). The measurements take turns, round
-    after round, and each is the median of its rounds, so a change of load on a shared machine affects all of
-    them alike. Collective; returns a dict."""
-    world = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    nodes = world // local
-    groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)]
-    mine = groups[dist.get_rank() // local]
-    out = {"nodes": nodes, "ranks_per_node": local, "sizes": {}}
-    small = torch.zeros(1)
-    for _ in range(3):
-        dist.all_reduce(small)
-    out["alpha"] = _slowest(statistics.median(_timed(lambda: dist.all_reduce(small)) for _ in range(15))) \
-        / (2 * (world - 1))
-
-    tasks = {}  # name -> what to time
-    x = torch.randn(max(numels))
-    a, q = torch.randn(1024, 1024), torch.randn(1024, 4)
-    tasks["matmul"] = lambda: [a @ q for _ in range(20)]
-    try:
-        import ciuicflow
-        from ciuicflow.collectives import node_shm
-        from ciuicflow.compression.quantized import QuantizedErrors
-        topology = ciuicflow.Topology.detect()
-    except Exception as exc:  # the exact ring can still be measured
-        out["ciuicflow_error"] = f"{type(exc).__name__}: {exc}"
-        topology = None
-    if local > 1:
-        # Intra-node bandwidth as the hierarchical collectives get it: through the node's shared
-        # memory where ciuicflow uses it for CPU tensors, else gloo's all-reduce inside the node.
-        segment = node_shm.node_segment(topology) if topology is not None and topology.hierarchical \
-            else None
-        out["intra_path"] = "shared_memory" if segment is not None else "gloo"
-        # two sizes, so that the fixed cost per call (barriers, Python) and the cost per byte separate
-        for size in (x.numel() // 2, x.numel()):
-            xs = x[:size]
-            if segment is not None:
-                shard_len = -(-size // local)
-                tasks[("intra", size)] = lambda xs=xs, s=shard_len: (segment.node_sum(xs, s, False),
-                                                                     segment.gather(xs, s))
-            else:
-                tasks[("intra", size)] = lambda xs=xs: dist.all_reduce(xs, group=mine)
-    for n in numels:
-        y = torch.randn(n)
-        tasks[(n, "flat_ring")] = lambda y=y: dist.all_reduce(y)
-        if topology is not None:
-            errors = QuantizedErrors()
-            ciuicflow.onebit_all_reduce(y, errors, topology, hierarchical=True)  # allocates its buffers
-            tasks[(n, "hierarchical")] = lambda y=y: ciuicflow.hierarchical_all_reduce(y, topology)
-            tasks[(n, "hierarchical_1bit")] = lambda y=y, e=errors: ciuicflow.onebit_all_reduce(
-                y, e, topology, hierarchical=True)
-    times = {name: [] for name in tasks}
-    for _ in range(repeat):
-        for name, fn in tasks.items():
-            times[name].append(_timed(fn))
-    seconds = {name: _slowest(statistics.median(ts)) for name, ts in times.items()}
-
-    if local > 1:
-        out.update(_intra_fit(seconds, local))
-    out["matmul_flops"] = 2 * 1024 * 1024 * 4 * 20 / seconds["matmul"]
-    for name, value in seconds.items():
-        if isinstance(name, tuple) and name[0] != "intra":
-            out["sizes"].setdefault(str(name[0]), {})[name[1]] = value
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", required=True, help="comma-separated method specs, e.g. allreduce,powerSGD_hook:4")
@@ -441,6 +337,7 @@ def main(argv=None):
     if args.probe_numel:
         if rank == 0:
             say("[bench] measuring the machine for the planner ...")
+        from comm_probe import probe_machine
         machine = probe_machine([args.probe_numel])
         if rank == 0:
             with open(args.out, "a") as f:

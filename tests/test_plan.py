@@ -116,7 +116,7 @@ def _worker():
     import torch.distributed as dist
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from comm_worker import probe_machine
+    from comm_probe import probe_machine
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

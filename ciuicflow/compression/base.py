@@ -17,6 +17,8 @@ from typing import ClassVar
 
 import torch
 
+from ciuicflow.collectives.routes import EXACT
+
 GUARDS = ("warn", "exact", "off")
 GUARD_EMA = 0.9  # the gradient norm the guard divides by is a running mean over about 10 steps
 
@@ -118,6 +120,4 @@ class ExactCompressor(Compressor):
     compresses = False
 
     def exchange(self, flat, memory, route, context, traffic) -> None:
-        from ciuicflow.collectives.routes import EXACT
-
         route.reduce(flat, EXACT, traffic)

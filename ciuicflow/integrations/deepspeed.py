@@ -88,7 +88,7 @@ def install() -> None:
 
 
 def _is_onebit(optimizer) -> bool:
-    from ciuicflow.optim.onebit_adam import CompressedMomentumOptimizer
+    from ciuicflow.optim.compressed_momentum import CompressedMomentumOptimizer
     return isinstance(optimizer, CompressedMomentumOptimizer)
 
 

@@ -8,7 +8,8 @@
 They run on any torch.distributed backend, without DDP (``step`` is collective), or inside
 DeepSpeed's engine (``ciuicflow.integrations.deepspeed``). See docs/onebit_adam.md.
 """
-from ciuicflow.optim.onebit_adam import CompressedMomentumOptimizer, OneBitAdam
+from ciuicflow.optim.compressed_momentum import CompressedMomentumOptimizer
+from ciuicflow.optim.onebit_adam import OneBitAdam
 from ciuicflow.optim.zero_one_adam import ZeroOneAdam
 
 __all__ = ["CompressedMomentumOptimizer", "OneBitAdam", "ZeroOneAdam"]

@@ -27,7 +27,7 @@ import torch
 
 from ciuicflow.compression.onebit import DEFAULT_CHUNK_SIZE
 from ciuicflow.compression.quantized import QuantizedErrors
-from ciuicflow.optim.onebit_adam import CompressedMomentumOptimizer, _check_adam_args, _FlatBucket
+from ciuicflow.optim.compressed_momentum import CompressedMomentumOptimizer, _check_adam_args, _FlatBucket
 
 
 class ZeroOneAdam(CompressedMomentumOptimizer):

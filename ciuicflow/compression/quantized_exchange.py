@@ -1,0 +1,387 @@
+"""Quantisation with error feedback over a route: what 1-bit and int8 share.
+
+A ``Codec`` turns a float vector into bytes: a payload and one float32 scale per chunk of
+``chunk`` elements, with error feedback (``pack(x, error)`` adds ``error`` to ``x``, quantises, and
+leaves in ``error`` what the quantisation dropped). ``QuantizedStep`` runs the exchange over a hop
+of W ranks in one of two forms:
+
+- two phases (the form 1-bit Adam uses): the tensor is cut into W segments and rank j is the
+  "server" of segment j.
+  1. worker: each rank packs its tensor plus its worker error, keeping what that drops;
+  2. all-to-all: segment j of every rank goes to rank j;
+  3. server: rank j averages the W packed copies of its segment (``unpack_mean``), adds its server
+     error, packs again and keeps what that drops as its server error;
+  4. all-gather: every rank receives every packed segment and unpacks the whole tensor.
+- one phase: every rank gathers every rank's packed tensor and averages them itself: no second
+  quantisation, (W-1) instead of 2(W-1)/W of the packed bytes, the same for W = 2.
+
+The result is bit-for-bit the same on every rank (it is unpacked from the same bytes). What has not
+been sent yet is exactly what the error buffers hold: summed over steps, output + mean(worker
+errors) + server errors equals the sum of the exact means (tests/test_hierarchical.py).
+
+Positions that must stay exact (parameters excluded from compression) travel in the same
+collectives as float32 values: summed by their server, gathered back. Every rank also sends a
+non-finite flag (and, for the accuracy guard, two norms) to every server; when any rank holds
+inf/NaN the step becomes an exact all-reduce and the error buffers are left as they were (AMP's
+GradScaler then sees the overflow and skips the step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ciuicflow.collectives.primitives import Hop, Traffic, all_gather, all_reduce, all_to_all, \
+    nonfinite_flag
+from ciuicflow.compression.base import GuardedMemory, guard_due, snapshot, update_guard
+
+
+def native_ops():
+    """``ciuicflow.ops``, loaded on first use: states and hooks that never compress work without
+    the native build."""
+    from ciuicflow import ops
+    return ops
+
+
+class Codec:
+    """How a quantiser lays values out in bytes (the native ops do the work).
+
+    ``granule``: a chunk holds a multiple of this many elements (whole bytes of payload)."""
+
+    name: str
+    granule: int = 1
+
+    def payload_bytes(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def pack(self, x: torch.Tensor, error: torch.Tensor, chunk: int):
+        """(payload uint8 [payload_bytes(n)], scales float32 [ceil(n / chunk)]); ``error`` (float32,
+        n elements) holds x + error on entry's behalf, minus what was packed, on return."""
+        raise NotImplementedError
+
+    def unpack(self, payload, scales, numel: int, chunk: int, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def unpack_mean(self, payload, scales, numel: int, chunk: int,
+                    out: torch.Tensor) -> torch.Tensor:
+        """The mean of W packed vectors (rows of ``payload`` and ``scales``), summed in row order."""
+        raise NotImplementedError
+
+
+class QuantizedErrors(GuardedMemory):
+    """Error-feedback memory of one tensor's quantised all-reduce (float32, on the tensor's device).
+
+    ``worker``: what this rank has not yet sent of its input (W segments, padding included);
+    ``server``: what it has not yet sent of the mean of the segment it serves."""
+
+    def __init__(self):
+        super().__init__()
+        self.worker: torch.Tensor | None = None
+        self.server: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None  # the next worker error is written here first
+        self._mean: torch.Tensor | None = None   # the server's decompressed mean, reused
+        self._out: torch.Tensor | None = None    # the decompressed result, reused
+        self._splits: dict = {}
+        # the guard's measure (base.update_guard): ||worker error|| over the running mean of
+        # ||input||, the largest over the ranks of the exchange (the same on all)
+
+    def ensure(self, layout: "_Layout", device) -> None:
+        shapes = (layout.parts * layout.segment, layout.segment if layout.server else 0)
+        if self.worker is None:
+            self.worker = torch.zeros(shapes[0], device=device)
+            self.server = torch.zeros(shapes[1], device=device)
+        elif (self.worker.numel(), self.server.numel()) != shapes:
+            raise RuntimeError(
+                f"1-bit error buffers hold ({self.worker.numel()}, {self.server.numel()}) elements "
+                f"but this tensor needs {shapes}: one QuantizedErrors serves one tensor layout")
+        elif self.worker.device != torch.device(device) and device is not None:
+            self.worker, self.server = self.worker.to(device), self.server.to(device)
+        if self._spare is None or self._spare.shape != self.worker.shape \
+                or self._spare.device != self.worker.device:
+            # reused every step: fresh buffers this size would cost a page fault per 4 KiB
+            self._spare = torch.empty_like(self.worker)
+            self._mean = torch.empty_like(self.server)
+            self._out = torch.empty_like(self.worker)
+
+    def state_dict(self) -> dict:
+        """Copies: the buffers themselves are reused and overwritten by later steps."""
+        return {"worker": snapshot(self.worker), "server": snapshot(self.server)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.worker, self.server = snapshot(state["worker"]), snapshot(state["server"])
+        self._spare = None
+
+    def flush(self) -> None:
+        """Forget what was not sent (after an exact step that sent it)."""
+        if self.worker is not None:
+            self.worker.zero_()
+            self.server.zero_()
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How ``numel`` compressed and ``exact`` exact elements are cut over ``world`` ranks."""
+
+    numel: int
+    exact: int
+    world: int
+    segment: int  # compressed elements per segment, a whole number of chunks
+    chunk: int    # elements per scale; a multiple of the codec's granule (whole bytes)
+    raw: int      # exact elements per segment
+    server: bool  # two phases (segments served by ranks) or one (the whole tensor)
+    packed_bytes: int  # payload bytes per segment
+
+    @staticmethod
+    def plan(codec: Codec, numel: int, exact: int, world: int, chunk_size: int,
+             server: bool) -> "_Layout":
+        """Two phases: ``world`` segments, one per server. One phase: a single segment (the whole
+        tensor) that every rank gathers from every other."""
+        parts = world if server else 1
+        per_rank = -(-numel // parts)
+        raw = -(-exact // parts)
+        if per_rank == 0:
+            return _Layout(numel, exact, world, 0, chunk_size, raw, server, 0)
+        # As many chunks as chunk_size asks for, but evened out: padding stays under a granule
+        # per chunk.
+        nchunks = -(-per_rank // chunk_size)
+        chunk = -(-per_rank // nchunks)
+        chunk = -(-chunk // codec.granule) * codec.granule
+        segment = nchunks * chunk
+        return _Layout(numel, exact, world, segment, chunk, raw, server,
+                       codec.payload_bytes(segment))
+
+    @property
+    def parts(self) -> int:
+        return self.world if self.server else 1
+
+    @property
+    def nscales(self) -> int:
+        return self.segment // self.chunk if self.segment else 0
+
+
+
+class QuantizedStep:
+    """One quantised exchange over a hop: ``step(x, hop, flag, offset, traffic) -> mean of x``.
+
+    ``error_decay``: the share of the error-feedback memory carried into the next step (1: all
+    of it, classic error feedback). ``server``: two phases (each rank serves a segment and
+    compresses its mean again) or one (every rank gathers every rank's compressed tensor and
+    averages them itself: no second compression, (W-1) instead of 2(W-1)/W of the compressed bytes,
+    the same for W = 2). ``guard_threshold``: when the largest relative error of the last step
+    (``errors.relative_error``) exceeds it, this step is exact and sends what the memory held.
+    ``measure``: compute that measure (two norms per call, and a read of them on the host).
+    """
+
+    needs_flag = True
+
+    def __init__(self, codec: Codec, errors: QuantizedErrors, chunk_size: int,
+                 exact_mask: torch.Tensor | None = None, *, error_decay: float = 1.0,
+                 server: bool = True, guard_threshold: float | None = None,
+                 measure: bool = True):
+        self.codec = codec
+        self.errors = errors
+        self.chunk_size = chunk_size
+        self.exact_mask = exact_mask
+        self.error_decay = float(error_decay)
+        self.server = bool(server)
+        self.guard_threshold = guard_threshold if measure else None
+        self.measure = bool(measure)
+
+    def __call__(self, x: torch.Tensor, hop: Hop, flag, offset: int,
+                 traffic: Traffic | None) -> torch.Tensor:
+        codec = self.codec
+        world = hop.size
+        if world == 1:
+            return x
+        errors = self.errors
+        if guard_due(errors, self.guard_threshold) and errors.worker is not None:
+            return self._flush(x, hop, offset, traffic)
+        compressed_at, exact_at = self._split(offset, x.numel(), x.device)
+        xc = x if compressed_at is None else x[compressed_at]
+        xe = x.new_empty(0, dtype=torch.float32) if exact_at is None else x[exact_at].float()
+        layout = _Layout.plan(codec, xc.numel(), xe.numel(), world, self.chunk_size, self.server)
+        errors.ensure(layout, x.device)
+        if flag is None:
+            flag = nonfinite_flag(x)
+        parts = layout.parts
+
+        # Phase 1 (worker): compress into the spare buffer; a fallback leaves the error as it was.
+        worker_error = errors._spare
+        if self.error_decay == 1.0:
+            worker_error.copy_(errors.worker)
+        else:
+            torch.mul(errors.worker, self.error_decay, out=worker_error)
+        if layout.segment:
+            # Segments are whole chunks, so packing the unpadded values gives the first bytes and
+            # scales of the padded layout; the padding's bits and scales stay zero (it unpacks to 0).
+            packed, scales = codec.pack(xc, worker_error[:layout.numel], layout.chunk)
+            packed = _padded(packed, parts * layout.packed_bytes)
+            scales = _padded(scales, parts * layout.nscales)
+            worker_error[layout.numel:].zero_()  # padding carries no error
+        else:
+            packed = x.new_empty(0, dtype=torch.uint8)
+            scales = x.new_empty(0, dtype=torch.float32)
+        # The flag row: non-finite flag, then ||worker error|| and ||input|| for the guard.
+        if self.measure:
+            norms = torch.stack([torch.linalg.vector_norm(worker_error[:layout.numel]),
+                                 torch.linalg.vector_norm(xc, dtype=torch.float32)])
+        else:
+            norms = flag.new_zeros(2, dtype=torch.float32)
+        flags = torch.cat([flag.to(torch.float32).view(1), norms]).view(1, 3)
+        raw = _padded(xe, parts * layout.raw)
+        if self.server:
+            send = _rows(world, packed, scales, flags.expand(world, 3), raw)
+            received = torch.empty_like(send)
+            all_to_all(received, send, hop, traffic)
+        else:
+            send = _rows(1, packed, scales, flags, raw)
+            received = send.new_empty(world, send.shape[1])
+            all_gather(received, send.view(-1), hop, traffic)
+        r_packed, r_scales, r_flags, r_raw = _unrows(received, layout, with_flag=True)
+
+        if bool(r_flags[:, 0].sum() > 0):  # a rank holds inf/NaN: exact this step, errors untouched
+            if traffic is not None:
+                traffic.nonfinite_fallbacks += 1
+            x.div_(world)
+            return all_reduce(x, hop, traffic)
+        errors.worker, errors._spare = worker_error, errors.worker
+        if self.measure:
+            largest = r_flags[:, 1:].max(0).values.tolist()  # the same on every rank of the exchange
+            update_guard(errors, largest[0], largest[1])
+        if not self.server:
+            return self._finish(x, layout, compressed_at, exact_at, r_packed, r_scales,
+                                r_raw.sum(0).div_(world), mean_of_rows=True)
+
+        # Phase 2 (server of segment `me`): average, compress again with the server error, gather.
+        me = dist.get_rank(hop.group)
+        real = max(0, min(layout.segment, layout.numel - me * layout.segment))
+        if layout.segment:
+            mean = codec.unpack_mean(r_packed, r_scales, layout.segment, layout.chunk,
+                                     errors._mean)
+            mean[real:] = 0
+            if self.error_decay != 1.0:
+                errors.server.mul_(self.error_decay)
+            s_packed, s_scales = codec.pack(mean, errors.server, layout.chunk)
+            errors.server[real:].zero_()
+        else:
+            s_packed, s_scales = packed[:0], scales[:0]
+        raw_mean = r_raw.sum(0).div_(world)
+        send2 = _rows(1, s_packed, s_scales, None, raw_mean)
+        gathered = send2.new_empty(world, send2.shape[1])
+        all_gather(gathered, send2.view(-1), hop, traffic)
+        g_packed, g_scales, _, g_raw = _unrows(gathered, layout, with_flag=False)
+        return self._finish(x, layout, compressed_at, exact_at, g_packed, g_scales,
+                            g_raw.reshape(-1), mean_of_rows=False)
+
+    def _finish(self, x, layout, compressed_at, exact_at, packed, scales, raw, mean_of_rows):
+        """Write the decompressed result into x: the rows' mean (one phase) or the rows laid end to
+        end (two phases: row j is segment j)."""
+        codec, errors = self.codec, self.errors
+        nbytes, nscales = codec.payload_bytes, (lambda n: -(-n // layout.chunk))
+        unpack = (lambda n, out: codec.unpack_mean(
+            packed[:, :nbytes(n)].contiguous(), scales[:, :nscales(n)].contiguous(), n,
+            layout.chunk, out)) if mean_of_rows else \
+            (lambda n, out: codec.unpack(packed.view(-1)[:nbytes(n)],
+                                         scales.view(-1)[:nscales(n)], n, layout.chunk, out))
+        if compressed_at is None and x.dtype == torch.float32 and x.is_contiguous():
+            if layout.numel:  # straight into x: the first numel elements of the padded layout
+                unpack(layout.numel, x)
+            return x
+        if layout.segment:
+            out = unpack(layout.parts * layout.segment, errors._out)[:layout.numel]
+        else:
+            out = x.new_empty(0, dtype=torch.float32)
+        if compressed_at is None:
+            x.copy_(out)
+        else:
+            x[compressed_at] = out.to(x.dtype)
+            x[exact_at] = raw[:layout.exact].to(x.dtype)
+        return x
+
+    def _flush(self, x, hop, offset, traffic):
+        """The guard's exact step: x plus everything the memory held, averaged exactly, so the
+        sum over steps stays the exact one; the memory starts again from zero."""
+        errors = self.errors
+        compressed_at, _ = self._split(offset, x.numel(), x.device)
+        pending = x.new_zeros(x.numel(), dtype=torch.float32)
+        numel = x.numel() if compressed_at is None else compressed_at.numel()
+        owed = errors.worker[:numel].clone()
+        if errors.server.numel():  # this rank's segment's server error, held by this rank only:
+            # times W, as the mean below divides everything by W
+            me = dist.get_rank(hop.group)
+            seg = errors.server.numel()
+            lo, hi = me * seg, min(numel, (me + 1) * seg)
+            if hi > lo:
+                owed[lo:hi] += errors.server[:hi - lo] * hop.size
+        if compressed_at is None:
+            pending += owed
+        else:
+            pending[compressed_at] = owed
+        total = x.float() + pending
+        total.div_(hop.size)
+        all_reduce(total, hop, traffic)  # mean of (x + worker error) + server error
+        x.copy_(total.to(x.dtype))
+        if bool(nonfinite_flag(total) > 0):  # an overflow: the step is skipped, keep the memory
+            if traffic is not None:
+                traffic.nonfinite_fallbacks += 1
+            return x
+        errors.flush()
+        errors._guard_stale = True
+        if traffic is not None:
+            traffic.guard_exact_steps += 1
+        return x
+
+    def _split(self, offset: int, length: int, device):
+        """Index tensors of the compressed and the exact positions of x[offset:offset+length]."""
+        if self.exact_mask is None:
+            return None, None
+        key = (offset, length)
+        cached = self.errors._splits.get(key)
+        if cached is None:
+            exact = torch.zeros(length, dtype=torch.bool, device=device)
+            window = self.exact_mask.view(-1)[offset:offset + length]
+            exact[:window.numel()] = window.to(device)
+            if not bool(exact.any()):
+                cached = (None, None)
+            else:
+                cached = ((~exact).nonzero().view(-1), exact.nonzero().view(-1))
+            self.errors._splits[key] = cached
+        return cached
+
+
+def _padded(values: torch.Tensor, length: int) -> torch.Tensor:
+    """``values`` zero-padded to ``length``: itself when it has that length, else a copy."""
+    if values.numel() == length:
+        return values
+    out = values.new_zeros(length)
+    out[:values.numel()] = values
+    return out
+
+
+def _as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t.contiguous().view(rows, -1).view(torch.uint8) if t.numel() else \
+        t.new_empty(rows, 0, dtype=torch.uint8)
+
+
+def _rows(rows: int, packed, scales, flags, raw) -> torch.Tensor:
+    """[rows, bytes]; a row: packed signs | float32 scales | float32 flag | float32 exact values."""
+    parts = [packed.view(rows, -1) if packed.numel() else packed.new_empty(rows, 0),
+             _as_bytes(scales, rows)]
+    if flags is not None:
+        parts.append(_as_bytes(flags, rows))
+    parts.append(_as_bytes(raw.to(torch.float32), rows))
+    return torch.cat(parts, dim=1)
+
+
+def _unrows(rows: torch.Tensor, layout: _Layout, with_flag: bool):
+    """Split what ``_rows`` built (one row per rank) back into its four parts."""
+    sizes = [layout.packed_bytes, 4 * layout.nscales, 12 if with_flag else 0, 4 * layout.raw]
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(rows[:, start:start + size].contiguous())
+        start += size
+    packed, scales, flags, raw = parts
+    as_float = (lambda t: t.view(torch.float32) if t.shape[1] else
+                t.new_empty(t.shape[0], 0, dtype=torch.float32))
+    return packed, as_float(scales), as_float(flags), as_float(raw)
