@@ -1,23 +1,29 @@
 """Fixtures that run real KV-flow sidecar processes on 127.0.0.1 and always clean them up."""
 import os
 import pathlib
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from ciuicflow.kvflow.sidecar.process import READY_RE, free_port
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
-READY_RE = re.compile(r"sidecar '(?P<name>[^']+)' ready: api=(?P<api>\S+) listen=(?P<listen>\S+)")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class FakeClock:
+    """A simulated clock for the pure parts (scheduler, congestion controller, transfer state machine)."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
 
 
 class Sidecar:

@@ -11,19 +11,9 @@ from ciuicflow.kvflow.core.transfer import DONE, FAILED, NEW, OPEN, OPENING, Lim
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
 from ciuicflow.kvflow.transports.base import Stream, Transport
 from ciuicflow.testing.kvflow_faults import CorruptingTransport, Faults, RateLimit
+from tests.kvflow.conftest import FakeClock
 
 LIMITS = Limits(max_retransmits=2, stall_timeout_s=3.0, resume_timeout_s=5.0, busy_backoff_s=0.05)
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
 
 
 def chunk(i: int, n: int = 10) -> OutChunk:
@@ -47,7 +37,7 @@ def send_all(t):
 
 
 def test_kvflow_transfer_fresh_open_sends_at_once_and_commits():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     t = make(clock, deadline=clock() + 2.0)
     assert t.state == NEW and not t.head_ready(clock())
     for i in range(3):
@@ -78,7 +68,7 @@ def test_kvflow_transfer_fresh_open_sends_at_once_and_commits():
 
 
 def test_kvflow_transfer_resume_skips_what_the_receiver_holds():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     t = make(clock, resume=True)
     for i in range(4):
         t.add_chunk(chunk(i))
@@ -93,7 +83,7 @@ def test_kvflow_transfer_resume_skips_what_the_receiver_holds():
 
 
 def test_kvflow_transfer_receiver_complete_already():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     t = make(clock, resume=True)
     t.add_chunk(chunk(0))
     t.open()
@@ -102,7 +92,7 @@ def test_kvflow_transfer_receiver_complete_already():
 
 
 def test_kvflow_transfer_corrupt_chunks_go_again_then_data_loss():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     t = make(clock)
     for i in range(3):
         t.add_chunk(chunk(i))
@@ -124,7 +114,7 @@ def test_kvflow_transfer_corrupt_chunks_go_again_then_data_loss():
 
 
 def test_kvflow_transfer_busy_receiver_backs_off_then_stalls():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     t = make(clock)
     for i in range(2):
         t.add_chunk(chunk(i))
@@ -146,7 +136,7 @@ def test_kvflow_transfer_busy_receiver_backs_off_then_stalls():
 
 
 def test_kvflow_transfer_stall_without_busy_is_unavailable():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     t = make(clock)
     t.add_chunk(chunk(0))
     t.open()
@@ -157,7 +147,7 @@ def test_kvflow_transfer_stall_without_busy_is_unavailable():
 
 
 def test_kvflow_transfer_reconnect_reopens_and_peer_gone_fails():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     t = Transfer(7, "k", "b", "normal", limits=Limits(stall_timeout_s=60.0, resume_timeout_s=5.0), clock=clock)
     t.add_chunk(chunk(0))
     t.open()
@@ -180,7 +170,7 @@ def test_kvflow_transfer_reconnect_reopens_and_peer_gone_fails():
 
 
 def test_kvflow_transfer_deadline():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     t = make(clock, deadline=clock() + 1.0)
     t.add_chunk(chunk(0))
     t.open()
@@ -190,7 +180,7 @@ def test_kvflow_transfer_deadline():
 
 
 def test_kvflow_transfer_durable_receiver_frees_acked_chunks():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     t = make(clock)
     for i in range(3):
         t.add_chunk(chunk(i))
@@ -210,7 +200,7 @@ def test_kvflow_transfer_durable_receiver_frees_acked_chunks():
 
 
 def test_kvflow_transfer_failures_reported_by_the_peer_are_not_echoed():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     for reply in (pb.TransferState(tid=7, error_code=grpc.StatusCode.ALREADY_EXISTS.value[0], error="dup"),
                   pb.Ack(tid=7, seq=0, code=pb.ACK_FAILED, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0]),
                   pb.CommitAck(tid=7, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad")):

@@ -12,19 +12,9 @@ from ciuicflow.kvflow.sidecar.config import load_config
 from ciuicflow.kvflow.core.congestion import PROBE_BW, PROBE_RTT, CongestionController
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
 from ciuicflow.kvflow.core.scheduler import Scheduler
+from tests.kvflow.conftest import FakeClock
 
 CHUNK = 256 << 10
-
-
-class FakeClock:
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
 
 
 # ---------------------------------------------------------------------- scheduler

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from ..sidecar.process import REPO_ROOT, SidecarProcess, child_env, free_port
+from ..sidecar.process import REPO_ROOT, SidecarProcess, child_env, free_port, log_tail
 from .model import SIZES, build_model, make_prompts, model_config_kwargs, model_fingerprint, reference_tokens
 
 
@@ -69,14 +69,6 @@ def _start_worker(role: str, spec_path: str, api: str, workdir: str):
                             cwd=REPO_ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     return proc, out, log
-
-
-def _tail(path: str, n: int = 3000) -> str:
-    try:
-        with open(path, errors="replace") as fh:
-            return fh.read()[-n:]
-    except FileNotFoundError:
-        return ""
 
 
 def run_demo(args, log=print) -> dict:
@@ -129,10 +121,10 @@ def run_demo(args, log=print) -> dict:
                 rc = proc.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise RuntimeError(f"{role} process still running after {args.timeout:g}s:\n"
-                                   f"{_tail(os.path.join(workdir, role + '.log'))}") from None
+                                   f"{log_tail(os.path.join(workdir, role + '.log'))}") from None
             if rc != 0 or not os.path.exists(out):
                 raise RuntimeError(f"{role} process failed (exit code {rc}):\n"
-                                   f"{_tail(os.path.join(workdir, role + '.log'))}")
+                                   f"{log_tail(os.path.join(workdir, role + '.log'))}")
             with open(out) as f:
                 outputs[role] = json.load(f)
     finally:

@@ -35,7 +35,7 @@ class SidecarConfig:
     ingest_readahead: int = 4 << 20           # normal/low flow transfers: unsent bytes buffered ahead of the link
     max_chunk_size: int = 4 << 20             # on a fast link chunks grow from chunk_size up to this (see chunk_bytes)
     whole_part_bytes: int = 1 << 20           # a part up to this size goes as one chunk (no short tails)
-    min_cwnd: int = 0                         # bytes; 0 = max(2 chunks, 2MiB)
+    min_cwnd: int = 0                         # bytes; 0: default_min_cwnd(chunk_size)
     quantum_normal: int = 3 << 20             # DRR quantum per turn, bytes
     quantum_low: int = 1 << 20
     max_wait_s: float = 0.5                   # aging: a normal/low chunk waits at most this long behind high
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-wait-s", type=float, default=S, help="aging: longest wait of normal/low behind high (default 0.5)")
     a("--max-total-bytes", default=S, help="cap on buffered bytes in total (default 2GiB)")
     a("--max-peer-bytes", default=S, help="cap on buffered bytes per peer (default 1GiB)")
-    a("--max-message-bytes", default=S, help="largest gRPC message accepted (default 4MiB)")
+    a("--max-message-bytes", default=S, help="largest gRPC message accepted (default 8MiB)")
     a("--admission-timeout-s", type=float, default=S, help="wait over the cap before RESOURCE_EXHAUSTED (10)")
     a("--lease-s", type=float, default=S, help="uncollected received transfers expire after this (60)")
     a("--stall-timeout-s", type=float, default=S, help="a transfer without progress fails after this (30)")

@@ -15,6 +15,16 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.p
 READY_RE = re.compile(r"sidecar '(?P<name>[^']+)' ready: api=(?P<api>\S+) listen=(?P<listen>\S+)")
 
 
+def log_tail(path: str, n: Optional[int] = 3000) -> str:
+    """The last ``n`` characters of a log file (None: all of it; "" while it does not exist)."""
+    try:
+        with open(path, errors="replace") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        return ""
+    return text if n is None else text[-n:]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -66,11 +76,7 @@ class SidecarProcess:
         return self
 
     def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                return fh.read()
-        except FileNotFoundError:
-            return ""
+        return log_tail(self.log_path, None)
 
     def wait_ready(self, timeout: float = 60.0) -> "SidecarProcess":
         deadline = time.monotonic() + timeout
