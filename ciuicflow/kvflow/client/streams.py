@@ -3,7 +3,7 @@ appended as they are produced) and ``RecvStream`` (parts as they arrive)."""
 from __future__ import annotations
 
 import queue
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import grpc
 
@@ -13,9 +13,6 @@ from ..proto.codec import uninitialized
 from ..proto.messages import priority_from_pb, priority_to_pb
 from .payload import KVFlowError, Part, RecvHeader, SendResult, decode_part, encode_part, messages
 from .rings import CallFinished, RingPool, ShmWriter
-
-if TYPE_CHECKING:
-    from .client import Client
 
 _END = object()
 
@@ -55,7 +52,7 @@ class SendStream:
     as the transfer has failed. Used as a context manager, it closes on success and cancels on an exception.
     """
 
-    def __init__(self, client: "Client", dest: str, key: str, priority: str, deadline_s, flow: bool,
+    def __init__(self, client, dest: str, key: str, priority: str, deadline_s, flow: bool,
                  lease_s, resume: bool, payload_kind: str, queue_messages: int):
         self.dest = dest
         self.key = key

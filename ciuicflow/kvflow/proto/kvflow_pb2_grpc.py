@@ -281,8 +281,8 @@ class KVFlowPeerServicer:
     def DataPlane(self, request, context):
         """Where this receiver's TCP data plane listens, with a one-time ticket for the sender named in the
         metadata (checked as for Link). The data plane carries the same PeerFrame / PeerReply messages as
-        Link, length-prefixed on a plain TCP connection (ciuicflow/kvflow/wire.py). port 0: no data plane
-        (TLS peers, or --data-port -1): use Link.
+        Link, length-prefixed on a plain TCP connection (ciuicflow/kvflow/transports/tcp.py). port 0: no
+        data plane (TLS peers, or --data-port -1): use Link.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,6 +1,6 @@
 """``python -m ciuicflow.kvflow.sidecar``: the sidecar process (same as ``ciuicflow-sidecar``)."""
 import sys
 
-from .app import main
+from ..server import main
 
 sys.exit(main())

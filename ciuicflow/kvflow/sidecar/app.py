@@ -1,4 +1,5 @@
-"""The KV-flow sidecar process: ``ciuicflow-sidecar`` / ``python -m ciuicflow.kvflow.sidecar`` (or ``.server``).
+"""The KV-flow sidecar: ``Sidecar`` and the process's life (``run``); ``ciuicflow.kvflow.server.main`` is its
+command line (``ciuicflow-sidecar``, ``python -m ciuicflow.kvflow.server`` or ``.sidecar``).
 
 Two gRPC servers on one asyncio event loop:
   * the local API (``KVFlow``: Send, Recv, Stats, ShmProbe) on ``--api`` (loopback unless ``--allow-remote-api``);
@@ -32,7 +33,7 @@ from ..transports.base import Transport
 from ..transports.grpc_stream import GrpcStreamTransport, PeerChannel
 from ..transports.tcp import DataPlaneServer, TcpTransport
 from . import grpc_setup
-from .config import SidecarConfig, format_hostport, parse_command_line, parse_hostport
+from .config import SidecarConfig, format_hostport, parse_hostport
 from .ingest import Ingest
 from .local_api import LocalApi
 from .metrics import Metrics
@@ -235,20 +236,13 @@ def tune_malloc() -> bool:
         return False
 
 
-def main(argv=None) -> int:
-    try:
-        cfg, fault_flags = parse_command_line(argv)
-    except (ValueError, OSError) as exc:
-        print(f"ciuicflow-sidecar: {exc}", file=sys.stderr)
-        return 2
+def run(cfg: SidecarConfig, **faults) -> int:
+    """The sidecar process's life: logging, allocator and collector settings, then ``serve`` until a signal.
+    ``faults``: Sidecar's fault seams (tests and benchmarks)."""
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    faults = {}
-    if any(fault_flags.values()):
-        from ciuicflow.testing.kvflow_faults import Faults
-        injected = Faults(corrupt_every=fault_flags["test_corrupt_every"], link_rate=fault_flags["link_rate"])
-        log.warning("test faults injected: %s", injected)
-        faults = injected.seams()
+    if faults:
+        log.warning("test faults injected: %s", ", ".join(sorted(faults)))
     tune_malloc()
     # Every chunk allocates a few dozen short-lived objects (messages, futures, callbacks), which triggered a
     # young-generation collection every few chunks. They die young without cycles, so collect far less
@@ -260,7 +254,3 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
