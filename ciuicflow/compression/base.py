@@ -12,6 +12,7 @@ when it passes ``guard_threshold``.
 """
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -63,6 +64,16 @@ def guard_due(memory: GuardedMemory, threshold: float | None) -> bool:
     """Whether the guard asks for an exact step now (``threshold`` None: it never does)."""
     return threshold is not None and memory.relative_error is not None \
         and not memory._guard_stale and memory.relative_error > threshold
+
+
+def exclude_mask(patterns, names, segments, numel: int, device) -> torch.Tensor | None:
+    """True where a tensor laid out as ``segments`` ((offset, shape) per parameter, named
+    ``names``) holds a parameter matching one of ``patterns`` (``fnmatch``); None if none does."""
+    mask = torch.zeros(numel, dtype=torch.bool, device=device)
+    for name, (offset, shape) in zip(names, segments):
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            mask[offset:offset + torch.Size(shape).numel()] = True
+    return mask if bool(mask.any()) else None
 
 
 def snapshot(tensor: torch.Tensor | None) -> torch.Tensor | None:

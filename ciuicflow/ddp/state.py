@@ -7,16 +7,15 @@ compressor of the registry (``OneBitState``, ``PowerSGDState``, ...).
 """
 from __future__ import annotations
 
-import fnmatch
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from ciuicflow.collectives.primitives import Traffic
 from ciuicflow.collectives.routes import EXACT, ROUTES
-from ciuicflow.compression.base import Compressor, Context, ExactCompressor
+from ciuicflow.compression.base import Compressor, Context, ExactCompressor, exclude_mask
+from ciuicflow.compression.ledger import Ledger
 from ciuicflow.ddp.bucket import BucketMemories, BucketView
 from ciuicflow.ddp.worker import completed, ordered_worker
 from ciuicflow.topology import Topology
@@ -55,9 +54,8 @@ class AllReduceState:
         self._memories = BucketMemories(self.compressor.new_memory)
         self._names: dict[int, str] = {}
         self._masks: dict[str, torch.Tensor | None] = {}
-        self._warned: set[str] = set()
         self._routes: dict = {}
-        self.reset_stats()
+        self._ledger = Ledger()
         if model is not None:
             self.bind_model(model)
 
@@ -82,48 +80,12 @@ class AllReduceState:
         return self
 
     def reset_stats(self) -> None:
-        self._traffic = Traffic()             # every step
-        self._compressed_traffic = Traffic()  # steps past warm-up
-        self._time_s = 0.0
-        self._stats_steps = 0
-        self._compressed_steps = 0
-        self._buckets = 0
-        self._relative_errors: dict[int, float] = {}  # bucket index -> the guard's last measure
-        self._guard_alerts = 0
+        self._ledger.reset()
 
     def stats(self) -> dict:
-        """Communication statistics of this rank since the last ``reset_stats()``.
-
-        Bytes follow the model of ``ciuicflow.collectives`` (bytes this rank sends); the
-        ``exact_*`` figures are what exact all-reduces along the same path would send.
-        ``compression_ratio`` = exact / actual inter-node bytes over the steps past warm-up
-        (``overall_compression_ratio``: over all steps). ``time_s``: time spent in the hook's
-        compression and communication."""
-        t, c = self._traffic, self._compressed_traffic
-        steps = self._stats_steps
-        return {
-            "algorithm": self.algorithm,
-            "topology": self.topology.describe() if self.topology is not None else None,
-            "steps": steps,
-            "compressed_steps": self._compressed_steps,
-            "buckets": self._buckets,
-            "intra_node_bytes": int(round(t.intra_bytes)),
-            "inter_node_bytes": int(round(t.inter_bytes)),
-            "exact_intra_node_bytes": int(round(t.exact_intra_bytes)),
-            "exact_inter_node_bytes": int(round(t.exact_inter_bytes)),
-            "inter_node_bytes_per_step": t.inter_bytes / steps if steps else 0.0,
-            "compression_ratio": _ratio(c.exact_inter_bytes, c.inter_bytes),
-            "overall_compression_ratio": _ratio(t.exact_inter_bytes, t.inter_bytes),
-            "nonfinite_fallbacks": t.nonfinite_fallbacks,
-            # the accuracy guard: ||error-feedback memory|| / ||gradient|| per bucket, last step
-            "relative_error": max(self._relative_errors.values()) if self._relative_errors
-            else None,
-            "relative_errors": dict(self._relative_errors),
-            "guard_alerts": self._guard_alerts,
-            "guard_exact_steps": t.guard_exact_steps,
-            "time_s": self._time_s,
-            "time_per_step_s": self._time_s / steps if steps else 0.0,
-        }
+        """Communication statistics of this rank since the last ``reset_stats()`` (see
+        ``compression.ledger.Ledger.stats``; ``buckets`` counts DDP buckets reduced)."""
+        return self._ledger.stats(self.algorithm, self.topology)
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue exactly (no process group)."""
@@ -133,10 +95,7 @@ class AllReduceState:
             "config": self._config(),
             "iter": self.iter,
             "memory": self._memories.state_dict(),
-            "stats": {"traffic": self._traffic.as_dict(),
-                      "compressed_traffic": self._compressed_traffic.as_dict(),
-                      "time_s": self._time_s, "steps": self._stats_steps,
-                      "compressed_steps": self._compressed_steps, "buckets": self._buckets},
+            "stats": self._ledger.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -151,13 +110,7 @@ class AllReduceState:
                                  f"{getattr(self, name)!r}: its memory does not fit")
         self.iter = int(state["iter"])
         self._memories.load_state_dict(state["memory"])
-        stats = state.get("stats", {})
-        self._traffic = Traffic(**stats.get("traffic", {}))
-        self._compressed_traffic = Traffic(**stats.get("compressed_traffic", {}))
-        self._time_s = stats.get("time_s", 0.0)
-        self._stats_steps = stats.get("steps", 0)
-        self._compressed_steps = stats.get("compressed_steps", 0)
-        self._buckets = stats.get("buckets", 0)
+        self._ledger.load_state_dict(state.get("stats", {}))
 
     def __getstate__(self) -> dict:
         # The process group, the topology (it holds groups) and parameter identities stay behind.
@@ -208,16 +161,11 @@ class AllReduceState:
             if not (past_warmup and self._reduce_compressed(info, route, step, traffic)):
                 route.add_exact(traffic, info.buffer)
                 route.reduce(info.buffer, EXACT, traffic)
-        self._traffic.merge(traffic)
-        if past_warmup:
-            self._compressed_traffic.merge(traffic)
-        self._buckets += 1
+        self._ledger.record(traffic, past_warmup, time.perf_counter() - start)
         if info.is_last:
-            self._stats_steps += 1
+            self._ledger.end_step(past_warmup)
             if past_warmup:
-                self._compressed_steps += 1
-                self._memories.end_of_step(self._warn_once)
-        self._time_s += time.perf_counter() - start
+                self._memories.end_of_step(self._ledger.warn_once)
         return info.buffer
 
     def _reduce_compressed(self, info: BucketView, route, step: int, traffic: Traffic) -> bool:
@@ -242,7 +190,7 @@ class AllReduceState:
             buffer = torch.cat([info.buffer[where[p]:where[p] + n]
                                 for p, n in zip(layout["params"], sizes)])
             piece = BucketView(layout["index"], buffer, False, layout["segments"],
-                            [by_name[p] for p in layout["params"]])
+                               [by_name[p] for p in layout["params"]])
             self._compress(piece, memory, route, step, traffic)
             self._memories.mark_used(key)
             for p, n, (offset, _) in zip(layout["params"], sizes, layout["segments"]):
@@ -274,37 +222,16 @@ class AllReduceState:
             raise RuntimeError(
                 "exclude patterns need parameter names: use ciuicflow.register(model, ...) "
                 "or state.bind_model(model) (also after unpickling a state)")
-        mask = torch.zeros(info.buffer.numel(), dtype=torch.bool, device=info.buffer.device)
-        for name, (offset, shape) in zip(names, info.segments):
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude):
-                mask[offset:offset + torch.Size(shape).numel()] = True
-        self._masks[key] = mask if bool(mask.any()) else None
+        self._masks[key] = exclude_mask(self.exclude, names, info.segments,
+                                        info.buffer.numel(), info.buffer.device)
         return self._masks[key]
 
     def _check_guard(self, info: BucketView, relative_error: float | None) -> None:
-        """Record the bucket's relative error; above the threshold, warn (once per bucket)."""
-        compressor = self.compressor
-        if relative_error is None or compressor.guard == "off":
-            return
-        self._relative_errors[info.index] = relative_error
-        if relative_error > compressor.guard_threshold:
-            self._guard_alerts += 1
-            action = ("its next step is exact" if compressor.guard == "exact" else
-                      "pass guard='exact' to send such buckets exactly, or reduce the learning "
-                      "rate, the momentum, or raise the rank/lower the chunk size")
-            self._warn_once(f"guard{info.index}", (
-                f"ciuicflow {self.algorithm}: bucket {info.index}'s error-feedback memory is "
-                f"{relative_error:.1f}x its gradient (threshold {compressor.guard_threshold}): "
-                f"compression is falling behind and may cost accuracy; {action}"))
+        self._ledger.note_guard(self.compressor, self.algorithm, info.index,
+                                f"bucket {info.index}", relative_error)
 
     def _warn_once(self, tag: str, message: str) -> None:
-        if tag not in self._warned:
-            self._warned.add(tag)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-
-
-def _ratio(exact: float, actual: float):
-    return exact / actual if actual else None
+        self._ledger.warn_once(tag, message)
 
 
 class CompressingState(AllReduceState):

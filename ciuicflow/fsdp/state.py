@@ -1,0 +1,209 @@
+"""The state behind ``ciuicflow.fsdp.register``: each FSDP2 parameter group's shard, reduced across
+nodes with a compressor of the registry after FSDP's own reduce-scatter inside the node.
+
+FSDP2 sharded over the ranks of one node (``fully_shard(module, mesh=mesh["shard"])``) averages the
+gradients inside the node with its reduce-scatter and hands each rank its shard (``reduce_output``)
+to the all-reduce hook; here that hook averages the shard over ``mesh["replicate"]`` (the ranks that
+hold the same shard, one per node) with the method's compressor, on a flat route over that group:
+the hierarchical all-reduce with FSDP doing the intra-node half.
+
+Per parameter group: the compressor's memory (error feedback, warm start), its layout (each
+parameter's shard as an (offset, shape) pair, so PowerSGD sees matrices), the positions excluded
+from compression, and its count of synchronised steps. ``state_dict()`` holds this rank's memory
+under a key of its own, so ``torch.distributed.checkpoint`` saves every rank's and a resumed run
+continues exactly.
+"""
+from __future__ import annotations
+
+import io
+import time
+
+import torch
+import torch.distributed as dist
+
+from ciuicflow.collectives.primitives import Traffic
+from ciuicflow.collectives.routes import EXACT, FlatRoute
+from ciuicflow.compression import registry
+from ciuicflow.compression.base import Context, exclude_mask
+from ciuicflow.compression.ledger import Ledger
+from ciuicflow.ddp.state import DEFAULT_WARMUP_STEPS
+from ciuicflow.topology import Topology
+
+_STATE_VERSION = 1
+
+
+class _Group:
+    """One FSDP parameter group (one ``fully_shard``-ed module)."""
+
+    def __init__(self, index: int, name: str, param_group):
+        self.index, self.name, self._param_group = index, name, param_group
+        self.steps = 0  # synchronised steps this group's hook has seen
+        self.memory = None
+        self.segments: tuple | None = None  # known at the first call (FSDP's lazy init names params)
+        self.names: list | None = None
+        self.mask = None
+        self.memory_layout: dict | None = None  # what the memory was made for
+        self.pending = None  # a checkpoint's (layout, memory state), loaded at the first call
+
+    def layout(self, numel: int) -> tuple:
+        """((offset, shard shape) per parameter in the reduce output, their names), once."""
+        if self.segments is None:
+            segments, names, offset = [], [], 0
+            for fsdp_param in self._param_group.fsdp_params:
+                segments.append((offset, tuple(fsdp_param.sharded_size)))
+                names.append(fsdp_param._param_fqn)
+                offset += fsdp_param.padded_sharded_param_size.numel()
+            if offset != numel:
+                raise RuntimeError(f"ciuicflow.fsdp: FSDP's reduce output of {self.name or 'root'} "
+                                   f"holds {numel} elements, its parameters' padded shards {offset}")
+            self.segments, self.names = tuple(segments), names
+        return self.segments, self.names
+
+
+class FSDPState:
+    """Reduction of FSDP2 gradient shards across nodes with one method of the registry.
+
+    Args (``register`` passes them):
+        method: a hierarchical method: "hierarchical_allreduce" (exact), "hierarchical_1bit",
+            "hierarchical_powersgd", "hierarchical_int8".
+        mesh: the 2-D DeviceMesh ("replicate", "shard") the model was sharded on (its "shard" dim).
+        warmup_steps, exclude, seed: as for the DDP hooks' states.
+        **options: the method's compressor's options, with the DDP hooks' defaults.
+    """
+
+    def __init__(self, method: str, mesh, *, warmup_steps: int = DEFAULT_WARMUP_STEPS,
+                 exclude=(), seed: int = 0, **options):
+        self.method = registry.method(method)
+        if not self.method.hierarchical:
+            hierarchical = [n for n, m in registry.METHODS.items() if m.hierarchical]
+            raise ValueError(f"ciuicflow.fsdp takes the hierarchical methods ({hierarchical}): FSDP "
+                             f"reduce-scatters inside the node, ciuicflow reduces across nodes; "
+                             f"got {method!r}")
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if getattr(mesh, "ndim", None) != 2 or set(names) != {"replicate", "shard"}:
+            raise ValueError("mesh must be a 2-D DeviceMesh with mesh_dim_names ('replicate', "
+                             f"'shard'), got {mesh!r}")
+        if int(warmup_steps) < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.compressor = self.method.entry.compressor_class()(**options)
+        self.mesh = mesh
+        self.warmup_steps = int(warmup_steps)
+        self.exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+        self.seed = int(seed)
+        self.topology = Topology.detect(mesh["replicate"].get_group())  # collective, once
+        self.route = FlatRoute(self.topology)
+        self.groups: list[_Group] = []
+        self._ledger = Ledger()
+
+    @property
+    def algorithm(self) -> str:
+        return self.compressor.name
+
+    # -- the hook ----------------------------------------------------------------------------
+
+    def add_group(self, name: str, param_group) -> "callable":
+        group = _Group(len(self.groups), name, param_group)
+        self.groups.append(group)
+        return lambda reduce_output: self._reduce(group, reduce_output)
+
+    def _reduce(self, group: _Group, reduce_output: torch.Tensor) -> None:
+        start = time.perf_counter()
+        step = group.steps
+        group.steps += 1
+        flat = reduce_output.view(-1)
+        traffic = Traffic()
+        compressed = self.compressor.compresses and step >= self.warmup_steps
+        self.route.add_exact(traffic, flat)
+        if compressed and flat.numel():
+            memory = self._memory(group, flat)
+            context = Context(group.segments, group.mask, step, group.index, self.seed)
+            self.compressor.exchange(flat, memory, self.route, context, traffic)
+            self._ledger.note_guard(self.compressor, self.algorithm, group.name,
+                                    f"parameter group {group.name or '(root)'}",
+                                    memory.relative_error)
+        else:
+            self.route.reduce(flat, EXACT, traffic)
+        if step + 1 > self._ledger.steps:  # the first group of a new step
+            self._ledger.end_step(compressed)
+        self._ledger.record(traffic, compressed, time.perf_counter() - start)
+
+    def _memory(self, group: _Group, flat: torch.Tensor):
+        if group.memory is None:
+            segments, names = group.layout(flat.numel())
+            if self.exclude:
+                group.mask = exclude_mask(self.exclude, names, segments, flat.numel(), flat.device)
+            group.memory = self.compressor.new_memory()
+            group.memory_layout = _layout(flat, segments)
+            if group.pending is not None:
+                layout, tensors = group.pending
+                if layout == group.memory_layout:
+                    group.memory.load_state_dict(tensors)
+                else:
+                    self._ledger.warn_once(f"layout{group.name}", (
+                        f"ciuicflow.fsdp: the checkpoint's memory of {group.name or '(root)'} was "
+                        f"saved for another layout ({layout}); it starts from zero"))
+                group.pending = None
+        return group.memory
+
+    # -- statistics and checkpoints ---------------------------------------------------------
+
+    def stats(self) -> dict:
+        """As the DDP hooks' ``stats()``; ``buckets`` counts parameter-group reductions."""
+        return self._ledger.stats(self.algorithm, self.topology)
+
+    def reset_stats(self) -> None:
+        self._ledger.reset()
+
+    def state_dict(self) -> dict:
+        """For ``torch.distributed.checkpoint`` (or ``torch.save``): the shared configuration, and
+        this rank's memory, steps and statistics under ``rank<R>`` (DCP saves each rank's own)."""
+        mine = {"groups": {g.name: {"steps": g.steps, "memory": _memory_state(g)}
+                           for g in self.groups},
+                "stats": self._ledger.state_dict()}
+        blob = io.BytesIO()
+        torch.save(mine, blob)
+        return {"version": _STATE_VERSION, "algorithm": self.algorithm,
+                "method": self.method.name, "config": self._config(),
+                f"rank{dist.get_rank()}": blob.getvalue()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unknown ciuicflow.fsdp checkpoint version {state.get('version')!r}")
+        if state.get("method") != self.method.name:
+            raise ValueError(f"checkpoint is for {state.get('method')!r}, this state is "
+                             f"{self.method.name!r}")
+        for name in self.compressor.layout_options:
+            if state["config"].get(name) != getattr(self.compressor, name):
+                raise ValueError(f"checkpoint has {name}={state['config'].get(name)!r}, this state "
+                                 f"{getattr(self.compressor, name)!r}: its memory does not fit")
+        blob = state.get(f"rank{dist.get_rank()}")
+        if not blob:
+            raise ValueError(f"the checkpoint holds no state of rank {dist.get_rank()} (saved with "
+                             "another world size?)")
+        mine = torch.load(io.BytesIO(blob), weights_only=False)
+        saved = mine["groups"]
+        for group in self.groups:
+            entry = saved.get(group.name)
+            if entry is None:
+                raise ValueError(f"the checkpoint has no parameter group {group.name!r}; it has "
+                                 f"{sorted(saved)}")
+            group.steps = int(entry["steps"])
+            group.memory, group.pending = None, entry["memory"]
+        self._ledger.load_state_dict(mine["stats"])
+
+    def _config(self) -> dict:
+        return {"warmup_steps": self.warmup_steps, "exclude": self.exclude, "seed": self.seed,
+                **self.compressor.options()}
+
+
+def _layout(flat: torch.Tensor, segments) -> dict:
+    return {"numel": flat.numel(), "dtype": str(flat.dtype), "segments": list(segments)}
+
+
+def _memory_state(group: _Group):
+    """(layout, memory tensors on the CPU) of a group, or what a checkpoint left pending."""
+    if group.memory is None:
+        return group.pending
+    tensors = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+               for k, v in group.memory.state_dict().items()}
+    return group.memory_layout, tensors

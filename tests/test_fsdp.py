@@ -1,0 +1,229 @@
+"""ciuicflow.fsdp on real processes: FSDP2 sharded inside 2 simulated nodes x 2 ranks (gloo), each
+method of the registry reducing the shards across nodes, against FSDP2's own HSDP."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+
+METHODS = ("hierarchical_allreduce", "hierarchical_1bit", "hierarchical_powersgd",
+           "hierarchical_int8")
+# the default rank (16) leaves this small model's shards (at most 32 x 32) uncompressed
+OPTIONS = {"hierarchical_powersgd": {"rank": 2}}
+STEPS = 16
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, two transformer layers, a head: several FSDP groups, matrices and vectors."""
+
+    def __init__(self, vocab=32, d=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(d, 2, 64, dropout=0.0, batch_first=True)
+            for _ in range(2))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _build(method, mesh, mp=None, **options):
+    """The same weights on every rank; FSDP2 over the node (ciuicflow) or the 2-D mesh (HSDP)."""
+    import ciuicflow.fsdp
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_on = mesh if method is None else mesh["shard"]
+    kw = {"mp_policy": mp} if mp is not None else {}
+    for layer in model.layers:
+        fully_shard(layer, mesh=shard_on, **kw)
+    fully_shard(model, mesh=shard_on, **kw)
+    state = ciuicflow.fsdp.register(model, method, mesh=mesh, **options) if method else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    return model, optimizer, state
+
+
+def _batch(step):
+    gen = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
+    tokens = torch.randint(0, 32, (4, 12), generator=gen)
+    return tokens, torch.roll(tokens, 1, dims=1)  # a learnable target: the previous token
+
+
+def _step(model, optimizer, step, accumulate=1):
+    loss_sum = 0.0
+    for micro in range(accumulate):
+        model.set_requires_gradient_sync(micro == accumulate - 1)
+        tokens, target = _batch(step * accumulate + micro)
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
+        (loss / accumulate).backward()
+        loss_sum += loss.item() / accumulate
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss_sum
+
+
+def _full(model):
+    return torch.cat([p.full_tensor().detach().reshape(-1).float() for p in model.parameters()])
+
+
+def _local(model):
+    return torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+
+
+def _same_across_nodes(tensor):
+    """True when this rank's shard equals the shard of the same local rank on the other node."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    me = dist.get_rank()
+    return torch.equal(gathered[me], gathered[(me + 2) % 4])
+
+
+def _every_method(rank, world):
+    mesh = _mesh()
+    model, optimizer, _ = _build(None, mesh)  # FSDP2's own HSDP: the exact reference
+    start = _full(model)
+    exact_losses = [_step(model, optimizer, s) for s in range(STEPS)]
+    exact = _full(model)
+    out = {"moved": (exact - start).abs().max().item(), "exact_losses": exact_losses}
+    for method in METHODS:
+        model, optimizer, state = _build(method, mesh, warmup_steps=2, **OPTIONS.get(method, {}))
+        losses = [_step(model, optimizer, s) for s in range(STEPS)]
+        out[method] = {"losses": losses, "gap": (_full(model) - exact).abs().max().item(),
+                       "replicas_equal": _same_across_nodes(_local(model)),
+                       "stats": state.stats()}
+    return out
+
+
+def test_every_method_against_fsdp2_hsdp():
+    results = run_distributed(_every_method, 4, nodes=2, timeout=600)
+    r = results[0]
+    for method in METHODS:
+        m, stats = r[method], r[method]["stats"]
+        assert all(x[method]["replicas_equal"] for x in results), method
+        assert stats["steps"] == STEPS and stats["compressed_steps"] == (
+            0 if method == "hierarchical_allreduce" else STEPS - 2), (method, stats)
+        final_gap = abs(m["losses"][-1] - r["exact_losses"][-1])
+        if method == "hierarchical_allreduce":  # the same reduction as HSDP, another order
+            assert m["gap"] < 1e-5 * max(1.0, r["moved"]), m["gap"]
+            assert stats["inter_node_bytes"] == stats["exact_inter_node_bytes"]
+            continue
+        assert stats["inter_node_bytes"] < stats["exact_inter_node_bytes"], method
+        # Compressed, yet close to exact training. Measured (2026-12-02): parameters 0.55 (1-bit),
+        # 0.75 (PowerSGD rank 2), 0.04 (int8) of how far exact training moved them, final loss
+        # 4%, 12%, 0% of exact training's improvement. A hook sending zeros: 1.01 and 58%.
+        improvement = r["exact_losses"][0] - r["exact_losses"][-1]
+        bound = 0.1 if method == "hierarchical_int8" else 0.9
+        assert 0 < m["gap"] < bound * r["moved"], (method, m["gap"], r["moved"])
+        assert final_gap < 0.3 * improvement, (method, m["losses"], r["exact_losses"])
+    assert r["hierarchical_1bit"]["stats"]["compression_ratio"] > 25
+
+
+def _modes(rank, world, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = _mesh()
+    out = {}
+    # resume from a DCP checkpoint: the resumed run continues exactly
+    model, optimizer, state = _build("hierarchical_1bit", mesh, warmup_steps=1)
+    for s in range(4):
+        _step(model, optimizer, s)
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd, "ciuicflow": state}, checkpoint_id=directory)
+    for s in range(4, 8):
+        _step(model, optimizer, s)
+    straight = _local(model)
+    model, optimizer, state = _build("hierarchical_1bit", mesh, warmup_steps=1)
+    msd, osd = get_state_dict(model, optimizer)
+    loaded = {"model": msd, "optim": osd, "ciuicflow": state}
+    dcp.load(loaded, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
+    for s in range(4, 8):
+        _step(model, optimizer, s)
+    out["resumed_equal"] = torch.equal(_local(model), straight)
+    out["resumed_steps"] = state.stats()["steps"]
+    # a fresh state (memory from zero) does not continue exactly: the test above can fail
+    model, optimizer, state = _build("hierarchical_1bit", mesh, warmup_steps=1)
+    msd, osd = get_state_dict(model, optimizer)
+    loaded = {"model": msd, "optim": osd}
+    dcp.load(loaded, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
+    for s in range(4, 8):
+        _step(model, optimizer, s)
+    out["fresh_equal"] = torch.equal(_local(model), straight)
+
+    # bf16 gradients reduced in bf16, and gradient accumulation, against HSDP doing the same
+    for name, kw, accumulate in (("bf16", {"mp": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}, 1),
+                                 ("accumulate", {}, 3)):
+        model, optimizer, _ = _build(None, mesh, **kw)
+        exact_losses = [_step(model, optimizer, s, accumulate) for s in range(8)]
+        model, optimizer, state = _build("hierarchical_1bit", mesh, warmup_steps=2, **kw)
+        losses = [_step(model, optimizer, s, accumulate) for s in range(8)]
+        out[name] = {"exact": exact_losses, "losses": losses, "stats": state.stats(),
+                     "replicas_equal": _same_across_nodes(_local(model))}
+
+    # exclude patterns: biases and norms exact; a non-finite gradient makes the step exact
+    model, optimizer, state = _build("hierarchical_1bit", mesh, warmup_steps=0,
+                                     exclude=["*bias*", "*norm*"])
+    ref, ref_opt, _ = _build(None, mesh)
+    tokens, target = _batch(0)
+    for m in (model, ref):
+        torch.nn.functional.cross_entropy(m(tokens).flatten(0, 1), target.flatten()).backward()
+    grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
+    ref_grads = {n: p.grad.to_local() for n, p in ref.named_parameters()}
+    out["excluded_exact"] = max((grads[n] - ref_grads[n]).abs().max().item()
+                                for n in grads if "bias" in n or "norm" in n)
+    out["compressed_differs"] = max((grads[n] - ref_grads[n]).abs().max().item()
+                                    for n in grads if "weight" in n and "norm" not in n)
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
+    (loss * (float("inf") if rank == 0 else 1.0)).backward()
+    out["nonfinite_fallbacks"] = state.stats()["nonfinite_fallbacks"]
+    out["nonfinite_grad"] = not all(torch.isfinite(p.grad.to_local()).all()
+                                    for p in model.parameters())
+    return out
+
+
+def test_resume_bf16_accumulation_exclude_and_nonfinite():
+    with tempfile.TemporaryDirectory() as directory:
+        results = run_distributed(_modes, 4, nodes=2, timeout=600,
+                                  args=(os.path.join(directory, "ckpt"),))
+    for r in results:
+        assert r["resumed_equal"], "a resumed run must continue exactly"
+        assert not r["fresh_equal"], "without the saved memory the run differs: the check has teeth"
+        assert r["resumed_steps"] == 8
+        for name in ("bf16", "accumulate"):
+            m = r[name]
+            assert m["replicas_equal"], name
+            assert m["stats"]["steps"] == 8 and m["stats"]["compressed_steps"] == 6, m["stats"]
+            assert abs(m["losses"][-1] - m["exact"][-1]) < 0.1 * m["exact"][0], (name, m)
+        assert r["excluded_exact"] < 1e-6, r["excluded_exact"]
+        assert r["compressed_differs"] > 1e-4, r["compressed_differs"]
+        assert r["nonfinite_fallbacks"] >= 1 and r["nonfinite_grad"]
+
+
+def test_bad_arguments_are_refused():
+    import ciuicflow.fsdp
+
+    with pytest.raises(ValueError, match="hierarchical methods"):
+        ciuicflow.fsdp.FSDPState("onebit", None)
+    with pytest.raises(ValueError, match="unknown method"):
+        ciuicflow.fsdp.FSDPState("nope", None)
+    with pytest.raises(ValueError, match="2-D DeviceMesh"):
+        ciuicflow.fsdp.FSDPState("hierarchical_1bit", object())
