@@ -1,0 +1,207 @@
+"""The vLLM connector's worker side against real sidecar processes, without vLLM: paged caches of the
+shapes vLLM hands a connector (the CPU tile layout of a Llama, DeepSeek MLA's 4-D registered cache saved
+through its 3-D view), bf16 and fp32, several requests per step, prompts shorter and longer than a block.
+Every received block must equal the sent one bit for bit, and every failure (corrupted layer, killed
+sidecar, missing transfer) must come back as load errors naming exactly the request's blocks, in bounded
+time, with nothing written after the failure is reported."""
+import time
+
+import pytest
+import torch
+
+from ciuicflow.integrations.vllm.config import Settings
+from ciuicflow.integrations.vllm.metadata import CiuicFlowMetadata, LoadSpec, SaveSpec
+from ciuicflow.integrations.vllm.transfer import tokens_sha
+from ciuicflow.integrations.vllm.worker import WorkerSide
+from tests.kvflow.conftest import SidecarFactory
+
+NUM_BLOCKS = 64
+LAYOUTS = {
+    # name: (registered per-layer cache shape, block size, view save_kv_layer sees or None)
+    "llama_cpu_tiles": ((NUM_BLOCKS, 2, 32, 2 * 32), 32, None),
+    "deepseek_mla": ((NUM_BLOCKS, 1, 16, 576), 16, (NUM_BLOCKS, 16, 576)),
+}
+
+
+@pytest.fixture
+def pair(tmp_path):
+    factory = SidecarFactory(tmp_path)
+    p = factory.make("prefill0")
+    d = factory.make("decode0")
+    p.peers = {"decode0": d.listen}
+    d.peers = {"prefill0": p.listen}
+    factory.start_all(p, d)
+    yield factory, p, d
+    factory.cleanup()
+
+
+def caches(layout: str, dtype, layers: int = 3, seed: int = 0):
+    shape = LAYOUTS[layout][0]
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g).to(dtype) for i in range(layers)}
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def run_prefill(sidecar, kv, layout, requests, **settings):
+    """One prefill step: every request saved layer by layer (in forward order), then wait_for_save and
+    get_finished until the destination holds each one. Returns the worker."""
+    view = LAYOUTS[layout][2]
+    w = WorkerSide(Settings(sidecar=sidecar.api, **settings), NUM_BLOCKS)
+    w.register_kv_caches(kv)
+    w.meta = CiuicFlowMetadata(saves=[SaveSpec(r["id"], r["key"], "decode0", r["src"], r["tokens"], r["sha"], "high",
+                                               None, True) for r in requests])
+    for name in w.layer_names:
+        layer = kv[name] if view is None else kv[name].view(view)
+        w.save_kv_layer(name, layer)
+    w.wait_for_save()
+    w.meta = None
+    pending = {r["id"] for r in requests}
+    deadline = time.monotonic() + 30
+    while pending and time.monotonic() < deadline:
+        sent, _ = w.get_finished(pending)
+        pending -= sent or set()
+        time.sleep(0.02)
+    assert not pending, f"sends not finished: {pending}"
+    return w
+
+
+def run_decode(sidecar, kv, requests, timeout_s=20.0, sync=False, wait_s=40.0):
+    """Load every request (async); returns (worker, finished ids, load-error block ids, seconds)."""
+    w = WorkerSide(Settings(sidecar=sidecar.api), NUM_BLOCKS)
+    w.register_kv_caches(kv)
+    w.meta = CiuicFlowMetadata(loads=[load_spec(r, r["dst"], timeout_s, sync) for r in requests])
+    t0 = time.monotonic()
+    w.start_load_kv()
+    w.meta = None
+    finished, errors = set(), set()
+    while len(finished) < len(requests) and time.monotonic() - t0 < wait_s:
+        _, rec = w.get_finished(set())
+        finished |= rec or set()
+        errors |= w.get_block_ids_with_load_errors()
+        time.sleep(0.02)
+    return w, finished, errors, time.monotonic() - t0
+
+
+def load_spec(r, block_ids, timeout_s=20.0, sync=False):
+    return LoadSpec(req_id=r["id"], key=r["key"], block_ids=block_ids, sent_blocks=cdiv(r["tokens"], r["bs"]),
+                    first_block=0, num_tokens=r["tokens"], tokens_sha=r["sha"], timeout_s=timeout_s, sync=sync)
+
+
+def make_requests(bs, lengths, tag):
+    out, next_src, next_dst = [], 1, 40
+    for i, n in enumerate(lengths):
+        nb = cdiv(n, bs)
+        tokens = list(range(i, i + n))
+        out.append(dict(id=f"req-{tag}-{i}", key=f"k-{tag}-{i}", tokens=n, bs=bs, sha=tokens_sha(tokens),
+                        src=list(range(next_src, next_src + nb))[::-1],   # block tables are not in order
+                        dst=list(range(next_dst, next_dst + nb))))
+        next_src += nb
+        next_dst += nb
+    return out
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_arrive_bit_for_bit(pair, layout, dtype):
+    _, p, d = pair
+    bs = LAYOUTS[layout][1]
+    reqs = make_requests(bs, [5, bs, bs + 3, 3 * bs + 1], f"{layout}-{dtype}")   # shorter and longer than a block
+    src, dst = caches(layout, dtype, seed=1), caches(layout, dtype, seed=2)
+    before = {n: t.clone() for n, t in dst.items()}
+    pw = run_prefill(p, src, layout, reqs)
+    assert pw.stats["sent"] == len(reqs) and pw.stats["send_failed"] == 0
+    dw, finished, errors, _ = run_decode(d, dst, reqs)
+    assert finished == {r["id"] for r in reqs}
+    assert errors == set()
+    assert dw.stats["loaded"] == len(reqs)
+    touched = set()
+    for r in reqs:
+        touched |= set(r["dst"])
+        for name in src:
+            assert torch.equal(dst[name][r["dst"]], src[name][r["src"]]), (r["id"], name)
+    untouched = [b for b in range(NUM_BLOCKS) if b not in touched]
+    for name in dst:            # nothing else was written
+        assert torch.equal(dst[name][untouched], before[name][untouched])
+
+
+def test_corrupted_layer_is_a_load_error(pair):
+    _, p, d = pair
+    reqs = make_requests(16, [20, 40], "corrupt")
+    src, dst = caches("deepseek_mla", torch.float32, seed=3), caches("deepseek_mla", torch.float32, seed=4)
+    run_prefill(p, src, "deepseek_mla", reqs, test_corrupt_layer=1)
+    dw, finished, errors, _ = run_decode(d, dst, reqs)
+    assert finished == {r["id"] for r in reqs}          # reported finished, so vLLM stops waiting ...
+    assert errors == {b for r in reqs for b in r["dst"]}  # ... with every block of both requests invalid
+    assert dw.stats["load_failed"] == 2
+
+
+def test_missing_transfer_times_out(pair):
+    _, _, d = pair
+    reqs = make_requests(16, [30], "absent")
+    dst = caches("deepseek_mla", torch.float32)
+    dw, finished, errors, took = run_decode(d, dst, reqs, timeout_s=2.0)
+    assert finished == {reqs[0]["id"]} and errors == set(reqs[0]["dst"])
+    assert took < 15, f"a missing transfer took {took:.1f}s to fail (timeout 2s)"
+
+
+def test_killed_decode_sidecar_fails_loads_and_recovers(pair):
+    _, p, d = pair
+    reqs = make_requests(16, [30], "killed")
+    dst = caches("deepseek_mla", torch.float32)
+    d.kill9()
+    dw, finished, errors, took = run_decode(d, dst, reqs, timeout_s=5.0)
+    assert finished == {reqs[0]["id"]} and errors == set(reqs[0]["dst"]), "load against a dead sidecar"
+    assert took < 20
+    # the sidecar is back: the same worker serves the next request
+    d.start().wait_ready()
+    src = caches("deepseek_mla", torch.float32, seed=5)
+    again = make_requests(16, [30], "killed-again")
+    run_prefill(p, src, "deepseek_mla", again)
+    dw.s.sidecar = d.api
+    dw.meta = CiuicFlowMetadata(loads=[load_spec(again[0], again[0]["dst"])])
+    dw.start_load_kv()
+    t0 = time.monotonic()
+    done = set()
+    while not done and time.monotonic() - t0 < 30:
+        done = dw.get_finished(set())[1] or set()
+        time.sleep(0.02)
+    assert done == {again[0]["id"]} and dw.get_block_ids_with_load_errors() == set()
+    for name in src:
+        assert torch.equal(dst[name][again[0]["dst"]], src[name][again[0]["src"]])
+
+
+def test_other_prompt_is_refused(pair):
+    """A transfer under the right key but for another prompt (a proxy mix-up) is never loaded."""
+    _, p, d = pair
+    reqs = make_requests(16, [20], "mixup")
+    run_prefill(p, caches("deepseek_mla", torch.float32), "deepseek_mla", reqs)
+    reqs[0]["sha"] = tokens_sha([9, 9, 9])
+    dst = caches("deepseek_mla", torch.float32, seed=7)
+    before = {n: t.clone() for n, t in dst.items()}
+    _, finished, errors, _ = run_decode(d, dst, reqs)
+    assert errors == set(reqs[0]["dst"])
+    for name in dst:
+        assert torch.equal(dst[name], before[name])
+
+
+def test_layerwise_wait_returns_per_layer(pair):
+    """layerwise loads: wait_for_layer_load returns once that layer is written; the step's failures are
+    reported in that step (wait_for_save), and never as finished receives."""
+    _, p, d = pair
+    reqs = make_requests(16, [33], "sync")
+    src, dst = caches("deepseek_mla", torch.float32, seed=8), caches("deepseek_mla", torch.float32, seed=9)
+    run_prefill(p, src, "deepseek_mla", reqs)
+    w = WorkerSide(Settings(sidecar=d.api), NUM_BLOCKS)
+    w.register_kv_caches(dst)
+    r = reqs[0]
+    w.meta = CiuicFlowMetadata(loads=[load_spec(r, r["dst"][:2], sync=True)])
+    w.start_load_kv()
+    for i, name in enumerate(w.layer_names):
+        w.wait_for_layer_load(name)
+        assert torch.equal(dst[name][r["dst"][:2]], src[name][r["src"][:2]]), f"layer {i} not in place"
+    w.wait_for_save()
+    assert w.get_finished(set()) == (None, None)
+    assert w.get_block_ids_with_load_errors() == set()
