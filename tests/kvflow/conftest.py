@@ -29,8 +29,9 @@ class FakeClock:
 class Sidecar:
     """One ``python -m ciuicflow.kvflow.server`` process; ``restart()`` keeps its ports and flags."""
 
-    def __init__(self, name: str, logdir: pathlib.Path, peers=None, args=(), listen_port=None):
+    def __init__(self, name: str, logdir: pathlib.Path, peers=None, args=(), listen_port=None, env=None):
         self.name = name
+        self.env = dict(env or {})
         self.logdir = logdir
         self.peers = dict(peers or {})
         self.args = list(args)
@@ -58,6 +59,7 @@ class Sidecar:
         cmd += self.args
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(self.env)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
@@ -90,6 +92,12 @@ class Sidecar:
 
     def stats(self) -> dict:
         return self.client().stats()
+
+    def api_metadata(self):
+        """The metadata a raw call on the local API needs: the token this sidecar published for our user."""
+        from ciuicflow.kvflow.proto.runtime import find_api_token
+        token = find_api_token(self.api)
+        return (("authorization", f"Bearer {token}"),) if token else ()
 
     def kill9(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -129,8 +137,8 @@ class SidecarFactory:
         self.logdir = logdir
         self.all = []
 
-    def make(self, name, peers=None, args=(), listen_port=None) -> Sidecar:
-        sc = Sidecar(name, self.logdir, peers, args, listen_port)
+    def make(self, name, peers=None, args=(), listen_port=None, env=None) -> Sidecar:
+        sc = Sidecar(name, self.logdir, peers, args, listen_port, env)
         self.all.append(sc)
         return sc
 
@@ -173,6 +181,48 @@ def module_sidecars(tmp_path_factory):
     factory = SidecarFactory(tmp_path_factory.mktemp("sidecars"))
     yield factory
     factory.cleanup()
+
+
+class Unprivileged:
+    """Runs Python code as an unprivileged local user (an attacker beside the sidecar's user), with this
+    checkout and this environment's packages importable (an interpreter of the same version that the user
+    may execute: this one may sit in a directory only root can enter)."""
+
+    def __init__(self, user: str):
+        import shutil
+        import sysconfig
+        self.user = user
+        self.runuser = shutil.which("runuser")
+        self.path = os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        for python in (sys.executable, f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
+            if subprocess.run([self.runuser, "-u", user, "--", python, "-c", "import grpc"], cwd="/",
+                              env=self._env(), capture_output=True).returncode == 0:
+                self.python = python
+                return
+        pytest.skip(f"no Python {version} that user {user} may run with this environment's packages")
+
+    def _env(self, extra=None):
+        return {"PATH": "/usr/bin:/bin", "PYTHONPATH": self.path, "HOME": "/nonexistent", **(extra or {})}
+
+    def run(self, code: str, timeout: float = 60.0, env=None) -> subprocess.CompletedProcess:
+        return subprocess.run([self.runuser, "-u", self.user, "--", self.python, "-c", code], cwd="/",
+                              env=self._env(env), capture_output=True, text=True, timeout=timeout)
+
+
+ATTACKER = "kvflow-attacker"
+
+
+@pytest.fixture(scope="session")
+def unprivileged():
+    """The local user ``kvflow-attacker`` (created if missing); skips unless the tests run as root."""
+    import shutil
+    if os.geteuid() != 0 or not shutil.which("runuser") or not shutil.which("useradd"):
+        pytest.skip("needs root, runuser and useradd to run a client as another local user")
+    if subprocess.run(["id", "-u", ATTACKER], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ATTACKER],
+                       check=True, capture_output=True)
+    return Unprivileged(ATTACKER)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

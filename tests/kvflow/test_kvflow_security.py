@@ -2,13 +2,13 @@
 import json
 import os
 import shutil
-import subprocess
 
 import grpc
 import pytest
 
 from ciuicflow.kvflow import KVFlowError
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
+from tests.kvflow.certs import make_ca as _make_ca, make_leaf as _make_leaf
 
 LINK = "/ciuicflow.kvflow.v1.KVFlowPeer/Link"
 
@@ -39,38 +39,21 @@ def test_kvflow_token_required_on_peer_links(sidecars):
     assert "t-1" not in cb.stats()["store"]["keys"]
 
 
-def test_kvflow_local_api_token(sidecars):
-    a, b = sidecars.pair(a_args=["--api-token", "local"])
-    with pytest.raises(KVFlowError) as e:
-        a.client().send("b", "x", b"x").wait(10)
-    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+def test_kvflow_local_api_token(sidecars, tmp_path):
+    token = tmp_path / "api-token"
+    token.write_text("local\n")
+    a, b = sidecars.pair(a_args=["--api-token-file", str(token)])
+    for wrong in ("wrong", "loca", "locall"):
+        with pytest.raises(KVFlowError) as e:
+            a.client(token=wrong).send("b", "x", b"x").wait(10)
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
     a.client(token="local").send("b", "x", b"x").wait(10)
     assert b.client().recv("x", timeout_s=10) == b"x"
+    a.client().send("b", "y", b"y").wait(10)        # this user's clients find the token by themselves
+    assert b.client().recv("y", timeout_s=10) == b"y"
 
 
 # ---------------------------------------------------------------------- mutual TLS
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _make_ca(d, name):
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=keyCertSign,cRLSign", cwd=d)
-    return f"{name}.pem", f"{name}.key"
-
-
-def _make_leaf(d, ca, name):
-    ca_pem, ca_key = ca
-    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n"
-                               "extendedKeyUsage=serverAuth,clientAuth\n")
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", ca_pem, "-CAkey", ca_key, "-CAcreateserial",
-             "-out", f"{name}.pem", "-days", "2", "-extfile", "ext.cnf", cwd=d)
-    return str(d / f"{name}.pem"), str(d / f"{name}.key")
-
-
 def test_kvflow_mutual_tls(sidecars, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make test certificates")

@@ -80,7 +80,7 @@ def test_sidecar_without_shm_falls_back_in_band(sidecars):
                                            shm=pb.ShmRef(path="/dev/shm/ciuicflow-kv-x", offset=0, length=10))),
            pb.SendRequest(end=pb.SendEnd(num_parts=1))]
     with pytest.raises(grpc.RpcError) as rpc:
-        ca._stub.Send(iter(req), timeout=10)
+        ca._stub.Send(iter(req), metadata=ca._metadata(False), timeout=10)
     assert rpc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert our_files() == []
 
@@ -90,13 +90,13 @@ def test_probe_refuses_foreign_paths(pair):
     ca = a.client()
     for path in ("/etc/passwd", "/dev/shm/../etc/passwd", "/tmp/ciuicflow-kv-x",
                  os.path.join(shmlib.shm_dir(), "other-name")):
-        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"0123456789abcdef"), timeout=10)
+        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"0123456789abcdef"), metadata=ca._metadata(False), timeout=10)
         assert not r.ok, path
     # a symlink with the right name is not followed
     link = os.path.join(shmlib.shm_dir(), f"{shmlib.PREFIX}{os.getpid()}-link")
     os.symlink("/etc/hostname", link)
     try:
-        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=link, nonce=b"x"), timeout=10)
+        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=link, nonce=b"x"), metadata=ca._metadata(False), timeout=10)
         assert not r.ok
     finally:
         os.unlink(link)
@@ -104,13 +104,13 @@ def test_probe_refuses_foreign_paths(pair):
     with open("/etc/hostname", "rb") as fh, open(os.path.join(os.path.dirname(__file__), "conftest.py"), "rb") as py:
         for path in (shmlib.fd_path(fh.fileno()), shmlib.fd_path(py.fileno()), "/proc/1/root/etc/passwd",
                      f"/proc/{os.getpid()}/fd/../../environ", f"/proc/{os.getpid()}/fd/99999"):
-            r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"x"), timeout=10)
+            r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"x"), metadata=ca._metadata(False), timeout=10)
             assert not r.ok, path
     # wrong content: another host or mount namespace with a file of the same name
     fd, path = shmlib.create("t")
     try:
         os.write(fd, b"something else!!" + bytes(4 * shmlib.PAGE))
-        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"0123456789abcdef"), timeout=10)
+        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"0123456789abcdef"), metadata=ca._metadata(False), timeout=10)
         assert not r.ok
     finally:
         shmlib.unlink(path)
@@ -125,7 +125,7 @@ def test_send_shm_path_outside_dir_is_refused(pair):
                                            shm=pb.ShmRef(path="/etc/passwd", offset=0, length=10))),
            pb.SendRequest(end=pb.SendEnd(num_parts=1))]
     with pytest.raises(grpc.RpcError) as rpc:
-        ca._stub.Send(iter(req), metadata=(("x-ciuic-flow", "enabled"),), timeout=10)
+        ca._stub.Send(iter(req), metadata=ca._metadata(True), timeout=10)
     assert rpc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     # a handle past the end of the file, or without a ring size, or longer than its ring
     for k, (ring, length) in enumerate(((1 << 20, 10), (0, 10), (8, 10))):
@@ -137,7 +137,7 @@ def test_send_shm_path_outside_dir_is_refused(pair):
                                                      shm=pb.ShmRef(path=path, offset=0, length=length,
                                                                    ring_bytes=ring)))
             with pytest.raises(grpc.RpcError) as rpc:
-                ca._stub.Send(iter(req), timeout=10)
+                ca._stub.Send(iter(req), metadata=ca._metadata(False), timeout=10)
             assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         finally:
             shmlib.unlink(path)

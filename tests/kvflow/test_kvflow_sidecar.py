@@ -132,7 +132,7 @@ def test_kvflow_bad_input_gets_clear_errors(pair):
     channel = grpc.insecure_channel(a.api)
     send = channel.stream_unary("/ciuicflow.kvflow.v1.KVFlow/Send")   # raw bytes in and out
 
-    def call(messages, metadata=()):
+    def call(messages, metadata=a.api_metadata()):
         with pytest.raises(grpc.RpcError) as err:
             send(iter(messages), metadata=metadata, timeout=10)
         return err.value.code(), err.value.details()

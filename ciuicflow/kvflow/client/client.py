@@ -35,6 +35,7 @@ import grpc
 
 from ..proto import kvflow_pb2 as pb
 from ..proto import kvflow_pb2_grpc as pb_grpc
+from ..proto import runtime
 from ..proto import shm as shmlib
 from ..proto.messages import AUTH_METADATA, FLOW_METADATA, PRIORITY_NAMES, priority_to_pb
 from .payload import KVFlowError, messages, split_payload
@@ -53,8 +54,10 @@ class Client:
     """Talks to the sidecar beside this process (its ``--api`` address).
 
     ``flow`` (default True) sends metadata ``x-ciuic-flow: enabled`` so transfers are chunk-scheduled and
-    congestion-controlled; ``flow=False`` gives the plain FIFO baseline. ``token``: the sidecar's
-    ``--api-token`` if it has one. ``shm``: hand the bytes over in shared memory (/dev/shm) when the sidecar
+    congestion-controlled; ``flow=False`` gives the plain FIFO baseline. ``token``: the local API's token;
+    None (the default): ``$CIUICFLOW_KVFLOW_API_TOKEN``, else the file ``$CIUICFLOW_KVFLOW_API_TOKEN_FILE``,
+    else the token a sidecar on this host publishes for its own user (proto/runtime.py), so a client
+    running as the sidecar's user needs nothing. ``shm``: hand the bytes over in shared memory (/dev/shm) when the sidecar
     can open this process's files (None, the default: check once and fall back to in-band bytes; False:
     always in-band; True: fail if the sidecar cannot). ``shm_window_bytes`` and ``shm_recv_ring_bytes``:
     the sizes of a transfer's shared-memory ring when sending and receiving (see shm.py).
@@ -72,7 +75,8 @@ class Client:
         self._shm_ok: Optional[bool] = None if shm is not False else False
         self._shm_lock = threading.Lock()
         self.flow = flow
-        self.token = token
+        self._token_given = bool(token)
+        self.token = token or runtime.find_api_token(address)
         self.message_bytes = int(message_bytes)
         self.queue_messages = queue_messages
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -140,6 +144,8 @@ class Client:
         md = []
         if self.flow if flow is None else flow:
             md.append((FLOW_METADATA, "enabled"))
+        if not self.token and not self._token_given:
+            self.token = runtime.find_api_token(self.address)   # the sidecar may have started since
         if self.token:
             md.append((AUTH_METADATA, f"Bearer {self.token}"))
         return tuple(md)
@@ -207,12 +213,15 @@ class Client:
                           resume, payload_kind, self.queue_messages)
 
     # ------------------------------------------------------------------ receiving
-    def recv_stream(self, key: str, timeout_s: Optional[float] = None) -> RecvStream:
-        """Parts of transfer ``key`` as they arrive (waits up to ``timeout_s`` for the whole transfer)."""
+    def recv_stream(self, key: str, timeout_s: Optional[float] = None, *, source: Optional[str] = None) -> RecvStream:
+        """Parts of transfer ``key`` as they arrive (waits up to ``timeout_s`` for the whole transfer).
+        ``source``: only the transfer sent by that peer. Keys are scoped by the sending peer, so two peers
+        may send the same key; without ``source`` such a key is refused (FAILED_PRECONDITION), and the
+        first peer to send a key is the one received: name the source when peers do not trust each other."""
         ring = self.shm_recv_ring_bytes
         shm_file = self._rings.take("r", ring)[:2] if self._use_shm() else None
         try:
-            call = self._stub.Recv(pb.RecvRequest(key=key, timeout_s=float(timeout_s or 0.0),
+            call = self._stub.Recv(pb.RecvRequest(key=key, timeout_s=float(timeout_s or 0.0), source=source or "",
                                                   shm_path=shm_file[1] if shm_file else "",
                                                   shm_ring_bytes=ring if shm_file else 0),
                                    metadata=self._metadata(False),
@@ -223,9 +232,11 @@ class Client:
             raise
         return RecvStream(call, shm_file, ring, self._rings)
 
-    def recv(self, key: str, timeout_s: Optional[float] = None) -> Union[bytes, List[Any]]:
-        """The whole transfer ``key``: bytes for a bytes payload, else a list (tensors, bytes parts)."""
-        stream = self.recv_stream(key, timeout_s)
+    def recv(self, key: str, timeout_s: Optional[float] = None, *,
+             source: Optional[str] = None) -> Union[bytes, List[Any]]:
+        """The whole transfer ``key`` (from peer ``source``, see recv_stream): bytes for a bytes payload, else
+        a list (tensors, bytes parts)."""
+        stream = self.recv_stream(key, timeout_s, source=source)
         parts = [p.value for p in stream]
         if stream.header is not None and stream.header.payload_kind == "bytes":
             return b"".join(parts)

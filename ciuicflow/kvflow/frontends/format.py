@@ -97,10 +97,13 @@ class CacheReceiver:
     """Iterates a cache transfer layer by layer as the parts arrive: ``header`` is set first, then each
     ``LayerKV`` is yielded as soon as its tensors are complete; ``meta`` is set at the end."""
 
-    def __init__(self, client, key: str, timeout_s: Optional[float] = None):
+    def __init__(self, client, key: str, timeout_s: Optional[float] = None, source: Optional[str] = None):
         self.key = key
         self.started = time.monotonic()
-        self._stream = client.recv_stream(key, timeout_s)
+        if source:
+            self._stream = client.recv_stream(key, timeout_s, source=source)
+        else:       # the call stand-in clients (tests) know
+            self._stream = client.recv_stream(key, timeout_s)
         self.header: Optional[dict] = None
         self.meta: Optional[dict] = None
 
@@ -141,10 +144,10 @@ class CacheReceiver:
 
 
 def receive_layers(client, key: str, timeout_s: Optional[float] = None, device=None,
-                   on_layer=None) -> ReceivedCache:
+                   on_layer=None, source: Optional[str] = None) -> ReceivedCache:
     """Receive a cache transfer layer by layer (each layer moved to ``device`` as it lands, and passed to
     ``on_layer(LayerKV)`` if given); returns every layer, header and meta."""
-    receiver = CacheReceiver(client, key, timeout_s)
+    receiver = CacheReceiver(client, key, timeout_s, source)
     layers: List[LayerKV] = []
     for layer in receiver:
         if device is not None:

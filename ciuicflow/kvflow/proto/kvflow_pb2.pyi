@@ -150,16 +150,18 @@ class SendReply(_message.Message):
     def __init__(self, key: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., retransmits: _Optional[int] = ..., resumed_chunks: _Optional[int] = ..., seconds: _Optional[float] = ..., flow: _Optional[bool] = ...) -> None: ...
 
 class RecvRequest(_message.Message):
-    __slots__ = ("key", "timeout_s", "shm_path", "shm_ring_bytes")
+    __slots__ = ("key", "timeout_s", "shm_path", "shm_ring_bytes", "source")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     SHM_RING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     key: str
     timeout_s: float
     shm_path: str
     shm_ring_bytes: int
-    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_ring_bytes: _Optional[int] = ...) -> None: ...
+    source: str
+    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_ring_bytes: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class RecvHeader(_message.Message):
     __slots__ = ("key", "source", "payload_kind", "priority")

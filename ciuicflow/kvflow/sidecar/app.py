@@ -25,15 +25,19 @@ from typing import Callable, Dict, List, Optional
 import grpc
 
 from ..core.budget import MemoryBudget
+from ..core.identity import PeerPolicy
 from ..proto import kvflow_pb2 as pb
 from ..proto import kvflow_pb2_grpc as pb_grpc
 from ..proto.codec import safe_deserializer
+from ..proto import runtime
 from ..proto.messages import AUTH_METADATA, LOCAL_SERVICE, PEER_METADATA, PEER_SERVICE
 from ..transports.base import Transport
 from ..transports.grpc_stream import GrpcStreamTransport, PeerChannel
-from ..transports.tcp import DataPlaneServer, TcpTransport
+from ..transports.tcp import TcpTransport
+from ..transports.tcp_server import DataPlaneServer
 from . import grpc_setup
 from .config import SidecarConfig, format_hostport, parse_hostport
+from .credentials import new_api_token
 from .ingest import Ingest
 from .local_api import LocalApi
 from .metrics import Metrics
@@ -60,15 +64,20 @@ class Sidecar:
         self.metrics = Metrics()
         self.budget = MemoryBudget(cfg.max_total_bytes, cfg.max_peer_bytes, on_change=self._budget_changed)
         self.store = Store(self.budget, self.metrics, cfg.lease_s, cfg.resume_timeout_s)
-        self.peer_service = PeerService(self.store, self.budget, self.metrics, token=cfg.token,
-                                        known_peers=cfg.peers, allow_unknown_peers=cfg.allow_unknown_peers,
+        self.policy = PeerPolicy(cfg.token, cfg.peer_secrets, bool(cfg.tls_ca), tuple(cfg.peers),
+                                 cfg.allow_unknown_peers)
+        self.peer_service = PeerService(self.store, self.budget, self.metrics, policy=self.policy,
                                         shutting_down=self._is_shutting_down, throttle=inbound_throttle)
         self.senders: Dict[str, PeerSender] = {}
         self.ingest = Ingest(self.budget, chunk_size=cfg.chunk_size, whole_part_bytes=cfg.whole_part_bytes,
                              chunk_limit=min(cfg.max_chunk_size, cfg.max_message_bytes - MESSAGE_SLACK),
                              readahead=cfg.ingest_readahead, admission_timeout_s=cfg.admission_timeout_s,
                              local_shm=cfg.local_shm)
-        self.local_api = LocalApi(self.senders, self.ingest, self.store, self.metrics, api_token=cfg.api_token,
+        # The local API always needs a token unless --no-api-token: a random one when none is configured,
+        # published (start) where only this user's processes can read it (proto/runtime.py).
+        self.api_token = None if cfg.no_api_token else (cfg.api_token or new_api_token())
+        self.api_token_path: Optional[str] = None
+        self.local_api = LocalApi(self.senders, self.ingest, self.store, self.metrics, api_token=self.api_token,
                                   local_shm=cfg.local_shm, shutting_down=self._is_shutting_down, stats=self.stats)
         self.servers = grpc_setup.Servers(cfg.max_message_bytes)
         self.data_plane: Optional[DataPlaneServer] = None
@@ -92,7 +101,8 @@ class Sidecar:
         """How chunks go to peer ``name``: its TCP data plane when it offers one (not with TLS, which that
         plane lacks, nor with --peer-transport grpc), else the gRPC stream."""
         cfg = self.cfg
-        md = [(PEER_METADATA, cfg.name)] + ([(AUTH_METADATA, f"Bearer {cfg.token}")] if cfg.token else [])
+        credential = self.policy.credential_for(name)
+        md = [(PEER_METADATA, cfg.name)] + ([(AUTH_METADATA, f"Bearer {credential}")] if credential else [])
         channel = PeerChannel(grpc_setup.peer_channel(cfg, address), md)
         self._channels.append(channel)
         transports: List[Transport] = []
@@ -112,6 +122,7 @@ class Sidecar:
         if bound == 0:
             raise RuntimeError(f"cannot bind the local API on {cfg.api}")
         self.api_address = format_hostport(api_host, bound)
+        self._publish_api_token(bound)
 
         peer_server = self.servers.new(PEER_SERVICE, self.peer_service, pb_grpc.add_KVFlowPeerServicer_to_server)
         host, port = parse_hostport(cfg.listen)
@@ -145,6 +156,22 @@ class Sidecar:
             sender.start()
         self._tasks.append(asyncio.create_task(self._sweeper()))
 
+    def _publish_api_token(self, port: int) -> None:
+        """Put the local API's token where this user's clients find it (and no other user can read it)."""
+        if self.api_token is None:
+            log.warning("local API without a token (--no-api-token): every local user may send and receive")
+            return
+        try:
+            self.api_token_path = runtime.api_file(port, "token", create_dir=True)
+            runtime.publish(self.api_token_path, self.api_token)
+            self.local_api.token_hint = f"; this sidecar's user finds it in {self.api_token_path}"
+        except OSError as exc:       # PermissionError too: a runtime directory that is not private
+            self.api_token_path = None
+            if not self.cfg.api_token:
+                raise RuntimeError(f"cannot publish the local API token: {exc}; give one with --api-token-file "
+                                   f"or ${runtime.API_TOKEN_ENV}") from None
+            log.warning("local API token not published (%s): clients must be given it", exc)
+
     async def _sweeper(self) -> None:
         period = max(0.05, min(1.0, self.cfg.lease_s / 4))
         while True:
@@ -177,6 +204,7 @@ class Sidecar:
         if self.data_plane is not None:
             await self.data_plane.stop()
         await self.servers.stop(1.0)
+        runtime.unpublish(self.api_token_path, self.api_token)
         log.info("stopped")
 
     def stats(self) -> dict:
@@ -206,10 +234,12 @@ async def serve(cfg: SidecarConfig, ready=None, **faults) -> None:
         except (NotImplementedError, RuntimeError):
             pass
     peers = ",".join(f"{n}={a}" for n, a in cfg.peers.items()) or "-"
-    log.info("sidecar %r ready: api=%s listen=%s metrics=%s peers=%s tls=%s token=%s data-plane=%s", cfg.name,
+    log.info("sidecar %r ready: api=%s listen=%s metrics=%s peers=%s tls=%s token=%s data-plane=%s "
+             "peer-secrets=%s api-token=%s", cfg.name,
              sidecar.api_address, sidecar.listen_address, sidecar.metrics_address or "-", peers,
              "mutual" if cfg.tls_ca else ("on" if cfg.tls_cert else "off"), "on" if cfg.token else "off",
-             f"tcp:{sidecar.data_plane.port}" if sidecar.data_plane else "off")
+             f"tcp:{sidecar.data_plane.port}" if sidecar.data_plane else "off",
+             len(cfg.peer_secrets) or "off", sidecar.api_token_path or ("on" if sidecar.api_token else "OFF"))
     if ready is not None:
         ready(sidecar)
     await stop.wait()
@@ -243,6 +273,8 @@ def run(cfg: SidecarConfig, **faults) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if faults:
         log.warning("test faults injected: %s", ", ".join(sorted(faults)))
+    for warning in cfg.warnings:
+        log.warning("%s", warning)
     tune_malloc()
     # Every chunk allocates a few dozen short-lived objects (messages, futures, callbacks), which triggered a
     # young-generation collection every few chunks. They die young without cycles, so collect far less

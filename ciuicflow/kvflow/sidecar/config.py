@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ..core.transfer import Limits
+from . import credentials
+from .credentials import TOKEN_ENV
 
-TOKEN_ENV = "CIUICFLOW_KVFLOW_TOKEN"
 # Flags (and config keys) for tests and benchmarks, not settings of the sidecar: they emulate faults and slow
 # links. ``parse_command_line`` returns them apart; ``app.main`` hands them to ciuicflow.testing.kvflow_faults.
 FAULT_FLAGS = {"test_corrupt_every": 0, "link_rate": 0}
@@ -53,15 +53,21 @@ class SidecarConfig:
     # security
     token: Optional[str] = None               # shared token required on peer links and sent to peers
     token_file: Optional[str] = None
-    api_token: Optional[str] = None           # token required on the local API (optional)
+    peer_secrets_file: Optional[str] = None   # TOML NAME = "SECRET": pairwise secrets that bind peer names
+    api_token: Optional[str] = None           # token required on the local API (default: a random one,
+    api_token_file: Optional[str] = None      #   published for this user only; see proto/runtime.py)
+    no_api_token: bool = False                # the local API open to every local user (the old default)
     tls_cert: Optional[str] = None            # PEM certificate chain of this sidecar
     tls_key: Optional[str] = None             # PEM private key
     tls_ca: Optional[str] = None              # PEM CA: peers must present a certificate it signed (mutual TLS)
     tls_server_name: Optional[str] = None     # override the name checked in peers' certificates
     log_level: str = "INFO"
+    # filled by validate(), not settings
+    peer_secrets: Dict[str, str] = field(default_factory=dict, metadata={"internal": True})
+    warnings: List[str] = field(default_factory=list, metadata={"internal": True})
 
     # -------------------------------------------------------------- validation
-    def validate(self) -> "SidecarConfig":
+    def validate(self, from_command_line=()) -> "SidecarConfig":
         api_host, _ = parse_hostport(self.api, what="--api")
         parse_hostport(self.listen, what="--listen")
         if not is_loopback(api_host) and not self.allow_remote_api:
@@ -86,11 +92,9 @@ class SidecarConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_ca and not self.tls_cert:
             raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
-        if self.token_file and not self.token:
-            with open(self.token_file) as fh:
-                self.token = fh.read().strip()
-        if not self.token and os.environ.get(TOKEN_ENV):
-            self.token = os.environ[TOKEN_ENV]
+        self.warnings = credentials.resolve(self, from_command_line)
+        if self.no_api_token and not is_loopback(api_host):
+            raise ValueError("--no-api-token with a non-loopback --api would open the local API to the network")
         if self.peer_transport not in ("auto", "grpc"):
             raise ValueError(f"--peer-transport must be 'auto' or 'grpc', got {self.peer_transport!r}")
         if not -1 <= self.data_port <= 65535:
@@ -124,7 +128,7 @@ class SenderSettings:
 
 _SIZE_FIELDS = {"chunk_size", "max_chunk_size", "ingest_readahead", "whole_part_bytes", "min_cwnd", "quantum_normal",
                 "quantum_low", "link_rate", "max_total_bytes", "max_peer_bytes", "max_message_bytes"}
-_FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
+_FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig) if not f.metadata.get("internal")}
 _KEYS = set(_FIELDS) | set(FAULT_FLAGS)
 
 
@@ -225,7 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--spool-dir", default=S, metavar="DIR", help="keep received chunks on disk to resume after a restart")
     a("--token", default=S, help=f"shared peer token (or --token-file, or ${TOKEN_ENV})")
     a("--token-file", default=S, metavar="FILE")
-    a("--api-token", default=S, help="token required on the local API")
+    a("--peer-secrets-file", default=S, metavar="FILE",
+      help='TOML table NAME = "SECRET": the secret shared with each peer; binds peer names to credentials')
+    a("--api-token", default=S, help="token required on the local API (prefer --api-token-file)")
+    a("--api-token-file", default=S, metavar="FILE",
+      help="file holding the local API's token (default: a random token, published for this user only)")
+    a("--no-api-token", action="store_true", default=S,
+      help="local API without a token: open to every local user (loopback only; not recommended)")
     a("--tls-cert", default=S, metavar="PEM", help="certificate chain for peer links")
     a("--tls-key", default=S, metavar="PEM", help="private key for peer links")
     a("--tls-ca", default=S, metavar="PEM", help="CA that signs peers' certificates: turns on mutual TLS")
@@ -254,7 +264,7 @@ def parse_command_line(argv: Optional[List[str]] = None) -> Tuple[SidecarConfig,
     for key, value in values.items():
         setattr(cfg, key, _coerce(key, value))
     cfg.peers = {**file_peers, **flag_peers}
-    return cfg.validate(), faults
+    return cfg.validate(from_command_line=set(args)), faults
 
 
 def load_config(argv: Optional[List[str]] = None) -> SidecarConfig:

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import grpc
 
+from ..core.identity import bearer, check_peer_name, tokens_equal
 from ..core.transfer import TransferFailed
 from ..proto import kvflow_pb2 as pb
 from ..proto import kvflow_pb2_grpc as pb_grpc
@@ -25,17 +26,19 @@ log = logging.getLogger("ciuicflow.kvflow")
 
 class LocalApi(pb_grpc.KVFlowServicer):
     """``KVFlow`` for the inference server beside this sidecar: sends go to ``senders`` (peer name ->
-    PeerSender) through ``ingest``; receives come from ``store``. ``api_token``: required if set;
+    PeerSender) through ``ingest``; receives come from ``store``. ``api_token``: required if set (None: the
+    API is open to every local user, ``--no-api-token``); ``token_hint``: where clients find it;
     ``local_shm``: shared-memory handoff allowed; ``shutting_down()`` refuses new work; ``stats()`` is the
     document ``Stats`` returns."""
 
     def __init__(self, senders, ingest, store, metrics, *, api_token: Optional[str], local_shm: bool,
-                 shutting_down: Callable[[], bool], stats: Callable[[], dict]):
+                 shutting_down: Callable[[], bool], stats: Callable[[], dict], token_hint: str = ""):
         self.senders = senders
         self.ingest = ingest
         self.store = store
         self.metrics = metrics
         self.api_token = api_token
+        self.token_hint = token_hint
         self.local_shm = local_shm
         self.shutting_down = shutting_down
         self.stats = stats
@@ -46,8 +49,10 @@ class LocalApi(pb_grpc.KVFlowServicer):
 
     async def _check_auth(self, context):
         token = self.api_token
-        if token and dict(context.invocation_metadata()).get(AUTH_METADATA) != f"Bearer {token}":
-            await self._reject(context, grpc.StatusCode.UNAUTHENTICATED, "local API needs a valid token")
+        if token and not tokens_equal(bearer(dict(context.invocation_metadata()).get(AUTH_METADATA)), token):
+            await self._reject(context, grpc.StatusCode.UNAUTHENTICATED,
+                               "local API needs a valid token: Client(token=...), $CIUICFLOW_KVFLOW_API_TOKEN or "
+                               f"$CIUICFLOW_KVFLOW_API_TOKEN_FILE{self.token_hint}")
 
     # ------------------------------------------------------------------ Send
     async def Send(self, request_iterator, context):
@@ -120,16 +125,24 @@ class LocalApi(pb_grpc.KVFlowServicer):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, err)
         if request.timeout_s < 0:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0")
+        if request.source and check_peer_name(request.source):
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, check_peer_name(request.source))
         store = self.store
+        source = request.source
         deadline = time.monotonic() + request.timeout_s if request.timeout_s > 0 else None
-        tomb = store.tombstones.get(request.key)
-        if request.key not in store.entries and tomb is not None and tomb[0] == "expired":
+        tomb = store.tombstone(request.key, source)
+        if not store.find(request.key, source) and tomb is not None and tomb[0] == "expired":
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"transfer {request.key!r} expired: not collected within its lease")
-        entry = await store.wait_for(request.key, deadline)
-        if entry is None:
+        found = await store.wait_for(request.key, deadline, source)
+        if not found:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no transfer with key {request.key!r} arrived within {request.timeout_s:g}s")
+        if len(found) > 1:
+            await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transfers with key {request.key!r} from {len(found)} peers "
+                               f"({', '.join(sorted(e.source for e in found))}): name the source")
+        entry = found[0]
         if entry.readers:
             await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
                                f"transfer {request.key!r} is already being received")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable, Collection, Dict, Optional
+from typing import Awaitable, Callable, Dict, Optional
 
 import crc32c
 import grpc
@@ -17,6 +17,7 @@ import grpc
 from ..proto import kvflow_pb2 as pb
 from ..proto import kvflow_pb2_grpc as pb_grpc
 from ..proto.codec import MALFORMED, ChunkFrame
+from ..core.identity import AuthError, PeerPolicy, certificate_names
 from ..proto.messages import AUTH_METADATA, PEER_METADATA, check_key, check_part_info, priority_from_pb, status_code
 from .store import InChunk, InTransfer, Store
 
@@ -39,39 +40,31 @@ def check_packed(c: pb.Chunk, n: int) -> Optional[str]:
 
 
 class PeerService(pb_grpc.KVFlowPeerServicer):
-    """Peer streams into ``store``, memory from ``budget``. Senders present ``token`` (if set) and a name
-    in ``known_peers`` (unless ``allow_unknown_peers``); ``shutting_down()`` refuses new work. ``throttle``
-    (tests: an emulated slow link) is awaited with each frame's size before it is handled.
-    ``data_plane``: the TCP data plane whose tickets ``DataPlane`` hands out (None: none)."""
+    """Peer streams into ``store``, memory from ``budget``. Senders are authenticated by ``policy``
+    (core.identity.PeerPolicy: token, per-peer secrets, certificate names, known peers);
+    ``shutting_down()`` refuses new work. ``throttle`` (tests: an emulated slow link) is awaited with each
+    frame's size before it is handled. ``data_plane``: the TCP data plane whose tickets ``DataPlane`` hands
+    out (None: none)."""
 
-    def __init__(self, store: Store, budget, metrics, *, token: Optional[str], known_peers: Collection[str],
-                 allow_unknown_peers: bool, shutting_down: Callable[[], bool],
+    def __init__(self, store: Store, budget, metrics, *, policy: PeerPolicy, shutting_down: Callable[[], bool],
                  throttle: Optional[Callable[[int], Awaitable[None]]] = None):
         self.store = store
         self.budget = budget
         self.metrics = metrics
-        self.token = token
-        self.known_peers = known_peers
-        self.allow_unknown_peers = allow_unknown_peers
+        self.policy = policy
         self.shutting_down = shutting_down
         self.throttle = throttle
         self.data_plane = None
 
     async def _check_auth(self, context) -> str:
+        """The authenticated name of the peer on this call (its credential binds it: core.identity)."""
         md = dict(context.invocation_metadata())
-        if self.token and md.get(AUTH_METADATA) != f"Bearer {self.token}":
-            self.metrics.rejected.labels("UNAUTHENTICATED").inc()
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "peer link needs a valid token "
-                                "(metadata 'authorization: Bearer TOKEN')")
-        source = md.get(PEER_METADATA, "")
-        if not source:
-            self.metrics.rejected.labels("INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peer link needs metadata '{PEER_METADATA}'")
-        if source not in self.known_peers and not self.allow_unknown_peers:
-            self.metrics.rejected.labels("PERMISSION_DENIED").inc()
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"unknown peer {source!r}: not named by --peer (or use --allow-unknown-peers)")
-        return source
+        cert_names = certificate_names(context.auth_context()) if self.policy.mutual_tls else None
+        try:
+            return self.policy.authenticate(md.get(PEER_METADATA, ""), md.get(AUTH_METADATA), cert_names)
+        except AuthError as exc:
+            self.metrics.rejected.labels(exc.code.name).inc()
+            await context.abort(exc.code, exc.message)
 
     async def Link(self, request_iterator, context):
         """The gRPC transport's receiving half."""
@@ -99,7 +92,7 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
                 frames += 1
                 if frames % 256 == 0:       # forget finished transfers of this long-lived stream
                     for tid, entry in list(attached.items()):
-                        if entry.complete or entry.failed or self.store.entries.get(entry.key) is not entry:
+                        if entry.complete or entry.failed or not self.store.holds(entry):
                             del attached[tid]
                 if frame is MALFORMED:
                     self.metrics.rejected.labels("INVALID_ARGUMENT").inc()
@@ -148,24 +141,22 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         if self.shutting_down():
             return refuse(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
         store = self.store
-        entry = store.entries.get(o.key)
+        entry = store.get(source, o.key)        # only this (authenticated) source's transfers
         if entry is not None:
-            same = entry.uuid == o.uuid
-            if entry.failed is not None and (same or entry.source == source):
+            if entry.failed is not None:
                 store.drop(entry, "replaced")
                 entry = None
-            elif same or (entry.source == source and not entry.complete and o.resume):
+            elif entry.uuid == o.uuid or (not entry.complete and o.resume):
                 pass
-            elif entry.source == source and not entry.complete and entry.attached is None:
+            elif not entry.complete and entry.attached is None:
                 store.drop(entry, "replaced")     # a new attempt that does not resume: start over
                 entry = None
             else:
-                who = "this peer" if entry.source == source else f"peer {entry.source!r}"
                 state = "completed and not yet collected" if entry.complete else "in progress"
                 return refuse(grpc.StatusCode.ALREADY_EXISTS,
-                              f"duplicate key {o.key!r}: a transfer from {who} is {state}")
+                              f"duplicate key {o.key!r}: a transfer from this peer is {state}")
         if entry is None:
-            tomb = store.tombstones.get(o.key)
+            tomb = store.tombstone(o.key, source)
             if tomb is not None and tomb[0] == "collected" and tomb[1] == o.uuid:
                 return pb.PeerReply(state=pb.TransferState(tid=o.tid, complete=True))
             deadline = time.monotonic() + o.deadline_s if o.deadline_s > 0 else None

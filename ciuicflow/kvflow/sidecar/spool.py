@@ -31,41 +31,43 @@ class Spool:
         os.makedirs(directory, exist_ok=True)
         self._files: Dict[str, Tuple] = {}
 
-    def _base(self, key: str) -> str:
-        return os.path.join(self.dir, hashlib.sha256(key.encode()).hexdigest())
+    def _base(self, entry) -> str:
+        """Files named by the transfer's (source, key): keys are scoped by source."""
+        name = hashlib.sha256(f"{entry.source}\0{entry.key}".encode()).hexdigest()
+        return os.path.join(self.dir, name)
 
     def _meta(self, entry) -> None:
         meta = {"key": entry.key, "source": entry.source, "uuid": entry.uuid, "priority": entry.priority,
                 "payload_kind": entry.payload_kind, "lease_s": entry.lease_s, "total": entry.total,
                 "num_parts": entry.num_parts, "complete": entry.complete}
-        base = self._base(entry.key)
+        base = self._base(entry)
         with open(base + ".meta.tmp", "w") as fh:
             json.dump(meta, fh)
         os.replace(base + ".meta.tmp", base + ".meta")
 
-    def _close(self, key: str) -> None:
-        files = self._files.pop(key, None)
+    def _close(self, entry) -> None:
+        files = self._files.pop((entry.source, entry.key), None)
         if files:
             for fh in files:
                 fh.close()
 
-    def _open(self, key: str, mode: str = "ab"):
-        files = self._files.get(key)
+    def _open(self, entry, mode: str = "ab"):
+        files = self._files.get((entry.source, entry.key))
         if files is None:
-            base = self._base(key)
+            base = self._base(entry)
             files = (open(base + ".data", mode), open(base + ".idx", mode))
-            self._files[key] = files
+            self._files[(entry.source, entry.key)] = files
         return files
 
     def create(self, entry) -> None:
-        self._close(entry.key)
-        base = self._base(entry.key)
+        self._close(entry)
+        base = self._base(entry)
         for ext in (".data", ".idx"):
             open(base + ext, "wb").close()
         self._meta(entry)
 
     def append(self, entry, chunk, seq: int = None) -> None:
-        data_fh, idx_fh = self._open(entry.key)
+        data_fh, idx_fh = self._open(entry)
         seq = len(entry.chunks) - 1 if seq is None else seq
         info = _b64(chunk.info) if chunk.info is not None else None
         data_fh.write(chunk.data)
@@ -85,8 +87,8 @@ class Spool:
         self._meta(entry)
 
     def delete(self, entry) -> None:
-        self._close(entry.key)
-        base = self._base(entry.key)
+        self._close(entry)
+        base = self._base(entry)
         for ext in (".meta", ".data", ".idx"):
             try:
                 os.unlink(base + ext)
@@ -143,7 +145,7 @@ class Spool:
                 entry.bytes = 0
                 self.delete(entry)
                 continue
-            store.entries[entry.key] = entry
+            store.insert(entry)
             self.rewrite(entry)      # drop whatever followed the last good chunk
             restored += 1
         return restored

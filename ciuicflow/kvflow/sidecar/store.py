@@ -96,40 +96,88 @@ class InTransfer:
 
 
 class Store:
-    """Received transfers by key, with leases (``lease_s``: the default); memory counted in ``budget``. A
-    transfer whose sender went away fails after ``resume_timeout_s``. ``spool``: a durable copy (optional)."""
+    """Received transfers by (source, key), with leases (``lease_s``: the default); memory counted in
+    ``budget``. A transfer whose sender went away fails after ``resume_timeout_s``. ``spool``: a durable
+    copy (optional).
+
+    Keys are scoped by the authenticated source: a peer can neither take another peer's key first (its
+    transfer is another entry) nor resume or replace another peer's transfer."""
 
     def __init__(self, budget, metrics, lease_s: float, resume_timeout_s: float):
         self.budget = budget
         self.metrics = metrics
         self.lease_s = lease_s
         self.resume_timeout_s = resume_timeout_s
-        self.entries: Dict[str, InTransfer] = {}
-        self.tombstones: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
+        self.entries: Dict[Tuple[str, str], InTransfer] = {}         # (source, key) -> transfer
+        self.by_key: Dict[str, Dict[str, InTransfer]] = {}            # key -> source -> transfer
+        self.tombstones: "collections.OrderedDict[Tuple[str, str], tuple]" = collections.OrderedDict()
         self._arrival = asyncio.Event()
+        self._tomb_sources: Dict[str, Dict[str, None]] = {}    # key -> sources of its tombstones, oldest first
         self.completed = 0
         self.expired = 0
         self.collected = 0
         self.spool = None
 
     # ------------------------------------------------------------------ membership
+    def get(self, source: str, key: str) -> Optional[InTransfer]:
+        return self.entries.get((source, key))
+
+    def find(self, key: str, source: str = "") -> List[InTransfer]:
+        """The transfers with ``key`` (from ``source`` only, if given)."""
+        if source:
+            entry = self.entries.get((source, key))
+            return [entry] if entry is not None else []
+        return list(self.by_key.get(key, {}).values())
+
+    def holds(self, entry: InTransfer) -> bool:
+        return self.entries.get((entry.source, entry.key)) is entry
+
+    def tombstone(self, key: str, source: str = "") -> Optional[tuple]:
+        """The outcome of the last transfer with ``key`` (from ``source``, if given) no longer held."""
+        if source:
+            return self.tombstones.get((source, key))
+        sources = self._tomb_sources.get(key)
+        return self.tombstones.get((next(reversed(sources)), key)) if sources else None
+
+    def insert(self, entry: InTransfer) -> None:
+        """Hold ``entry`` (a new transfer, or one restored from the spool)."""
+        self.entries[(entry.source, entry.key)] = entry
+        self.by_key.setdefault(entry.key, {})[entry.source] = entry
+        self._untomb((entry.source, entry.key))
+
+    def _remove(self, entry: InTransfer) -> None:
+        if self.entries.get((entry.source, entry.key)) is entry:
+            del self.entries[(entry.source, entry.key)]
+            sources = self.by_key.get(entry.key)
+            if sources is not None:
+                sources.pop(entry.source, None)
+                if not sources:
+                    del self.by_key[entry.key]
+
     def add(self, entry: InTransfer) -> None:
-        self.entries[entry.key] = entry
-        self.tombstones.pop(entry.key, None)
+        self.insert(entry)
         if self.spool:
             self.spool.create(entry)
         self._arrival.set()
         self._arrival = asyncio.Event()
 
     def _tombstone(self, entry: InTransfer, reason: str, code=None, message: str = "") -> None:
-        self.tombstones[entry.key] = (reason, entry.uuid, code, message)
-        self.tombstones.move_to_end(entry.key)
+        where = (entry.source, entry.key)
+        self._untomb(where)
+        self.tombstones[where] = (reason, entry.uuid, code, message)
+        self._tomb_sources.setdefault(entry.key, {})[entry.source] = None     # an ordered set
         while len(self.tombstones) > TOMBSTONES:
-            self.tombstones.popitem(last=False)
+            self._untomb(next(iter(self.tombstones)))
+
+    def _untomb(self, where: Tuple[str, str]) -> None:
+        if self.tombstones.pop(where, None) is not None:
+            sources = self._tomb_sources[where[1]]
+            del sources[where[0]]
+            if not sources:
+                del self._tomb_sources[where[1]]
 
     def drop(self, entry: InTransfer, reason: str) -> None:
-        if self.entries.get(entry.key) is entry:
-            del self.entries[entry.key]
+        self._remove(entry)
         self._release(entry)
         if self.spool:
             self.spool.delete(entry)
@@ -180,19 +228,20 @@ class Store:
         self.collected += 1
         self.drop(entry, "collected")
 
-    async def wait_for(self, key: str, deadline: Optional[float]) -> Optional[InTransfer]:
+    async def wait_for(self, key: str, deadline: Optional[float], source: str = "") -> List[InTransfer]:
+        """The transfers with ``key`` (from ``source``, if given) once there is one; [] at the deadline."""
         while True:
-            entry = self.entries.get(key)
-            if entry is not None:
-                return entry
+            found = self.find(key, source)
+            if found:
+                return found
             event = self._arrival
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
-                return None
+                return []
             try:
                 await asyncio.wait_for(event.wait(), timeout)
             except asyncio.TimeoutError:
-                return None
+                return []
 
     # ------------------------------------------------------------------ leases, deadlines, lost senders
     def sweep(self) -> None:
@@ -227,5 +276,5 @@ class Store:
             "completed": self.completed,
             "collected": self.collected,
             "expired": self.expired,
-            "keys": sorted(self.entries)[:100],
+            "keys": sorted(self.by_key)[:100],
         }

@@ -15,24 +15,23 @@ sender to receiver, or ``PeerReply``, back), ``HELLO`` (the ticket), ``STATUS`` 
 how the receiver ended the stream, as a gRPC status would). The sender half-closes (TCP FIN) where a gRPC
 stream would close its request side.
 
-Sending side: ``TcpTransport`` / ``TcpStream``. Receiving side: ``DataPlaneServer``, which hands each
-connection's frames to ``PeerService.serve`` like ``Link``'s.
+Sending side: ``TcpTransport`` / ``TcpStream``. Receiving side: ``tcp_server.DataPlaneServer``, which hands
+each connection's frames to ``PeerService.serve`` like ``Link``'s.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import secrets
 import socket
 import struct
 import time
-from typing import Awaitable, Callable, Dict, Optional, Tuple
+from typing import Awaitable, Callable, Optional, Tuple
 
 import grpc
 
 from ..proto import kvflow_pb2 as pb
-from ..proto.codec import chunk_frame_prefix, parse_chunk_frame, uninitialized
+from ..proto.codec import chunk_frame_prefix
 from ..proto.messages import status_code
 from .base import NotOffered, Stream, Transport, TransportError
 
@@ -40,11 +39,8 @@ log = logging.getLogger("ciuicflow.kvflow.tcp")
 
 HEAD = struct.Struct("<BI")
 MSG, HELLO, STATUS = 0, 1, 2
-TICKET_TTL_S = 60.0
-HELLO_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 5.0     # a data port that does not answer within this: use the next transport
 RETRY_S = 60.0              # ... and try the data plane again after this long (at a later reconnect)
-QUEUE_HIGH = 16             # frames read but not yet handled: stop reading from the socket above this
 
 
 def _tune(sock: socket.socket) -> None:
@@ -67,29 +63,6 @@ def _parse_status(payload: bytes) -> Tuple[grpc.StatusCode, str]:
         return status_code(d["code"]), str(d.get("message", ""))
     except (ValueError, KeyError, TypeError):
         return grpc.StatusCode.INTERNAL, "malformed status from the peer's data plane"
-
-
-class Tickets:
-    """One-time tickets handed out by ``DataPlane``: ticket -> (sender name, expiry)."""
-
-    def __init__(self, clock=time.monotonic):
-        self._clock = clock
-        self._issued: Dict[bytes, Tuple[str, float]] = {}
-
-    def issue(self, source: str) -> bytes:
-        now = self._clock()
-        for ticket, (_, expiry) in list(self._issued.items()):
-            if expiry < now:
-                del self._issued[ticket]
-        ticket = secrets.token_bytes(24)
-        self._issued[ticket] = (source, now + TICKET_TTL_S)
-        return ticket
-
-    def redeem(self, ticket: bytes) -> Optional[str]:
-        entry = self._issued.pop(bytes(ticket), None)
-        if entry is None or entry[1] < self._clock():
-            return None
-        return entry[0]
 
 
 # ---------------------------------------------------------------------- sending side
@@ -178,177 +151,3 @@ class TcpTransport(Transport):
                         "retrying the data plane in %gs", self.peer, self.host, plane.port,
                         type(exc).__name__, exc, RETRY_S)
             raise NotOffered(f"data plane {self.host}:{plane.port} unreachable") from None
-
-
-# ---------------------------------------------------------------------- receiving side
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class _Context:
-    """What ``PeerService.serve`` needs of a gRPC servicer context."""
-
-    async def abort(self, code: grpc.StatusCode, message: str):
-        raise _Abort(code, message)
-
-
-class _EOF:
-    pass
-
-
-class _Connection(asyncio.BufferedProtocol):
-    """One sender's connection: frames are read straight into their own buffers, handed to the peer
-    service in order, and its replies written back."""
-
-    def __init__(self, plane: "DataPlaneServer"):
-        self.plane = plane
-        self.transport = None
-        self.frames: asyncio.Queue = asyncio.Queue()
-        self.head = bytearray(HEAD.size)
-        self.payload = None
-        self.buf = memoryview(self.head)
-        self.filled = 0
-        self.kind = None
-        self.paused = False
-        self.writable = asyncio.Event()
-        self.writable.set()
-        self.task = None
-
-    # --- asyncio callbacks
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        _tune(transport.get_extra_info("socket"))
-        self.task = asyncio.get_running_loop().create_task(self._serve())
-        self.plane.connections.add(self)
-
-    def get_buffer(self, sizehint: int):
-        return self.buf[self.filled:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.filled += nbytes
-        if self.filled < len(self.buf):
-            return
-        if self.kind is None:
-            kind, n = HEAD.unpack(self.head)
-            if n > self.plane.max_frame_bytes:
-                self.frames.put_nowait(_Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                              f"frame of {n} bytes over the limit of {self.plane.max_frame_bytes}"))
-                self.transport.pause_reading()
-                return
-            self.payload = uninitialized(n)
-            self.kind, self.buf, self.filled = kind, memoryview(self.payload), 0
-            if n:
-                return
-        self.frames.put_nowait((self.kind, self.payload))
-        self.kind, self.buf, self.filled = None, memoryview(self.head), 0
-        if self.frames.qsize() >= QUEUE_HIGH and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
-
-    def eof_received(self):
-        self.frames.put_nowait(_EOF)
-        return True         # keep our side open: the status still goes back
-
-    def connection_lost(self, exc) -> None:
-        log.debug("data plane connection from %s closed (%s)", self.transport.get_extra_info("peername"), exc)
-        self.frames.put_nowait(_EOF)
-        self.writable.set()
-        self.plane.connections.discard(self)
-
-    def pause_writing(self) -> None:
-        self.writable.clear()
-
-    def resume_writing(self) -> None:
-        self.writable.set()
-
-    # --- the stream
-    async def _next(self):
-        item = await self.frames.get()
-        if self.paused and self.frames.qsize() < QUEUE_HIGH // 2 and not self.transport.is_closing():
-            self.paused = False
-            self.transport.resume_reading()
-        if isinstance(item, _Abort):
-            raise item
-        return item
-
-    async def _requests(self):
-        while True:
-            item = await self._next()
-            if item is _EOF:
-                return
-            kind, payload = item
-            if kind != MSG:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected frame kind {kind} on the data plane")
-            yield parse_chunk_frame(payload) or self.plane.parse(payload)
-
-    def _send(self, kind: int, payload: bytes) -> None:
-        if not self.transport.is_closing():
-            self.transport.write(HEAD.pack(kind, len(payload)) + payload)
-
-    async def _serve(self) -> None:
-        code, message = grpc.StatusCode.OK, ""
-        try:
-            try:
-                item = await asyncio.wait_for(self._next(), HELLO_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no hello on the data plane") from None
-            if item is _EOF:
-                return
-            kind, payload = item
-            source = self.plane.tickets.redeem(payload) if kind == HELLO else None
-            if source is None:
-                self.plane.rejected(grpc.StatusCode.UNAUTHENTICATED)
-                raise _Abort(grpc.StatusCode.UNAUTHENTICATED,
-                             "data plane needs a valid ticket (from KVFlowPeer.DataPlane), once")
-            async for reply in self.plane.serve(source, self._requests(), _Context()):
-                data = reply.SerializeToString()
-                self._send(MSG, data)
-                if not self.writable.is_set():
-                    await self.writable.wait()
-        except _Abort as exc:
-            code, message = exc.code, exc.message
-            log.info("data plane stream from %s refused: %s %s", self.transport.get_extra_info("peername"),
-                     code.name, message)
-        except asyncio.CancelledError:
-            code, message = grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down"
-        except Exception as exc:  # noqa: BLE001 - report it to the sender, keep serving others
-            log.exception("data plane stream failed")
-            code, message = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-        finally:
-            self._send(STATUS, _status_payload(code, message))
-            self.transport.close()
-
-
-class DataPlaneServer:
-    """The receiving side's TCP listener. ``serve(source, frames, context)`` handles one sender's frames and
-    yields the replies (``PeerService.serve``), ``parse`` turns a frame's bytes into a PeerFrame (or
-    MALFORMED), ``rejected(code)`` counts a refused connection."""
-
-    def __init__(self, serve, parse, max_frame_bytes: int, rejected: Callable[[grpc.StatusCode], None]):
-        self.serve = serve
-        self.parse = parse
-        self.max_frame_bytes = max_frame_bytes
-        self.rejected = rejected
-        self.tickets = Tickets()
-        self.connections = set()
-        self.server: Optional[asyncio.base_events.Server] = None
-        self.port = 0
-
-    async def start(self, host: str, port: int) -> int:
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                               reuse_address=True)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self.port
-
-    async def stop(self) -> None:
-        if self.server is None:
-            return
-        self.server.close()
-        for conn in list(self.connections):
-            if conn.task is not None:
-                conn.task.cancel()
-        await asyncio.gather(*(c.task for c in list(self.connections) if c.task), return_exceptions=True)
-        await self.server.wait_closed()
