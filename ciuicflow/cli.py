@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "doctor": ("ciuicflow.doctor", "check the training environment and recommend settings"),
     "report": ("ciuicflow.monitor.report", "draw charts and a summary from a recorded run"),
     "kv-demo": ("ciuicflow.kvflow.demo", "disaggregated prefill/decode through two KV-flow sidecars"),
+    "vllm-demo": ("ciuicflow.integrations.vllm.demo", "two vLLM servers (prefill, decode) over two sidecars"),
 }
 
 

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("ciuicflow.vllm")
+if not log.handlers:
+    # vLLM configures only its own "vllm" logger: without a handler ours would show warnings only
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [ciuicflow.vllm pid %(process)d] %(message)s"))
+    log.addHandler(_h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 class CiuicFlowConnector(KVConnectorBase_V1):

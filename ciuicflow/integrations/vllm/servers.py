@@ -1,0 +1,142 @@
+"""vLLM servers as child processes (``vllm serve`` through launcher.py, in vLLM's own environment) and
+small OpenAI-API helpers: for the demo, the benchmark and the tests. No vLLM import here."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import time
+from typing import Dict, List, Optional
+
+from ciuicflow.kvflow.sidecar.process import REPO_ROOT, child_env, free_port, log_tail
+
+from .model import BLOCK_SIZE, COMPILATION_CONFIG
+
+CONNECTOR = "CiuicFlowConnector"
+MODULE = "ciuicflow.integrations.vllm"
+
+
+def kv_transfer_config(role: str, sidecar: str, **extra) -> dict:
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": role,
+            "kv_connector_extra_config": {"sidecar": sidecar, **extra}}
+
+
+class VllmServer:
+    """One ``vllm serve`` process on 127.0.0.1 (its own process group: stop() ends vLLM's children too)."""
+
+    def __init__(self, name: str, python: str, model_dir: str, kind: str, log_path: str,
+                 kv_config: Optional[dict] = None, port: Optional[int] = None, dtype: str = "float32",
+                 max_model_len: int = 1024, extra_args: Optional[List[str]] = None,
+                 env: Optional[Dict[str, str]] = None, failure_policy: str = "recompute"):
+        self.name, self.python, self.model_dir, self.kind = name, python, model_dir, kind
+        self.log_path = log_path
+        self.port = port or free_port()
+        self.kv_config = dict(kv_config) if kv_config else None
+        if self.kv_config is not None:
+            self.kv_config.setdefault("kv_load_failure_policy", failure_policy)
+        self.dtype, self.max_model_len = dtype, max_model_len
+        self.extra_args = list(extra_args or [])
+        self.env = dict(env or {})
+        self.proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> List[str]:
+        cmd = [self.python, "-m", "ciuicflow.integrations.vllm.launcher", "serve", self.model_dir,
+               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
+               "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+               "--block-size", str(BLOCK_SIZE[self.kind]), "--no-enable-prefix-caching",
+               "--max-num-seqs", "16", "--seed", "0", "--disable-log-stats"]
+        if COMPILATION_CONFIG[self.kind]:
+            cmd += ["--compilation-config", json.dumps(COMPILATION_CONFIG[self.kind])]
+        if self.kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        return cmd + self.extra_args
+
+    def start(self) -> "VllmServer":
+        env = child_env({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
+                         **self.env})
+        env.pop("OMP_NUM_THREADS", None)     # vLLM's CPU backend binds its own OpenMP threads
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv(), cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def log(self, n: Optional[int] = 4000) -> str:
+        return log_tail(self.log_path, n)
+
+    def wait_ready(self, timeout: float = 300.0) -> "VllmServer":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM {self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if get(self.url, "/health", timeout=2)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM {self.name} not healthy after {timeout:g}s:\n{self.log()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def get(base: str, path: str, timeout: float = 30.0):
+    host, port = base.split("//", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def complete(base: str, prompt: List[int], max_tokens: int, timeout: float = 300.0, headers=None,
+             **fields) -> dict:
+    """Greedy /v1/completions with token-id prompts; returns the JSON answer (``tokens`` added: the
+    generated token ids) or raises RuntimeError with the server's answer."""
+    host, port = base.split("//", 1)[1].split(":")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True, "ignore_eos": True, **fields}
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                                    **(headers or {})})
+        r = conn.getresponse()
+        data = r.read()
+        hdrs = {k.lower(): v for k, v in r.getheaders()}
+    finally:
+        conn.close()
+    if r.status != 200:
+        raise RuntimeError(f"{base} answered {r.status}: {data[:500]!r}")
+    out = json.loads(data)
+    out["tokens"] = list(out["choices"][0].get("token_ids") or [])
+    out["finish_reason"] = out["choices"][0].get("finish_reason")
+    out["headers"] = hdrs
+    return out
