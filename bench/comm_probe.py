@@ -39,14 +39,15 @@ def _intra_fit(seconds: dict, local: int) -> dict:
     return {"intra_bw": 1 / per_byte, "intra_alpha": fixed / (2 * (local - 1))}
 
 
-def probe_machine(numels, repeat=5):
+def probe_machine(numels, repeat=5, intra_path="auto"):
     """What the planner needs to know about this machine, measured with every rank busy at once:
     latency (a one-element all-reduce), intra-node bandwidth and latency (the node's reduce and gather at two
     sizes, inside each node at the same time),
     float32 matmul rate (PowerSGD-shaped), and the time of a flat, a hierarchical and a hierarchical 1-bit
     all-reduce of each size in ``numels`` (the last two need ciuicflow). The measurements take turns, round
     after round, and each is the median of its rounds, so a change of load on a shared machine affects all of
-    them alike. Collective; returns a dict."""
+    them alike. ``intra_path="gloo"`` measures the node with gloo's reduce-scatter and all-gather, the pair
+    FSDP2 runs, even where ciuicflow would use shared memory. Collective; returns a dict."""
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes = world // local
@@ -75,7 +76,7 @@ def probe_machine(numels, repeat=5):
         # Intra-node bandwidth as the hierarchical collectives get it: through the node's shared
         # memory where ciuicflow uses it for CPU tensors, else gloo's all-reduce inside the node.
         segment = node_shm.node_segment(topology) if topology is not None and topology.hierarchical \
-            else None
+            and intra_path != "gloo" else None
         out["intra_path"] = "shared_memory" if segment is not None else "gloo"
         # two sizes, so that the fixed cost per call (barriers, Python) and the cost per byte separate
         for size in (x.numel() // 2, x.numel()):
@@ -84,6 +85,12 @@ def probe_machine(numels, repeat=5):
                 shard_len = -(-size // local)
                 tasks[("intra", size)] = lambda xs=xs, s=shard_len: (segment.node_sum(xs, s, False),
                                                                      segment.gather(xs, s))
+            elif intra_path == "gloo":  # FSDP2's own pair: a reduce-scatter and an all-gather
+                xs = x[:size // local * local]
+                shard = torch.empty(size // local)
+                tasks[("intra", size)] = lambda xs=xs, sh=shard: (
+                    dist.reduce_scatter_tensor(sh, xs, group=mine),
+                    dist.all_gather_into_tensor(xs, sh, group=mine))
             else:
                 tasks[("intra", size)] = lambda xs=xs: dist.all_reduce(xs, group=mine)
     for n in numels:

@@ -6,6 +6,7 @@ on simulated nodes (torchrun's variables, gloo on 127.0.0.1), same seeds and bat
     python bench/convergence.py                      # the whole suite, 2 nodes x 2 ranks
     python bench/convergence.py --smoke              # CI: every task and method for a few steps
     python bench/convergence.py --tasks mlp_sgd_constant --methods exact,hierarchical_1bit
+    python bench/convergence.py --fsdp               # the FSDP path (ciuicflow.fsdp) on every task
     python bench/convergence.py --tasks heldout      # only the held-out tasks
 
 Writes JSON (a list of records: task, method, metric, value, exact_value, gap,
@@ -32,9 +33,12 @@ from convergence_report import check_targets, compare, write_outputs  # noqa: E4
 WORKER = os.path.join(HERE, "convergence_worker.py")
 
 
-def default_methods(task) -> list[str]:
+def default_methods(task, fsdp: bool = False) -> list[str]:
     from ciuicflow.ddp.hooks import HOOKS
+    from convergence_report import FSDP_HOOKS
 
+    if fsdp:  # the FSDP path: FSDP2's own HSDP and ciuicflow.fsdp's compressing methods
+        return ["exact", "fsdp_hsdp", *FSDP_HOOKS]
     methods = ["exact", *HOOKS, "torch_powerSGD"]
     if task.adam_family:
         methods += ["onebit_adam", "zero_one_adam"]
@@ -128,6 +132,8 @@ def parse_args(argv=None):
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="every task and method for a few steps (CI)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="the FSDP path instead of DDP's: exact DDP, FSDP2's HSDP and every fsdp:<method>")
     p.add_argument("--steps", type=int, help="override every task's steps")
     p.add_argument("--json", metavar="PATH", help="JSON output (default OUT_DIR/convergence.json)")
     p.add_argument("--out-dir", default="out/convergence")
@@ -145,7 +151,7 @@ def main(argv=None):
         os.remove(raw)
     start = time.monotonic()
     for task in select_tasks(args.tasks):
-        methods = args.methods.split(",") if args.methods else default_methods(task)
+        methods = args.methods.split(",") if args.methods else default_methods(task, args.fsdp)
         if not task.adam_family:
             methods = [m for m in methods if m.split("@")[0] not in ("onebit_adam", "zero_one_adam")]
         print(f"[convergence] {task.name}: {task.note}; methods {', '.join(methods)}", flush=True)

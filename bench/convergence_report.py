@@ -12,6 +12,8 @@ from ciuicflow.compression import registry  # noqa: E402
 # The exact baseline of each method: DDP's all-reduce with the task's own optimizer.
 EXACT = "exact"
 COMPRESSED_HOOKS = tuple(registry.compressed_methods())
+# the FSDP path (bench/convergence_worker.py's fsdp:<method>) is held to the same targets
+FSDP_HOOKS = tuple(f"fsdp:{name}" for name in COMPRESSED_HOOKS if registry.method(name).hierarchical)
 OPTIMIZERS = ("onebit_adam", "zero_one_adam")
 
 
@@ -56,7 +58,7 @@ def check_targets(records: list[dict]) -> list[str]:
     torch_psgd = {r["task"]: r for r in records if r["method"] == "torch_powerSGD"
                   and not r.get("failed")}
     for r in records:
-        if r["method"] not in COMPRESSED_HOOKS + OPTIMIZERS:
+        if r["method"] not in COMPRESSED_HOOKS + OPTIMIZERS + FSDP_HOOKS:
             continue
         ok = meets_target(r)
         if ok is False:

@@ -10,6 +10,10 @@ Methods:
                    ``PowerSGDState`` defaults; on gloo each bucket's future is waited for inside the
                    hook (as bench/comm.py does: its later all-reduces interleave across buckets)
   onebit_adam, zero_one_adam   ciuicflow's 1-bit optimizers with their defaults, no DDP (Adam tasks)
+  fsdp_hsdp        FSDP2's own HSDP (each child module with parameters, and the root,
+                   fully_shard-ed over the 2-D mesh "replicate" x "shard")
+  fsdp:<method>    FSDP2 inside the node and ``ciuicflow.fsdp.register(model, method)`` across
+                   nodes, with the method's defaults (a hierarchical method of the registry)
 
 inter_node_bytes_per_step: modelled bytes one rank sends to other nodes, per step, the model of
 ``ciuicflow.collectives`` (a ring all-reduce of B bytes over W ranks sends 2(W-1)/W B, of which the
@@ -35,6 +39,30 @@ import convergence_tasks as tasks  # noqa: E402
 from comm_worker import waiting  # noqa: E402  (PyTorch's PowerSGD hook made to work on gloo)
 
 OPTIMIZER_METHODS = ("onebit_adam", "zero_one_adam")
+FSDP_PREFIX = "fsdp:"
+
+
+def is_fsdp(method: str) -> bool:
+    return method == "fsdp_hsdp" or method.startswith(FSDP_PREFIX)
+
+
+def fsdp_setup(model, method, options):
+    """Shard ``model`` with FSDP2 as ``method`` says; (model, ciuicflow's state or None)."""
+    import ciuicflow.fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+    on = mesh if method == "fsdp_hsdp" else mesh["shard"]
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=on)
+    fully_shard(model, mesh=on)
+    if method == "fsdp_hsdp":
+        return model, None
+    return model, ciuicflow.fsdp.register(model, method[len(FSDP_PREFIX):], mesh=mesh, **options)
 
 
 def flat_inter_share() -> float:
@@ -104,6 +132,11 @@ def setup(task, method):
             dist.broadcast(p.data, 0)
         return model, model, cls(model.parameters(), lr=task.lr, weight_decay=decay,
                                  **options), None
+    if is_fsdp(name):
+        for p in model.parameters():  # every rank starts from the same weights
+            dist.broadcast(p.data, 0)
+        model, state = fsdp_setup(model, name, options)
+        return model, model, make_optimizer(task, model.parameters()), state
     ddp = DDP(model, bucket_cap_mb=task.bucket_cap_mb)
     state = None
     if method == "exact":
@@ -130,7 +163,7 @@ def train(task, method, data, rank, world):
         contextlib.nullcontext()
     optimizer_method = parse_method(method)[0] in OPTIMIZER_METHODS
     counting = counted_all_reduces(counter) if state is None and not optimizer_method \
-        else contextlib.nullcontext()
+        and not is_fsdp(method) else contextlib.nullcontext()
     start = time.perf_counter()
     with counting:
         for step in range(task.steps):
@@ -146,7 +179,10 @@ def train(task, method, data, rank, world):
             if (step + 1) % eval_every == 0 or step + 1 == task.steps:
                 curve.append((step + 1, tasks.evaluate(task, model, data)))
     seconds = time.perf_counter() - start
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # whole parameters (FSDP's DTensors gathered inside the node): equal on every rank when the
+    # nodes' replicas agree
+    params = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                        for p in model.parameters()])
     gathered = [torch.empty_like(params) for _ in range(world)]
     dist.all_gather(gathered, params)
     record = {
@@ -160,6 +196,11 @@ def train(task, method, data, rank, world):
         record["inter_node_bytes_per_step"] = stats["inter_node_bytes_per_step"]
         record["compression_ratio"] = stats["compression_ratio"]
         record["stats"] = {k: v for k, v in stats.items() if k != "topology"}
+    elif method == "fsdp_hsdp":  # each rank all-reduces its shard (1/L) with the other nodes
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        nodes = world // local
+        record["inter_node_bytes_per_step"] = 2 * (nodes - 1) / nodes * params.numel() * 4 / local
+        record["compression_ratio"] = None
     elif optimizer_method:
         record["inter_node_bytes_per_step"] = optimizer.traffic.inter_bytes / task.steps
         record["compression_ratio"] = None

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ciuicflow.compression.registry import FAMILIES
+
 try:
     from ciuicflow import _C  # noqa: F401  (loading the library registers the ops)
 except ImportError as exc:  # pragma: no cover - depends on the install
@@ -37,7 +39,8 @@ __all__ = [
     "has_cuda_kernels",
 ]
 
-DEFAULT_CHUNK_SIZE = 2048
+# the 1-bit methods' default, so an op called without one packs as the hooks do
+DEFAULT_CHUNK_SIZE = FAMILIES["onebit"].cost.chunk_size
 
 
 def onebit_pack(

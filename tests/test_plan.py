@@ -67,6 +67,30 @@ def test_bytes_per_link_follow_the_algorithms():
     assert pl.estimate("flat_ring", _cluster(nodes=1, gpus=1), w).comm_seconds == 0
 
 
+def test_fsdp_strategies_follow_fsdp2_and_the_registry():
+    from ciuicflow.compression import registry
+
+    assert pl.FSDP_STRATEGIES[0] == "fsdp_hsdp"
+    assert {s.removeprefix("fsdp_") for s in pl.FSDP_STRATEGIES[1:]} == {
+        n for n in registry.compressed_methods() if registry.method(n).hierarchical}
+    w = pl.Workload(params=1e6)
+    d = 4e6
+    hsdp = pl.estimate("fsdp_hsdp", _cluster(), w)
+    # per node: each of G ranks all-reduces its 1/G shard over N nodes: 2 (N-1)/N of the tensor
+    assert hsdp.inter_node_bytes_per_node == pytest.approx(d)
+    # per GPU inside the node: two parameter all-gathers and a gradient reduce-scatter
+    assert hsdp.intra_node_bytes_per_gpu == pytest.approx(3 * d / 2)
+    one = pl.estimate("fsdp_hierarchical_1bit", _cluster(), w)
+    assert one.inter_node_bytes_per_node == pytest.approx(1e6 * (1 / 8 + 4 / 256))
+    assert one.comm_seconds < hsdp.comm_seconds
+    square = pl.Workload(params=1e6, matrix_shapes=[(1000, 1000)])
+    ps = pl.estimate("fsdp_hierarchical_powersgd", _cluster(), square, rank=4)
+    # a shard is a 500 x 1000 matrix: per rank P 500x4 and Q 1000x4, all-reduced over 2 nodes
+    assert ps.inter_node_bytes_per_node == pytest.approx(2 * (500 + 1000) * 4 * 4)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        pl.estimate("fsdp_onebit", _cluster(), w)
+
+
 def test_time_model_and_recommendation():
     w = pl.Workload(params=25e6, compute_seconds=0.4)
     c = _cluster(inter=125e6)

@@ -14,7 +14,7 @@ from ciuicflow.compression.quantized import Codec, QuantizedCompressor, Quantize
 from ciuicflow.compression.registry import FAMILIES
 
 _COST = FAMILIES["onebit"].cost
-DEFAULT_CHUNK_SIZE = _COST.chunk_size
+DEFAULT_CHUNK_SIZE = _COST.chunk_size  # also the native ops' default (ciuicflow.ops)
 
 
 class OneBitCodec(Codec):

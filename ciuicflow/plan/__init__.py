@@ -30,19 +30,19 @@ Modules: ``methods`` (the strategies and the hooks' parameters), ``units`` (pars
 formatting), ``inputs`` (``ClusterSpec``, ``Workload``), ``cost_model`` (``estimate``, ``plan``,
 ``recommend``), ``calibration`` (against bench/comm.py), ``cli``. This package re-exports them.
 """
-from ciuicflow.plan.calibration import (TCP_EFFICIENCY, calibrate, fit_local_seconds_per_element,
-                                        machine_cluster)
+from ciuicflow.plan.calibration import (TCP_EFFICIENCY, calibrate, calibrate_fsdp,
+                                        fit_local_seconds_per_element, machine_cluster)
 from ciuicflow.plan.cli import add_arguments, run, table
 from ciuicflow.plan.cost_model import Estimate, estimate, plan, recommend
 from ciuicflow.plan.inputs import ClusterSpec, Workload, compute_seconds_from_flops, powersgd_elements
-from ciuicflow.plan.methods import (BENCH_METHODS, EXACT_STRATEGIES, POWERSGD_RANK, RANKED,
-                                    STRATEGIES)
+from ciuicflow.plan.methods import (BENCH_METHODS, EXACT_STRATEGIES, FSDP_STRATEGIES,
+                                    POWERSGD_RANK, RANKED, STRATEGIES)
 from ciuicflow.plan.units import parse_bandwidth, parse_count, parse_seconds
 
 __all__ = [
-    "STRATEGIES", "EXACT_STRATEGIES", "RANKED", "BENCH_METHODS", "POWERSGD_RANK",
+    "STRATEGIES", "EXACT_STRATEGIES", "FSDP_STRATEGIES", "RANKED", "BENCH_METHODS", "POWERSGD_RANK",
     "parse_count", "parse_bandwidth", "parse_seconds", "ClusterSpec", "Workload",
     "compute_seconds_from_flops", "powersgd_elements", "Estimate", "estimate", "plan", "recommend",
-    "TCP_EFFICIENCY", "machine_cluster", "fit_local_seconds_per_element", "calibrate",
+    "TCP_EFFICIENCY", "machine_cluster", "fit_local_seconds_per_element", "calibrate", "calibrate_fsdp",
     "add_arguments", "table", "run",
 ]

@@ -5,7 +5,7 @@ from dataclasses import asdict
 
 from ciuicflow.plan.cost_model import estimate
 from ciuicflow.plan.inputs import ClusterSpec, Workload
-from ciuicflow.plan.methods import BENCH_METHODS
+from ciuicflow.plan.methods import BENCH_METHODS, FSDP_BENCH_METHODS
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at MTU 1500 (with timestamps)
 
@@ -32,19 +32,9 @@ def calibrate(records, machine: dict) -> list:
     latency, intra-node bandwidth and matmul rate are probed; the compressors' local seconds per element is
     fitted on the probe's hierarchical 1-bit all-reduce (another size, outside DDP). Returns one dict per
     measured method: predicted and measured step seconds and inter-node bytes (all nodes), and the errors."""
-    ran = [r for r in records if "step_seconds" in r]
-    floor = next((r for r in ran if r["method"] == "no_comm"), None)
-    if floor is None:
-        raise ValueError("calibration needs the run's no_comm record (the compute time)")
-    if not (floor.get("shaped") and floor.get("rate_bps")):
-        raise ValueError("calibration needs a run whose inter-node link was shaped (this one was not)")
-    cluster = machine_cluster(machine, floor["rate_bps"])
+    ran, floor, cluster = _floor_and_cluster(records, machine)
     shapes = [(floor["width"], floor["width"])] * floor["layers"]
-    local = 0.0
-    for numel, timings in machine.get("sizes", {}).items():
-        if "hierarchical_1bit" in timings:
-            local = fit_local_seconds_per_element(timings["hierarchical_1bit"], "hierarchical_1bit", cluster,
-                                                  Workload(params=int(numel)))
+    local = _probed_local_seconds(machine, cluster)
     out = []
     for r in ran:
         if r["hook"] not in BENCH_METHODS:
@@ -54,16 +44,60 @@ def calibrate(records, machine: dict) -> list:
                             matrix_shapes=shapes, local_seconds_per_element=local,
                             matmul_flops=machine.get("matmul_flops", 5e9),
                             bucket_bytes=r.get("bucket_cap_mb", 25) * 2 ** 20 * grad_bytes / 4)
-        e = estimate(strategy, cluster, workload, r.get("rank"))
-        measured_bytes = r.get("inter_node_bytes_per_step")
-        out.append({
-            "method": r["method"], "strategy": e.name,
-            "predicted_step_seconds": e.step_seconds, "measured_step_seconds": r["step_seconds"],
-            "step_error": e.step_seconds / r["step_seconds"] - 1,
-            "predicted_comm_seconds": e.comm_seconds, "measured_comm_seconds": r["comm_seconds"],
-            "predicted_inter_node_bytes": e.inter_node_bytes_total, "measured_inter_node_bytes": measured_bytes,
-            "bytes_error": (e.inter_node_bytes_total / measured_bytes - 1) if measured_bytes else None,
-            "local_seconds_per_element": local,
-        })
+        out.append(_row(r, estimate(strategy, cluster, workload, r.get("rank")), local))
     return out
+
+
+def calibrate_fsdp(records, machine: dict) -> list:
+    """The model's FSDP strategies next to bench/fsdp.py's measurements (its records and machine
+    probe): as ``calibrate``, with FSDP2's parameter groups (one per layer) for the buckets."""
+    ran, floor, cluster = _floor_and_cluster(records, machine)
+    local = _probed_local_seconds(machine, cluster)
+    out = []
+    for r in ran:
+        strategy = FSDP_BENCH_METHODS.get(r["method"])
+        if strategy is None:
+            continue
+        workload = Workload(params=r["params"], compute_seconds=floor["step_seconds"],
+                            matrix_shapes=[(r["width"], r["width"])] * r["layers"],
+                            local_seconds_per_element=local,
+                            matmul_flops=machine.get("matmul_flops", 5e9),
+                            bucket_bytes=r["params"] * 4 / r["layers"])
+        out.append(_row(r, estimate(strategy, cluster, workload, r.get("rank")), local))
+    return out
+
+
+def _probed_local_seconds(machine: dict, cluster: ClusterSpec) -> float:
+    """The compressors' local seconds per element, fitted on the probe's hierarchical 1-bit
+    all-reduce (the key bench/comm_probe.py writes), or 0."""
+    local = 0.0
+    for numel, timings in machine.get("sizes", {}).items():
+        if "hierarchical_1bit" in timings:
+            local = fit_local_seconds_per_element(timings["hierarchical_1bit"], "hierarchical_1bit",
+                                                  cluster, Workload(params=int(numel)))
+    return local
+
+
+def _row(r: dict, e, local: float) -> dict:
+    measured_bytes = r.get("inter_node_bytes_per_step")
+    return {
+        "method": r["method"], "strategy": e.name,
+        "predicted_step_seconds": e.step_seconds, "measured_step_seconds": r["step_seconds"],
+        "step_error": e.step_seconds / r["step_seconds"] - 1,
+        "predicted_comm_seconds": e.comm_seconds, "measured_comm_seconds": r.get("comm_seconds"),
+        "predicted_inter_node_bytes": e.inter_node_bytes_total, "measured_inter_node_bytes": measured_bytes,
+        "bytes_error": (e.inter_node_bytes_total / measured_bytes - 1) if measured_bytes else None,
+        "local_seconds_per_element": local,
+    }
+
+
+def _floor_and_cluster(records, machine: dict):
+    """(the measured records, the no_comm record, the run's ClusterSpec)."""
+    ran = [r for r in records if "step_seconds" in r]
+    floor = next((r for r in ran if r["method"] == "no_comm"), None)
+    if floor is None:
+        raise ValueError("calibration needs the run's no_comm record (the compute time)")
+    if not (floor.get("shaped") and floor.get("rate_bps")):
+        raise ValueError("calibration needs a run whose inter-node link was shaped (this one was not)")
+    return ran, floor, machine_cluster(machine, floor["rate_bps"])
 

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from ciuicflow.plan.cost_model import plan, recommend
 from ciuicflow.plan.inputs import ClusterSpec, Workload, compute_seconds_from_flops
-from ciuicflow.plan.methods import STRATEGIES
+from ciuicflow.plan.methods import ALL_STRATEGIES, FSDP_STRATEGIES
 from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, parse_count, parse_seconds
 
 def add_arguments(parser) -> None:
@@ -38,7 +38,10 @@ def add_arguments(parser) -> None:
                         help="DDP bucket size in MiB: one all-reduce (and its latency) per bucket (default 25)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="share of the backward pass communication can hide (0..1, default 0)")
-    parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(STRATEGIES)}")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="model FSDP2 sharded inside each node (HSDP, and ciuicflow.fsdp's methods) "
+                             "instead of DDP")
+    parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(ALL_STRATEGIES)}")
     parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
 
 
@@ -58,18 +61,18 @@ def _build(args):
                         matmul_flops=args.matmul_tflops * 1e12, overlap=args.overlap,
                         bucket_bytes=args.bucket_mb * 2 ** 20)
     ranks = tuple(int(r) for r in str(args.ranks).split(",") if r.strip())
-    strategies = None
+    strategies = list(FSDP_STRATEGIES) if args.fsdp else None
     if args.strategies:
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-        unknown = [s for s in strategies if s not in STRATEGIES]
+        unknown = [s for s in strategies if s not in ALL_STRATEGIES]
         if unknown:
-            raise ValueError(f"unknown strategies {unknown}; choose from {STRATEGIES}")
+            raise ValueError(f"unknown strategies {unknown}; choose from {ALL_STRATEGIES}")
     return cluster, workload, ranks, strategies, source
 
 
 def table(estimates, baseline) -> str:
     rows = ["| strategy | comm / step | step time | comm share | inter-node per node | intra-node per GPU | "
-            "vs flat_ring |", "|---|---:|---:|---:|---:|---:|---:|"]
+            f"vs {baseline.strategy if baseline else 'flat_ring'} |", "|---|---:|---:|---:|---:|---:|---:|"]
     for e in estimates:
         share = e.comm_seconds / e.step_seconds if e.step_seconds else 0.0
         speed = f"{baseline.step_seconds / e.step_seconds:.2f}x" if baseline and e.step_seconds else "n/a"
@@ -87,7 +90,8 @@ def run(args) -> int:
         print(f"ciuicflow plan: error: {exc}", file=sys.stderr)
         return 2
     best, why = recommend(estimates)
-    baseline = next((e for e in estimates if e.strategy == "flat_ring"), None)
+    baseline = next((e for e in estimates if e.strategy == "flat_ring"), None) or \
+        next((e for e in estimates if e.strategy == "fsdp_hsdp"), None)
     print(f"Model {workload.params / 1e9:.3g}B parameters ({workload.grad_bytes}-byte gradients, "
           f"{format_bytes(workload.params * workload.grad_bytes)} per all-reduce), hidden ~{workload.hidden_size}; "
           f"{cluster.nodes} nodes x {cluster.gpus_per_node} GPUs; intra {format_bytes(cluster.intra_bw)}/s "

@@ -4,9 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from ciuicflow.plan.alpha_beta import _ring_allreduce, _scatter_or_gather
 from ciuicflow.plan.inputs import ClusterSpec, Workload, powersgd_elements
-from ciuicflow.plan.methods import EXACT_STRATEGIES, POWERSGD_RANK, RANKED, STRATEGIES, cost, \
-    hierarchical
+from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, \
+    RANKED, STRATEGIES, cost, hierarchical
 
 @dataclass
 class Estimate:
@@ -30,14 +31,6 @@ class Estimate:
         d = asdict(self)
         d["name"] = self.name
         return d
-
-
-def _ring_allreduce(k, nbytes, bw, lat):
-    return 0.0 if k <= 1 else 2 * (k - 1) * lat + 2 * (k - 1) / k * nbytes / bw
-
-
-def _scatter_or_gather(k, nbytes, bw, lat):
-    return 0.0 if k <= 1 else (k - 1) * lat + (k - 1) / k * nbytes / bw
 
 
 def _flat_ring(c: ClusterSpec, nbytes: float) -> tuple:
@@ -72,8 +65,8 @@ def _hierarchical(c: ClusterSpec, nbytes: float, parts=None, tag="") -> tuple:
 
 def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int | None = None) -> Estimate:
     """Predicted communication and step time of one strategy (rank: PowerSGD's, for the ranked ones)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+    if strategy not in ALL_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {ALL_STRATEGIES}")
     if strategy in RANKED:
         rank = int(rank or POWERSGD_RANK)
         if rank < 1:
@@ -91,6 +84,9 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
     compress = 0.0
     if p == 1:
         comm, inter, intra = 0.0, 0.0, 0.0
+    elif strategy in FSDP_STRATEGIES:
+        from ciuicflow.plan.fsdp_model import fsdp_terms
+        comm, inter, intra, compress = fsdp_terms(strategy, c, w, workload, rank, buckets, parts)
     elif strategy == "flat_ring":
         comm, inter, intra = _flat_ring(c, nbytes)
         parts["ring"] = comm

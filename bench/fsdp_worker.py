@@ -1,0 +1,153 @@
+"""One rank of bench/fsdp.py, started by torchrun on each simulated node (ciuicflow/cluster.py).
+
+Per method, the same MLP (bench/comm_worker.py's model and data) is sharded by FSDP2 and trained with
+Adam for --warmup unmeasured and --steps measured steps; rank 0 appends one JSON record per method to
+--out. Methods:
+  hsdp      FSDP2's own HSDP: every layer fully_shard-ed over the 2-D mesh (replicate x shard)
+  <method>  a hierarchical method of ciuicflow's registry: sharded over mesh["shard"] (inside the node),
+            the shards reduced across nodes by ciuicflow.fsdp.register(model, method, mesh=mesh)
+  no_comm   the model alone, no FSDP and no communication: the compute floor
+Measured: step_seconds (forward + backward + Adam, mean over measured steps, slowest rank),
+ciuicflow_seconds (time in ciuicflow's reduction per step, from state.stats()), inter_node_bytes_per_step
+(the node links' tx counters, summed over nodes), final_loss.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+from comm_worker import build_model, make_batch, mlp_width, node_link_delta, reduce_scalar, say  # noqa: E402
+
+from ciuicflow.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
+from ciuicflow.compression import registry  # noqa: E402
+
+OURS = tuple(name for name, m in registry.METHODS.items() if m.hierarchical)
+METHODS = ("hsdp",) + OURS + ("no_comm",)
+
+
+def shard(model, method, mesh, warmup_steps):
+    """FSDP2 over the layers and the root; ciuicflow's state (or None)."""
+    import ciuicflow.fsdp
+    from torch.distributed.fsdp import fully_shard
+
+    if method == "no_comm":
+        return None
+    on = mesh if method == "hsdp" else mesh["shard"]
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=on)
+    fully_shard(model, mesh=on)
+    if method == "hsdp":
+        return None
+    return ciuicflow.fsdp.register(model, method, mesh=mesh, warmup_steps=warmup_steps)
+
+
+def run_method(method, args, width, data, mesh):
+    model = build_model(width, args.layers, args.seed)
+    state = shard(model, method, mesh, warmup_steps=min(1, args.warmup))
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    x, y = data
+
+    def step():
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0, loss.item()
+
+    for _ in range(args.warmup):
+        step()
+    if state is not None:
+        state.reset_stats()
+    dist.barrier()
+    before = read_node_link_bytes() if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None
+    dist.barrier()
+    total, loss = 0.0, float("nan")
+    for _ in range(args.steps):
+        seconds, loss = step()
+        total += seconds
+    dist.barrier()
+    inter = node_link_delta(before)
+    measured = read_node_link_bytes() is not None
+    stats = state.stats() if state is not None else {}
+    world = dist.get_world_size()
+    return {
+        "method": method,
+        "step_seconds": reduce_scalar(total / args.steps, dist.ReduceOp.MAX),
+        "ciuicflow_seconds": reduce_scalar(stats.get("time_s", 0.0) / args.steps, dist.ReduceOp.MAX),
+        "inter_node_bytes_per_step": inter / args.steps if measured else None,
+        "modelled_inter_node_bytes_per_step": reduce_scalar(
+            stats.get("inter_node_bytes", 0) / args.steps, dist.ReduceOp.SUM) if stats else None,
+        "compression_ratio": stats.get("compression_ratio"),
+        "final_loss": reduce_scalar(loss, dist.ReduceOp.SUM) / world,
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--methods", required=True)
+    p.add_argument("--params", type=float, required=True)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--probe-numel", type=int, default=0,
+                   help="after the methods, measure the machine for the planner (gloo inside the node)")
+    args = p.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        p.error(f"unknown methods {unknown}; choose from {METHODS}")
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+    width = mlp_width(int(args.params), args.layers)
+    data = make_batch(width, args.batch, args.seed, rank)
+    for method in methods:
+        if rank == 0:
+            say(f"[bench] {method} ...")
+        try:
+            record = run_method(method, args, width, data, mesh)
+        except Exception:
+            traceback.print_exc()
+            sys.stdout.flush()
+            os._exit(3)
+        if rank == 0:
+            record.update(width=width, layers=args.layers, params=args.layers * (width * width + width),
+                          batch=args.batch, steps=args.steps, warmup=args.warmup, world_size=world,
+                          shaped=os.environ.get(ENV_SHAPED) == "1")
+            b = record["inter_node_bytes_per_step"]
+            say(f"[bench] {method}: {record['step_seconds']:.3f} s/step, inter-node "
+                f"{'n/a' if b is None else f'{b / 1e6:.2f} MB'}/step, final loss {record['final_loss']:.5f}")
+            with open(args.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    if args.probe_numel:
+        from comm_probe import probe_machine
+        machine = probe_machine([args.probe_numel], intra_path="gloo")
+        if rank == 0:
+            with open(args.out, "a") as f:
+                f.write(json.dumps({"probe": machine}) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
