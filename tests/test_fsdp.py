@@ -176,6 +176,19 @@ def _modes(rank, world, directory):
         out[name] = {"exact": exact_losses, "losses": losses, "stats": state.stats(),
                      "replicas_equal": _same_across_nodes(_local(model))}
 
+    # the monitor reads the FSDP state as it reads a hook state
+    from ciuicflow.monitor.monitor import Monitor
+
+    model, optimizer, state = _build("hierarchical_1bit", mesh, warmup_steps=0)
+    with Monitor(None, [state], straggler_every=0, hang_timeout_s=None) as mon:
+        records = []
+        for s in range(2):
+            mon.step_begin()
+            _step(model, optimizer, s)
+            records.append(mon.step_end())
+    out["monitor"] = [{k: r.get(k) for k in ("inter_node_bytes", "exact_inter_node_bytes",
+                                             "relative_error", "comm_s")} for r in records]
+
     # exclude patterns: biases and norms exact; a non-finite gradient makes the step exact
     model, optimizer, state = _build("hierarchical_1bit", mesh, warmup_steps=0,
                                      exclude=["*bias*", "*norm*"])
@@ -211,6 +224,9 @@ def test_resume_bf16_accumulation_exclude_and_nonfinite():
             assert m["replicas_equal"], name
             assert m["stats"]["steps"] == 8 and m["stats"]["compressed_steps"] == 6, m["stats"]
             assert abs(m["losses"][-1] - m["exact"][-1]) < 0.1 * m["exact"][0], (name, m)
+        for record in r["monitor"]:  # each step's ciuicflow traffic, as for a DDP hook state
+            assert 0 < record["inter_node_bytes"] < record["exact_inter_node_bytes"] / 20, record
+            assert record["relative_error"] is not None and record["comm_s"] > 0, record
         assert r["excluded_exact"] < 1e-6, r["excluded_exact"]
         assert r["compressed_differs"] > 1e-4, r["compressed_differs"]
         assert r["nonfinite_fallbacks"] >= 1 and r["nonfinite_grad"]
