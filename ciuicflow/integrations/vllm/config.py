@@ -22,6 +22,8 @@ P_PRIORITY = "ciuic_priority"        # "high" | "normal" | "low" (default: from 
 P_DEADLINE = "ciuic_deadline_s"      # transfer deadline in seconds (the sidecar fails it after that)
 P_FLOW = "x-ciuic-flow"              # "enabled" | "disabled": the sidecar's flow control for this transfer
 P_TOKENS = "ciuic_num_tokens"        # prompt length the prefill side sent (checked by the decode side)
+P_SOURCE = "ciuic_source"            # the prefill side's sidecar name (decode side: receive only from it)
+P_TEST_CORRUPT = "ciuic_test_corrupt_layer"   # TEST ONLY (with test_faults): corrupt this layer in transit
 
 
 @dataclass
@@ -29,7 +31,9 @@ class Settings:
     """``kv_connector_extra_config``. Only ``sidecar`` is required."""
     sidecar: str = ""                # this instance's own sidecar's local API, HOST:PORT
     peer: str = ""                   # prefill side: default destination (the decode sidecar's --name)
-    name: str = ""                   # this instance's name, reported to the proxy as ciuic_source
+    name: str = ""                   # prefill side: this node's sidecar --name, sent along as ciuic_source so
+                                     # the decode side receives the key only from it (sidecars that scope keys
+                                     # by sender); empty: not sent
     api_token: str = ""              # the sidecar's --api-token, if it has one
     flow: bool = True                # x-ciuic-flow: enabled unless a request says otherwise
     load_mode: str = "async"         # "async": load between steps (others keep decoding); "layerwise": the
@@ -39,6 +43,7 @@ class Settings:
     checksum: bool = True            # crc32c of each layer's blocks, end to end (the sidecar checks chunks)
     send_all: bool = False           # producer: send every request, not only do_remote_decode ones
     test_corrupt_layer: int = -1     # TEST ONLY: prefill flips a byte of this layer after its checksum
+    test_faults: bool = False        # TEST ONLY: honour the request's ciuic_test_corrupt_layer
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "Settings":

@@ -41,8 +41,6 @@ class CiuicFlowConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = Settings.from_extra(tc.kv_connector_extra_config)
-        if not self.settings.name:
-            self.settings.name = str(tc.engine_id or "")
         producer, consumer = bool(tc.is_kv_producer), bool(tc.is_kv_consumer)
         block_size = vllm_config.cache_config.block_size
         self._sched: Optional[SchedulerSide] = None

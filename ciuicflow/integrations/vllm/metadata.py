@@ -23,6 +23,7 @@ class SaveSpec:
     priority: str
     deadline_s: Optional[float]
     flow: bool
+    corrupt_layer: int = -1      # test only (extra config test_faults)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class LoadSpec:
     tokens_sha: str
     timeout_s: float
     sync: bool                   # layerwise: the forward waits for each layer (wait_for_layer_load)
+    source: Optional[str] = None # the sending sidecar's name, when the prefill side told it
 
 
 @dataclass

@@ -91,7 +91,7 @@ class SchedulerSide:
                         sent_blocks=_cdiv(len(prompt_ids), self.block_size),
                         first_block=local // self.block_size, num_tokens=len(prompt_ids),
                         tokens_sha=tokens_sha(prompt_ids), timeout_s=self.s.load_timeout_s,
-                        sync=self.s.load_mode == "layerwise")
+                        sync=self.s.load_mode == "layerwise", source=params.get(C.P_SOURCE) or None)
         self._pending_loads.append(spec)
         if not spec.sync:
             # A layerwise load ends inside its step (the forward waits for it); an async one may outlive
@@ -121,7 +121,8 @@ class SchedulerSide:
                         block_ids=list(block_ids[:_cdiv(len(prompt_ids), self.block_size)]),
                         num_tokens=len(prompt_ids), tokens_sha=tokens_sha(prompt_ids), priority=priority,
                         deadline_s=C.transfer_deadline(params, self.s.send_deadline_s),
-                        flow=C.transfer_flow(params, self.s.flow))
+                        flow=C.transfer_flow(params, self.s.flow),
+                        corrupt_layer=int(params.get(C.P_TEST_CORRUPT, -1)) if self.s.test_faults else -1)
 
     def _track_saves(self, scheduler_output, meta: CiuicFlowMetadata) -> None:
         scheduled = scheduler_output.num_scheduled_tokens
@@ -180,7 +181,7 @@ class SchedulerSide:
             return False, None
         self._sending.add(req_id)
         return True, {C.P_PREFILL: True, C.P_KEY: spec.key, C.P_TOKENS: spec.num_tokens,
-                      "ciuic_source": self.s.name or None, C.P_PRIORITY: spec.priority}
+                      C.P_SOURCE: self.s.name or None, C.P_PRIORITY: spec.priority}
 
     def has_pending_push_work(self) -> bool:
         return bool(self._sending)

@@ -29,7 +29,7 @@ class VllmServer:
     def __init__(self, name: str, python: str, model_dir: str, kind: str, log_path: str,
                  kv_config: Optional[dict] = None, port: Optional[int] = None, dtype: str = "float32",
                  max_model_len: int = 1024, extra_args: Optional[List[str]] = None,
-                 env: Optional[Dict[str, str]] = None, failure_policy: str = "recompute"):
+                 env: Optional[Dict[str, str]] = None, failure_policy: str = "recompute", compile: bool = False):
         self.name, self.python, self.model_dir, self.kind = name, python, model_dir, kind
         self.log_path = log_path
         self.port = port or free_port()
@@ -39,6 +39,7 @@ class VllmServer:
         self.dtype, self.max_model_len = dtype, max_model_len
         self.extra_args = list(extra_args or [])
         self.env = dict(env or {})
+        self.compile = compile
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
 
@@ -52,6 +53,8 @@ class VllmServer:
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                "--block-size", str(BLOCK_SIZE[self.kind]), "--no-enable-prefix-caching",
                "--max-num-seqs", "16", "--seed", "0", "--disable-log-stats"]
+        if not self.compile:
+            cmd.append("--enforce-eager")       # no torch.compile warm-up: start-up in half the time here
         if COMPILATION_CONFIG[self.kind]:
             cmd += ["--compilation-config", json.dumps(COMPILATION_CONFIG[self.kind])]
         if self.kv_config is not None:
@@ -140,3 +143,43 @@ def complete(base: str, prompt: List[int], max_tokens: int, timeout: float = 300
     out["finish_reason"] = out["choices"][0].get("finish_reason")
     out["headers"] = hdrs
     return out
+
+
+def stream_complete(base: str, prompt: List[int], max_tokens: int, headers=None, timeout: float = 300.0) -> dict:
+    """Streaming greedy /v1/completions; returns {ok, ttft_s, tpot_s, tokens, error} measured here (the
+    time to the first generated token, and the mean time per later token)."""
+    host, port = base.split("//", 1)[1].split(":")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "return_token_ids": True, "ignore_eos": True}
+    t0 = time.monotonic()
+    first = last = None
+    tokens: List[int] = []
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                                    **(headers or {})})
+        r = conn.getresponse()
+        if r.status != 200:
+            return {"ok": False, "error": f"{r.status}: {r.read()[:200]!r}", "tokens": []}
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            choice = (json.loads(data).get("choices") or [{}])[0]
+            new = choice.get("token_ids") or []
+            if new:
+                now = time.monotonic()
+                first = first if first is not None else now
+                last = now
+                tokens.extend(new)
+    except (OSError, ValueError) as exc:
+        return {"ok": False, "error": str(exc), "tokens": tokens}
+    finally:
+        conn.close()
+    if first is None:
+        return {"ok": False, "error": "no tokens", "tokens": []}
+    tpot = (last - first) / (len(tokens) - 1) if len(tokens) > 1 else 0.0
+    return {"ok": True, "ttft_s": first - t0, "tpot_s": tpot, "tokens": tokens, "error": None}

@@ -68,6 +68,15 @@ def scatter(blocks, cache, block_ids: Sequence[int], dim: int = 0) -> None:
     cache.index_copy_(dim, ids, src)
 
 
+def _recv_takes_source(client) -> bool:
+    # Sidecars that scope keys by sender take recv_stream(..., source=NAME); older Clients do not.
+    import inspect
+    try:
+        return "source" in inspect.signature(client.recv_stream).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def crc(t) -> str:
     import crc32c
     import torch
@@ -129,9 +138,8 @@ class OutgoingKV:
             if self.stream is None:
                 self._open(blocks)
             tag = crc(blocks) if self.checksum else "-"
-            if index == self.corrupt_layer:       # test only: the receiver must notice
-                import torch
-                blocks.view(-1)[0:1].view(torch.uint8)[0] ^= 0x5A
+            if index == self.corrupt_layer:       # test only: enough to change tokens; the receiver must notice
+                blocks[0].add_(1.0)
             self.stream.append(blocks, name=f"L{index}:{tag}")
             self._added.add(index)
         except BaseException as exc:  # noqa: BLE001 - a failed transfer must not stop the forward pass
@@ -192,7 +200,8 @@ class IncomingKV:
 
     def __init__(self, client, req_id: str, key: str, caches: Dict[str, Any], layer_names: Sequence[str],
                  block_ids: Sequence[int], first_block: int, num_tokens: int, token_sha: str,
-                 timeout_s: float, dims: Optional[Dict[str, int]] = None, sent_blocks: Optional[int] = None):
+                 timeout_s: float, dims: Optional[Dict[str, int]] = None, sent_blocks: Optional[int] = None,
+                 source: Optional[str] = None):
         self.client = client
         self.req_id = req_id
         self.key = key
@@ -204,6 +213,7 @@ class IncomingKV:
         self.num_tokens = int(num_tokens)
         self.token_sha = token_sha
         self.timeout_s = float(timeout_s)
+        self.source = source
         self.dims = dims or {}
         self.deadline = time.monotonic() + self.timeout_s
         self.error: Optional[BaseException] = None
@@ -274,7 +284,8 @@ class IncomingKV:
 
     def _run(self) -> None:
         try:
-            self._stream = self.client.recv_stream(self.key, timeout_s=self.timeout_s)
+            kwargs = {"source": self.source} if self.source and _recv_takes_source(self.client) else {}
+            self._stream = self.client.recv_stream(self.key, timeout_s=self.timeout_s, **kwargs)
             if self._cancelled:
                 self._stream.cancel()
             parts = iter(self._stream)

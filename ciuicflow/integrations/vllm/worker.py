@@ -123,7 +123,7 @@ class WorkerSide:
                 out = self._out[spec.req_id] = OutgoingKV(
                     self.client, spec.req_id, spec.key, spec.dest, spec.block_ids, spec.num_tokens,
                     spec.tokens_sha, self.layer_names, spec.priority, spec.deadline_s, spec.flow,
-                    self.s.checksum, self.s.test_corrupt_layer)
+                    self.s.checksum, spec.corrupt_layer if spec.corrupt_layer >= 0 else self.s.test_corrupt_layer)
             if out.error is None:
                 try:
                     blocks = gather(src, spec.block_ids, dim).reshape([len(spec.block_ids), *shape])
@@ -159,7 +159,7 @@ class WorkerSide:
         for spec in meta.loads:
             inc = IncomingKV(self.client, spec.req_id, spec.key, self.caches, self.layer_names, spec.block_ids,
                              spec.first_block, spec.num_tokens, spec.tokens_sha, spec.timeout_s, self.dims,
-                             sent_blocks=spec.sent_blocks).start()
+                             sent_blocks=spec.sent_blocks, source=spec.source).start()
             if spec.sync:
                 self._step_sync.append(inc)
             else:

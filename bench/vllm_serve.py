@@ -1,0 +1,160 @@
+"""Serving benchmark of disaggregated vLLM over the sidecars: open-loop OpenAI requests against the proxy,
+a mix of short high-priority and long low-priority prompts, flow control on (``x-ciuic-flow: enabled``)
+and off (FIFO), on one deployment (the switch is per request). Reports TTFT and TPOT p50/p99 per class,
+request throughput and goodput under an SLO: JSON, a table (stdout and .md) and a PNG.
+
+    python bench/vllm_serve.py --smoke                          # CI: a few requests per mode, seconds of load
+    python bench/vllm_serve.py --duration 60 --link-rate 100Mbit --out out/vllm_serve
+
+The link between the two sides is the sidecars' emulated slow link (``--link-rate``: the receiving sidecar
+reads peer traffic at that rate; docs/kvflow.md), not a tc-shaped one. The request rate is ``--load`` (0.8)
+times the capacity measured first with closed-loop requests, unless ``--rate`` is given. vLLM runs in its
+own environment (``--python``; ``bash scripts/vllm_demo.sh --setup-only`` makes it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.vllm_serve_report import summarize, write_outputs  # noqa: E402
+from ciuicflow.integrations.vllm.demo import Deployment, build_model  # noqa: E402
+from ciuicflow.integrations.vllm.model import VOCAB  # noqa: E402
+from ciuicflow.integrations.vllm.servers import stream_complete  # noqa: E402
+
+MODES = {"flow": "enabled", "fifo": "disabled"}
+
+
+def default_python() -> str:
+    for py in (os.environ.get("CIUICFLOW_VLLM_PYTHON"), "/work/vllm-venv/bin/python",
+               os.path.expanduser("~/.cache/ciuicflow/vllm-venv/bin/python")):
+        if py and os.path.exists(py):
+            return py
+    return sys.executable
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CI size: short prompts, few requests, fixed rate")
+    p.add_argument("--model", default="deepseek", choices=("deepseek", "llama"))
+    p.add_argument("--python", default=default_python(), help="vLLM's environment's interpreter")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per mode")
+    p.add_argument("--requests", type=int, default=0, help="requests per mode instead of --duration")
+    p.add_argument("--rate", type=float, default=0.0, help="requests/s (default: --load x measured capacity)")
+    p.add_argument("--load", type=float, default=0.8)
+    p.add_argument("--high-frac", type=float, default=0.5, help="share of short high-priority requests")
+    p.add_argument("--short-len", type=int, default=24)
+    p.add_argument("--long-len", type=int, default=640)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--link-rate", default="100Mbit", help="emulated link into each sidecar ('' = loopback)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=500.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="out/vllm_serve", help="directory for JSON, table and PNG")
+    p.add_argument("--timeout", type=float, default=900.0)
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.requests = a.requests or 6
+        a.rate = a.rate or 1.0
+        a.short_len, a.long_len, a.new_tokens = 8, 96, 4
+    return a
+
+
+def workload(args, n: int, rate: float, rng: random.Random):
+    """(arrival offset s, class, prompt) for n requests: Poisson arrivals, the class mix by --high-frac."""
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+        cls = "high" if rng.random() < args.high_frac else "low"
+        length = args.short_len if cls == "high" else args.long_len
+        length = max(2, int(length * rng.uniform(0.75, 1.25)))
+        out.append((t, cls, [rng.randrange(3, VOCAB) for _ in range(length)]))
+    return out
+
+
+def run_open_loop(url: str, reqs, new_tokens: int, flow: str, timeout: float):
+    results, threads = [], []
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    def one(offset, cls, prompt):
+        r = stream_complete(url, prompt, new_tokens, timeout=timeout,
+                            headers={"x-ciuic-priority": cls, "x-ciuic-flow": flow})
+        r.update(cls=cls, prompt_len=len(prompt), arrival_s=offset, done_s=time.monotonic() - t0)
+        r.pop("tokens", None)
+        with lock:
+            results.append(r)
+
+    for offset, cls, prompt in reqs:
+        delay = t0 + offset - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        th = threading.Thread(target=one, args=(offset, cls, prompt), daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join(timeout)
+    return results
+
+
+def capacity(url: str, args, rng) -> float:
+    """Closed loop, 4 at a time, flow control on: completed requests per second."""
+    reqs = workload(args, 8, 0.0, rng)
+    t0 = time.monotonic()
+    sem = threading.Semaphore(4)
+    threads = []
+
+    def one(prompt, cls):
+        with sem:
+            stream_complete(url, prompt, args.new_tokens, headers={"x-ciuic-priority": cls}, timeout=args.timeout)
+
+    for _, cls, prompt in reqs:
+        th = threading.Thread(target=one, args=(prompt, cls), daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join(args.timeout)
+    return len(reqs) / (time.monotonic() - t0)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="ciuicflow-vllm-bench-")
+    models = os.path.join(os.path.expanduser("~"), ".cache", "ciuicflow", "vllm-models")
+    model = build_model(args.python, args.model, "float32", models)
+    sidecar_args = ["--link-rate", args.link_rate] if args.link_rate else []
+    dep = Deployment(args.python, model, args.model, "float32", work, sidecar_args=sidecar_args)
+    rng = random.Random(args.seed)
+    result = {"config": vars(args), "workdir": work, "modes": {}}
+    try:
+        dep.start(args.timeout)
+        warm = workload(args, 2, 0.0, rng)          # first requests pay one-time costs
+        run_open_loop(dep.proxy_url, warm, args.new_tokens, "enabled", args.timeout)
+        rate = args.rate or args.load * capacity(dep.proxy_url, args, rng)
+        n = args.requests or max(4, int(rate * args.duration))
+        result.update(rate_rps=rate, requests_per_mode=n)
+        print(f"[vllm-serve] {n} requests per mode at {rate:.2f} req/s, link {args.link_rate or 'loopback'}")
+        reqs = workload(args, n, rate, random.Random(args.seed + 1))    # the same requests in both modes
+        for mode, flow in MODES.items():
+            rs = run_open_loop(dep.proxy_url, reqs, args.new_tokens, flow, args.timeout)
+            result["modes"][mode] = {"requests": rs, **summarize(rs, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)}
+    finally:
+        dep.stop()
+    write_outputs(result, args.out)
+    failed = sum(m["failed"] for m in result["modes"].values())
+    if failed:
+        print(f"[vllm-serve] {failed} requests failed (logs in {work})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

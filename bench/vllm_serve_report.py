@@ -1,0 +1,84 @@
+"""bench/vllm_serve.py's statistics and outputs: percentiles per class, throughput, goodput under an SLO;
+JSON, a Markdown table and a PNG."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List
+
+
+def pct(values: List[float], q: float):
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarize(rs: List[dict], slo_ttft_s: float, slo_tpot_s: float) -> Dict:
+    ok = [r for r in rs if r.get("ok")]
+    span = (max(r["done_s"] for r in rs) - min(r["arrival_s"] for r in rs)) if rs else 0.0
+    good = [r for r in ok if r["ttft_s"] <= slo_ttft_s and r["tpot_s"] <= slo_tpot_s]
+    out = {"completed": len(ok), "failed": len(rs) - len(ok), "span_s": span,
+           "throughput_rps": len(ok) / span if span > 0 else 0.0,
+           "goodput_rps": len(good) / span if span > 0 else 0.0, "classes": {}}
+    for cls in sorted({r["cls"] for r in rs}):
+        c = [r for r in ok if r["cls"] == cls]
+        out["classes"][cls] = {
+            "n": len(c),
+            "ttft_p50_ms": _ms(pct([r["ttft_s"] for r in c], 0.5)),
+            "ttft_p99_ms": _ms(pct([r["ttft_s"] for r in c], 0.99)),
+            "tpot_p50_ms": _ms(pct([r["tpot_s"] for r in c], 0.5)),
+            "tpot_p99_ms": _ms(pct([r["tpot_s"] for r in c], 0.99)),
+            "slo_met": sum(1 for r in c if r in good)}
+    return out
+
+
+def _ms(v):
+    return None if v is None else round(v * 1e3, 1)
+
+
+def table(result: Dict) -> str:
+    rows = ["| mode | class | n | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | SLO met |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for mode, m in result["modes"].items():
+        for cls, c in m["classes"].items():
+            rows.append(f"| {mode} | {cls} | {c['n']} | {c['ttft_p50_ms']} | {c['ttft_p99_ms']} | {c['tpot_p50_ms']} | "
+                        f"{c['tpot_p99_ms']} | {c['slo_met']} |")
+    rows.append("")
+    rows.append("| mode | completed | failed | throughput req/s | goodput req/s |")
+    rows.append("| --- | --- | --- | --- | --- |")
+    for mode, m in result["modes"].items():
+        rows.append(f"| {mode} | {m['completed']} | {m['failed']} | {m['throughput_rps']:.3f} | {m['goodput_rps']:.3f} |")
+    return "\n".join(rows)
+
+
+def write_outputs(result: Dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "vllm_serve.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    text = table(result)
+    with open(os.path.join(out_dir, "vllm_serve.md"), "w") as fh:
+        fh.write(text + "\n")
+    print(text)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    modes = list(result["modes"])
+    classes = sorted({c for m in result["modes"].values() for c in m["classes"]})
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, metric in zip(axes, ("ttft_p99_ms", "tpot_p99_ms")):
+        width = 0.8 / max(1, len(modes))
+        for i, mode in enumerate(modes):
+            vals = [result["modes"][mode]["classes"].get(c, {}).get(metric) or 0 for c in classes]
+            ax.bar([k + i * width for k in range(len(classes))], vals, width, label=mode)
+        ax.set_xticks([k + width * (len(modes) - 1) / 2 for k in range(len(classes))], classes)
+        ax.set_title(metric.replace("_", " "))
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "vllm_serve.png"), dpi=100)
+    plt.close(fig)
