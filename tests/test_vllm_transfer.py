@@ -51,8 +51,8 @@ def run_prefill(sidecar, kv, layout, requests, **settings):
     view = LAYOUTS[layout][2]
     w = WorkerSide(Settings(sidecar=sidecar.api, **settings), NUM_BLOCKS)
     w.register_kv_caches(kv)
-    w.meta = CiuicFlowMetadata(saves=[SaveSpec(r["id"], r["key"], "decode0", r["src"], r["tokens"], r["sha"], "high",
-                                               None, True) for r in requests])
+    w.meta = CiuicFlowMetadata(saves=[SaveSpec(r["id"], r["key"], "decode0", r["src"], r["tokens"], r["sha"],
+                                               r.get("prio", "high"), None, True) for r in requests])
     for name in w.layer_names:
         layer = kv[name] if view is None else kv[name].view(view)
         w.save_kv_layer(name, layer)
@@ -109,6 +109,8 @@ def test_blocks_arrive_bit_for_bit(pair, layout, dtype):
     _, p, d = pair
     bs = LAYOUTS[layout][1]
     reqs = make_requests(bs, [5, bs, bs + 3, 3 * bs + 1], f"{layout}-{dtype}")   # shorter and longer than a block
+    for i, r in enumerate(reqs):
+        r["prio"] = ("high", "low", "normal")[i % 3]
     src, dst = caches(layout, dtype, seed=1), caches(layout, dtype, seed=2)
     before = {n: t.clone() for n, t in dst.items()}
     pw = run_prefill(p, src, layout, reqs)
@@ -117,6 +119,8 @@ def test_blocks_arrive_bit_for_bit(pair, layout, dtype):
     assert finished == {r["id"] for r in reqs}
     assert errors == set()
     assert dw.stats["loaded"] == len(reqs)
+    assert {rid: prio for rid, _, prio in dw.recent} == {r["id"]: r["prio"] for r in reqs}, \
+        "each request's priority reached the sidecars' scheduler"
     touched = set()
     for r in reqs:
         touched |= set(r["dst"])

@@ -214,6 +214,7 @@ class IncomingKV:
         self.token_sha = token_sha
         self.timeout_s = float(timeout_s)
         self.source = source
+        self.priority: Optional[str] = None
         self.dims = dims or {}
         self.deadline = time.monotonic() + self.timeout_s
         self.error: Optional[BaseException] = None
@@ -290,6 +291,8 @@ class IncomingKV:
                 self._stream.cancel()
             parts = iter(self._stream)
             first = next(parts, None)
+            if self._stream.header is not None:
+                self.priority = self._stream.header.priority      # as the sending sidecar scheduled it
             if first is None or first.name != HEADER or first.is_tensor:
                 raise TransferFormatError(f"transfer {self.key!r} is not a vLLM KV transfer")
             header = json.loads(bytes(first.value))

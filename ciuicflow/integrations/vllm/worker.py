@@ -15,6 +15,7 @@ Contract with vLLM, and how it is kept:
 """
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import time
@@ -72,6 +73,7 @@ class WorkerSide:
         self._errors: Set[int] = set()
         self.meta = None
         self._old_clients: list = []
+        self.recent = collections.deque(maxlen=64)     # (req_id, ok, priority) of the last loads, for debugging
         self.stats = {"sent": 0, "send_failed": 0, "loaded": 0, "load_failed": 0}
 
     @property
@@ -175,10 +177,11 @@ class WorkerSide:
             inc.wait_layer(index)
 
     def _account(self, inc: IncomingKV) -> None:
+        self.recent.append((inc.req_id, inc.error is None, inc.priority))
         if inc.error is None:
             self.stats["loaded"] += 1
-            log.info("loaded KV of request %s (%d blocks) in %.3fs", inc.req_id, len(inc.block_ids) - inc.first_block,
-                     (inc.finished_at or time.monotonic()) - inc.started)
+            log.info("loaded KV of request %s (%d blocks, priority %s) in %.3fs", inc.req_id,
+                     len(inc.block_ids) - inc.first_block, inc.priority, (inc.finished_at or time.monotonic()) - inc.started)
         else:
             self.stats["load_failed"] += 1
             self._maybe_reconnect(inc.error)
