@@ -4,10 +4,11 @@ and off (FIFO), on one deployment (the switch is per request). Reports TTFT and 
 request throughput and goodput under an SLO: JSON, a table (stdout and .md) and a PNG.
 
     python bench/vllm_serve.py --smoke                          # CI: a few requests per mode, seconds of load
-    python bench/vllm_serve.py --duration 60 --link-rate 100Mbit --out out/vllm_serve
+    python bench/vllm_serve.py --duration 60 --tc-rate 100mbit --out out/vllm_serve
 
-The link between the two sides is the sidecars' emulated slow link (``--link-rate``: the receiving sidecar
-reads peer traffic at that rate; docs/kvflow.md), not a tc-shaped one. The request rate is ``--load`` (0.8)
+The link between the two sides: ``--tc-rate 100mbit`` puts each side in a network namespace joined by a
+tbf-shaped link (ciuicflow/cluster.py, bench/vllm_serve_netns.py); otherwise the sidecars' emulated slow
+link (``--link-rate``: the receiving sidecar reads peer traffic at that rate; docs/kvflow.md). The request rate is ``--load`` (0.8)
 times the capacity measured first with closed-loop requests, unless ``--rate`` is given. vLLM runs in its
 own environment (``--python``; ``bash scripts/vllm_demo.sh --setup-only`` makes it).
 """
@@ -54,10 +55,13 @@ def parse_args(argv=None):
     p.add_argument("--long-len", type=int, default=640)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--link-rate", default="100Mbit", help="emulated link into each sidecar ('' = loopback)")
+    p.add_argument("--tc-rate", default="", help="instead: a tc-shaped link (e.g. 100mbit) between two network "
+                   "namespaces (ciuicflow/cluster.py; needs root, ip, tc)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=500.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/vllm_serve", help="directory for JSON, table and PNG")
+    p.add_argument("--json", metavar="PATH", help="also write the JSON result here (as the other benchmarks)")
     p.add_argument("--timeout", type=float, default=900.0)
     a = p.parse_args(argv)
     if a.smoke:
@@ -124,31 +128,67 @@ def capacity(url: str, args, rng) -> float:
     return len(reqs) / (time.monotonic() - t0)
 
 
+def measure(url: str, args) -> dict:
+    """Warm-up, capacity (unless --rate), then the same open-loop requests with flow control on and off."""
+    rng = random.Random(args.seed)
+    run_open_loop(url, workload(args, 2, 0.0, rng), args.new_tokens, "enabled", args.timeout)   # one-time costs
+    rate = args.rate or args.load * capacity(url, args, rng)
+    n = args.requests or max(4, int(rate * args.duration))
+    print(f"[vllm-serve] {n} requests per mode at {rate:.2f} req/s", flush=True)
+    reqs = workload(args, n, rate, random.Random(args.seed + 1))    # the same requests in both modes
+    out = {"rate_rps": rate, "requests_per_mode": n, "modes": {}}
+    for mode, flow in MODES.items():
+        rs = run_open_loop(url, reqs, args.new_tokens, flow, args.timeout)
+        out["modes"][mode] = {"requests": rs, **summarize(rs, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)}
+    return out
+
+
+def client_main(spec_path: str) -> int:
+    """--client: the load generator alone (inside the prefill namespace, see vllm_serve_netns.py)."""
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    out = measure(spec["url"], argparse.Namespace(**spec))
+    with open(spec["out"], "w") as fh:
+        json.dump(out, fh)
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--client"]:
+        return client_main(argv[1])
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="ciuicflow-vllm-bench-")
     models = os.path.join(os.path.expanduser("~"), ".cache", "ciuicflow", "vllm-models")
     model = build_model(args.python, args.model, "float32", models)
-    sidecar_args = ["--link-rate", args.link_rate] if args.link_rate else []
-    dep = Deployment(args.python, model, args.model, "float32", work, sidecar_args=sidecar_args)
-    rng = random.Random(args.seed)
-    result = {"config": vars(args), "workdir": work, "modes": {}}
-    try:
-        dep.start(args.timeout)
-        warm = workload(args, 2, 0.0, rng)          # first requests pay one-time costs
-        run_open_loop(dep.proxy_url, warm, args.new_tokens, "enabled", args.timeout)
-        rate = args.rate or args.load * capacity(dep.proxy_url, args, rng)
-        n = args.requests or max(4, int(rate * args.duration))
-        result.update(rate_rps=rate, requests_per_mode=n)
-        print(f"[vllm-serve] {n} requests per mode at {rate:.2f} req/s, link {args.link_rate or 'loopback'}")
-        reqs = workload(args, n, rate, random.Random(args.seed + 1))    # the same requests in both modes
-        for mode, flow in MODES.items():
-            rs = run_open_loop(dep.proxy_url, reqs, args.new_tokens, flow, args.timeout)
-            result["modes"][mode] = {"requests": rs, **summarize(rs, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)}
-    finally:
-        dep.stop()
+    link_rate = "" if args.tc_rate else args.link_rate
+    sidecar_args = ["--link-rate", link_rate] if link_rate else []
+    result = {"config": vars(args), "workdir": work,
+              "link": f"tc tbf {args.tc_rate} (network namespaces)" if args.tc_rate else
+              (f"emulated {link_rate} (sidecar --link-rate)" if link_rate else "loopback")}
+    print(f"[vllm-serve] link: {result['link']}; logs in {work}", flush=True)
+    if args.tc_rate:
+        from bench.vllm_serve_netns import NetnsDeployment
+        from ciuicflow.cluster import SimCluster
+        with SimCluster(nodes=2, ranks_per_node=1, rate=args.tc_rate, require_netns=True) as cluster:
+            dep = NetnsDeployment(cluster, args.python, model, args.model, work)
+            try:
+                dep.start(args.timeout)
+                result.update(dep.run_client(vars(args), args.timeout * 4))
+            finally:
+                dep.stop()
+    else:
+        dep = Deployment(args.python, model, args.model, "float32", work, sidecar_args=sidecar_args)
+        try:
+            dep.start(args.timeout)
+            result.update(measure(dep.proxy_url, args))
+        finally:
+            dep.stop()
     write_outputs(result, args.out)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
     failed = sum(m["failed"] for m in result["modes"].values())
     if failed:
         print(f"[vllm-serve] {failed} requests failed (logs in {work})", file=sys.stderr)

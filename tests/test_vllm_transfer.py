@@ -209,3 +209,46 @@ def test_layerwise_wait_returns_per_layer(pair):
     w.wait_for_save()
     assert w.get_finished(set()) == (None, None)
     assert w.get_block_ids_with_load_errors() == set()
+
+
+PREFILL_CHILD = r"""
+import sys, time, torch
+sys.path.insert(0, sys.argv[3])
+from ciuicflow.integrations.vllm.config import Settings
+from ciuicflow.integrations.vllm.metadata import CiuicFlowMetadata, SaveSpec
+from ciuicflow.integrations.vllm.worker import WorkerSide
+kv = {f"model.layers.{i}.self_attn.attn": torch.randn(64, 1, 16, 576) for i in range(3)}
+w = WorkerSide(Settings(sidecar=sys.argv[1]), 64)
+w.register_kv_caches(kv)
+w.meta = CiuicFlowMetadata(saves=[SaveSpec("r", "k-child", "decode0", [1, 2], 30, sys.argv[2], "high", None, True)])
+w.save_kv_layer(w.layer_names[0], kv[w.layer_names[0]])     # one layer of three, then the process dies
+print("saved", flush=True)
+time.sleep(60)
+"""
+
+
+def test_prefill_process_killed_mid_transfer(pair, tmp_path):
+    """The prefill process dies after one of three layers: the decode side reports the load failed (every
+    block of the request, including layer 0's that did arrive) well before its 30 s timeout: the sender's
+    sidecar tells the receiver that the send was cancelled."""
+    import pathlib
+    import subprocess
+    import sys
+    _, p, d = pair
+    req = make_requests(16, [30], "child")[0]
+    req["key"] = "k-child"
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    child = subprocess.Popen([sys.executable, "-c", PREFILL_CHILD, p.api, req["sha"], root], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "saved"
+        child.kill()
+        child.wait(10)
+        dst = caches("deepseek_mla", torch.float32, seed=11)
+        _, finished, errors, took = run_decode(d, dst, [req], timeout_s=30.0, wait_s=45.0)
+        assert finished == {req["id"]} and errors == set(req["dst"])
+        print(f"load of a dead sender's transfer failed after {took:.2f}s")
+        assert took < 15.0, f"the dead sender's transfer failed only after {took:.1f}s"
+    finally:
+        if child.poll() is None:
+            child.kill()

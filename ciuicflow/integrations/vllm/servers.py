@@ -29,7 +29,8 @@ class VllmServer:
     def __init__(self, name: str, python: str, model_dir: str, kind: str, log_path: str,
                  kv_config: Optional[dict] = None, port: Optional[int] = None, dtype: str = "float32",
                  max_model_len: int = 1024, extra_args: Optional[List[str]] = None,
-                 env: Optional[Dict[str, str]] = None, failure_policy: str = "recompute", compile: bool = False):
+                 env: Optional[Dict[str, str]] = None, failure_policy: str = "recompute", compile: bool = False,
+                 host: str = "127.0.0.1", launch=None):
         self.name, self.python, self.model_dir, self.kind = name, python, model_dir, kind
         self.log_path = log_path
         self.port = port or free_port()
@@ -40,6 +41,8 @@ class VllmServer:
         self.extra_args = list(extra_args or [])
         self.env = dict(env or {})
         self.compile = compile
+        self.host = host                # 0.0.0.0 where a proxy in another network namespace reaches it
+        self._launch = launch           # e.g. SimCluster.popen of a node: start it in that namespace
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
 
@@ -49,7 +52,7 @@ class VllmServer:
 
     def argv(self) -> List[str]:
         cmd = [self.python, "-m", "ciuicflow.integrations.vllm.launcher", "serve", self.model_dir,
-               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
+               "--host", self.host, "--port", str(self.port), "--served-model-name", "tiny",
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                "--block-size", str(BLOCK_SIZE[self.kind]), "--no-enable-prefix-caching",
                "--max-num-seqs", "16", "--seed", "0", "--disable-log-stats"]
@@ -67,8 +70,12 @@ class VllmServer:
                          **self.env})
         env.pop("OMP_NUM_THREADS", None)     # vLLM's CPU backend binds its own OpenMP threads
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv(), cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        if self._launch is not None:
+            self.proc = self._launch(self.argv(), env=env, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        else:
+            self.proc = subprocess.Popen(self.argv(), cwd=REPO_ROOT, env=env, stdout=self._log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
     def log(self, n: Optional[int] = 4000) -> str:
@@ -79,11 +86,15 @@ class VllmServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM {self.name} exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if get(self.url, "/health", timeout=2)[0] == 200:
+            if self._launch is not None:        # another namespace: its port is not reachable from here
+                if "Application startup complete" in self.log(None):
                     return self
-            except OSError:
-                pass
+            else:
+                try:
+                    if get(self.url, "/health", timeout=2)[0] == 200:
+                        return self
+                except OSError:
+                    pass
             time.sleep(0.5)
         raise RuntimeError(f"vLLM {self.name} not healthy after {timeout:g}s:\n{self.log()}")
 
