@@ -29,7 +29,8 @@ def vllm_python():
     candidates = [os.environ.get("CIUICFLOW_VLLM_PYTHON"), "/work/vllm-venv/bin/python",
                   os.path.expanduser("~/.cache/ciuicflow/vllm-venv/bin/python")]
     for py in filter(None, candidates):
-        if os.path.exists(py) and subprocess.run([py, "-c", "import vllm"], capture_output=True).returncode == 0:
+        probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 1)"
+        if os.path.exists(py) and subprocess.run([py, "-c", probe], capture_output=True).returncode == 0:
             return py
     return None
 

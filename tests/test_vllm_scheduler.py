@@ -119,8 +119,13 @@ def test_decode_layerwise_loads_whole_blocks_and_leaves_a_token():
 
 def test_decode_mismatched_prompt_is_computed_locally():
     s = consumer()
-    r = request("d", 30, {C.P_PREFILL: True, C.P_KEY: "k", C.P_TOKENS: 31})
+    r = request("d", 30, {C.P_PREFILL: True, C.P_KEY: "k", C.P_TOKENS: 31, C.P_SOURCE: "prefill0"})
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, blocks([1, 2]), 0)
+    meta = s.build_connector_meta(output())
+    assert meta.loads == [] and meta.drains == [("k", "prefill0")], "the unused transfer is collected"
+    s.update_state_after_alloc(r, blocks([1, 2]), 0)
+    assert s.build_connector_meta(output()).drains == []
     assert s.get_num_new_matched_tokens(request("x", 30, {C.P_PREFILL: True}), 0) == (0, False)   # no key
 
 

@@ -252,3 +252,27 @@ def test_prefill_process_killed_mid_transfer(pair, tmp_path):
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_unneeded_transfer_is_drained(pair):
+    """A transfer the decode side computes itself (drains) is collected at once, not left to the lease."""
+    _, p, d = pair
+    reqs = make_requests(16, [20], "drain")
+    run_prefill(p, caches("deepseek_mla", torch.float32), "deepseek_mla", reqs)
+    dst = caches("deepseek_mla", torch.float32, seed=12)
+    before = {n: t.clone() for n, t in dst.items()}
+    w = WorkerSide(Settings(sidecar=d.api), NUM_BLOCKS)
+    w.register_kv_caches(dst)
+    w.meta = CiuicFlowMetadata(drains=[(reqs[0]["key"], None)])
+    w.start_load_kv()
+    assert w.get_finished(set()) == (None, None) and w.get_block_ids_with_load_errors() == set()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        store = d.stats().get("store", {})
+        if store.get("transfers") == 0 and store.get("collected", 0) >= 1:
+            break               # collected, nothing left in the decode sidecar
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the transfer was not drained: {d.stats().get('store')}")
+    for n in dst:
+        assert torch.equal(dst[n], before[n])

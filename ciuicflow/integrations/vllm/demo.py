@@ -141,7 +141,8 @@ def received(api: str) -> int:
 
 def run_demo(args, log=print) -> dict:
     python = args.python or sys.executable
-    if subprocess.run([python, "-c", "import vllm"], capture_output=True, env=child_env()).returncode != 0:
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 1)"
+    if subprocess.run([python, "-c", probe], capture_output=True, env=child_env()).returncode != 0:
         raise RuntimeError(f"{python} cannot import vllm: run `bash scripts/vllm_demo.sh` (it sets up vLLM's "
                            "environment) or pass --python")
     workdir = args.workdir or tempfile.mkdtemp(prefix="ciuicflow-vllm-demo-")

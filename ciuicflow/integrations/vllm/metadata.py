@@ -44,3 +44,4 @@ class LoadSpec:
 class CiuicFlowMetadata(KVConnectorMetadata):
     saves: List[SaveSpec] = field(default_factory=list)
     loads: List[LoadSpec] = field(default_factory=list)
+    drains: List[tuple] = field(default_factory=list)    # (key, source): sent but not needed here: discard

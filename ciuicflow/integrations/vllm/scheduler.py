@@ -43,6 +43,7 @@ class SchedulerSide:
         self._load_tried: Set[str] = set()              # a load was planned once: never again (recompute)
         self._recv_inflight: Set[str] = set()           # loads handed to the worker, not reported finished
         self._pending_loads: list = []
+        self._pending_drains: list = []
         self._delayed_recv: Set[str] = set()            # finished while their load was still in flight
 
     # ------------------------------------------------------------------ decode side
@@ -61,9 +62,7 @@ class SchedulerSide:
         prompt = len(request.prompt_token_ids or [])
         sent = params.get(C.P_TOKENS)
         if sent is not None and int(sent) != prompt:
-            log.warning("request %s: prefill sent %s prompt tokens, this prompt has %d: computing it here",
-                        request.request_id, sent, prompt)
-            return 0, False
+            return 0, False         # another prompt: computed here (and the transfer drained)
         if self.s.load_mode == "async":
             n = prompt - num_computed_tokens
             return (n, True) if n > 0 else (0, False)
@@ -72,13 +71,17 @@ class SchedulerSide:
         return (n, False) if n > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            return
         params = self._load_params(request)
         if params is None:
             return
         req_id = request.request_id
         self._load_tried.add(req_id)
+        if num_external_tokens <= 0:
+            # computed here after all (a prompt of one block in layerwise mode, a local prefix hit, another
+            # prompt): the prefill side sent it anyway; collect and drop it rather than leave it to the
+            # decode sidecar's lease
+            self._pending_drains.append((str(params[C.P_KEY]), params.get(C.P_SOURCE) or None))
+            return
         prompt_ids = list(request.prompt_token_ids or [])
         block_ids = list(blocks.get_block_ids()[0])
         if self.s.load_mode == "async":
@@ -157,6 +160,7 @@ class SchedulerSide:
         if self.producer:
             self._track_saves(scheduler_output, meta)
         meta.loads, self._pending_loads = self._pending_loads, []
+        meta.drains, self._pending_drains = self._pending_drains, []
         return meta
 
     def update_connector_output(self, output) -> None:

@@ -201,7 +201,7 @@ class IncomingKV:
     def __init__(self, client, req_id: str, key: str, caches: Dict[str, Any], layer_names: Sequence[str],
                  block_ids: Sequence[int], first_block: int, num_tokens: int, token_sha: str,
                  timeout_s: float, dims: Optional[Dict[str, int]] = None, sent_blocks: Optional[int] = None,
-                 source: Optional[str] = None):
+                 source: Optional[str] = None, drain: bool = False):
         self.client = client
         self.req_id = req_id
         self.key = key
@@ -214,6 +214,7 @@ class IncomingKV:
         self.token_sha = token_sha
         self.timeout_s = float(timeout_s)
         self.source = source
+        self.drain = drain              # receive and drop (nothing checked, nothing written)
         self.priority: Optional[str] = None
         self.dims = dims or {}
         self.deadline = time.monotonic() + self.timeout_s
@@ -293,6 +294,10 @@ class IncomingKV:
             first = next(parts, None)
             if self._stream.header is not None:
                 self.priority = self._stream.header.priority      # as the sending sidecar scheduled it
+            if self.drain:
+                for _ in parts:
+                    pass
+                return
             if first is None or first.name != HEADER or first.is_tensor:
                 raise TransferFormatError(f"transfer {self.key!r} is not a vLLM KV transfer")
             header = json.loads(bytes(first.value))
@@ -339,7 +344,8 @@ class IncomingKV:
                     self._stream.cancel()
                 except Exception:  # noqa: BLE001
                     pass
-            log.warning("KV load of request %s (key %s) failed: %s", self.req_id, self.key, self.error)
+            (log.debug if self.drain else log.warning)("KV load of request %s (key %s) failed: %s", self.req_id,
+                                                       self.key, self.error)
         finally:
             with self._cond:
                 self.finished_at = time.monotonic()

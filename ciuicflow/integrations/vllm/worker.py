@@ -158,6 +158,10 @@ class WorkerSide:
         meta = self.meta
         if meta is None:
             return
+        for key, source in meta.drains:
+            # a transfer this instance does not need: received into no blocks, so the sidecar frees it now
+            IncomingKV(self.client, f"drain:{key}", key, self.caches, self.layer_names, [], 0, 0, "",
+                       self.s.load_timeout_s, self.dims, source=source, drain=True).start()
         for spec in meta.loads:
             inc = IncomingKV(self.client, spec.req_id, spec.key, self.caches, self.layer_names, spec.block_ids,
                              spec.first_block, spec.num_tokens, spec.tokens_sha, spec.timeout_s, self.dims,
