@@ -3,12 +3,10 @@ keys scoped by the authenticated source, tokens compared in constant time and re
 environment (empty ones refused), and a local API closed to other local users by default."""
 import hmac
 import os
-import queue
 import shutil
 import subprocess
 import sys
 
-import crc32c
 import grpc
 import pytest
 
@@ -18,43 +16,9 @@ from ciuicflow.kvflow.proto import kvflow_pb2 as pb
 from ciuicflow.kvflow.proto import runtime
 from tests.kvflow.certs import make_ca, make_leaf
 from tests.kvflow.conftest import REPO
+from tests.kvflow.raw import RawLink, chunk as _chunk, open_frame as _open
 
-LINK = "/ciuicflow.kvflow.v1.KVFlowPeer/Link"
 DATA_PLANE = "/ciuicflow.kvflow.v1.KVFlowPeer/DataPlane"
-
-
-class RawLink:
-    """A Link stream driven by hand: ``send`` frames, ``recv`` the next reply (raises the call's error)."""
-
-    def __init__(self, listen, metadata, credentials=None):
-        self.channel = grpc.secure_channel(listen, credentials) if credentials else grpc.insecure_channel(listen)
-        self.frames = queue.Queue()
-        link = self.channel.stream_stream(LINK, request_serializer=pb.PeerFrame.SerializeToString,
-                                          response_deserializer=pb.PeerReply.FromString)
-        self.replies = link(iter(self.frames.get, None), metadata=metadata, timeout=30)
-
-    def send(self, frame: pb.PeerFrame) -> None:
-        self.frames.put(frame)
-
-    def recv(self) -> pb.PeerReply:
-        return next(self.replies)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.frames.put(None)
-        self.replies.cancel()
-        self.channel.close()
-
-
-def _open(key, uuid="u-1", resume=False, tid=1):
-    return pb.PeerFrame(open=pb.TransferOpen(tid=tid, key=key, uuid=uuid, resume=resume, payload_kind="bytes"))
-
-
-def _chunk(data, tid=1, seq=0):
-    return pb.PeerFrame(chunk=pb.Chunk(tid=tid, seq=seq, sn=seq + 1, part=0, offset=0, data=data,
-                                       crc32c=crc32c.crc32c(data), info=pb.PartInfo(index=0, nbytes=len(data))))
 
 
 def _refused(listen, metadata, credentials=None) -> grpc.StatusCode:

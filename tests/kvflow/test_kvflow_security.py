@@ -9,6 +9,7 @@ import pytest
 from ciuicflow.kvflow import KVFlowError
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
 from tests.kvflow.certs import make_ca as _make_ca, make_leaf as _make_leaf
+from tests.kvflow.raw import ticket as _ticket, wire_session as _wire_session
 
 LINK = "/ciuicflow.kvflow.v1.KVFlowPeer/Link"
 
@@ -108,44 +109,6 @@ def test_kvflow_mutual_tls(sidecars, tmp_path):
 
 
 # ---------------------------------------------------------------------- the TCP data plane
-DATA_PLANE = "/ciuicflow.kvflow.v1.KVFlowPeer/DataPlane"
-
-
-def _ticket(listen, metadata):
-    with grpc.insecure_channel(listen) as ch:
-        call = ch.unary_unary(DATA_PLANE, request_serializer=pb.DataPlaneRequest.SerializeToString,
-                              response_deserializer=pb.DataPlaneReply.FromString)
-        return call(pb.DataPlaneRequest(), metadata=metadata, timeout=10)
-
-
-def _wire_session(port, frames):
-    """Send raw data-plane frames ((kind, payload) pairs); the frames that come back until the status."""
-    import json
-    import socket
-
-    from ciuicflow.kvflow.transports.tcp import HEAD, STATUS
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        for kind, payload in frames:
-            s.sendall(HEAD.pack(kind, len(payload)) + payload)
-        try:
-            s.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass        # the receiver may have refused and closed already
-        data = b""
-        while True:
-            more = s.recv(1 << 16)
-            if not more:
-                break
-            data += more
-    out, pos = [], 0
-    while pos + HEAD.size <= len(data):
-        kind, n = HEAD.unpack_from(data, pos)
-        payload = data[pos + HEAD.size:pos + HEAD.size + n]
-        pos += HEAD.size + n
-        out.append((kind, json.loads(payload)["code"] if kind == STATUS else payload))
-    return out
-
-
 def test_kvflow_data_plane_needs_a_ticket_from_an_authenticated_sender(sidecars):
     from ciuicflow.kvflow.transports.tcp import HELLO, MSG, STATUS
     b = sidecars.make("b", args=["--token", "s3cret"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from typing import Optional, Union, Any, List
@@ -151,9 +152,10 @@ class Client:
         return tuple(md)
 
     @staticmethod
-    def _call_timeout(deadline_s) -> Optional[float]:
-        # The sidecar enforces deadlines with an explicit status; this is only a backstop.
-        return float(deadline_s) + 30.0 if deadline_s else None
+    def _call_timeout(seconds) -> Optional[float]:
+        # The sidecar enforces deadlines and timeouts with an explicit status (and refuses NaN); this is
+        # only a backstop, and none for a value gRPC cannot take.
+        return float(seconds) + 30.0 if seconds and math.isfinite(float(seconds)) else None
 
     @staticmethod
     def _check_priority(priority: str) -> None:
@@ -225,7 +227,7 @@ class Client:
                                                   shm_path=shm_file[1] if shm_file else "",
                                                   shm_ring_bytes=ring if shm_file else 0),
                                    metadata=self._metadata(False),
-                                   timeout=None if not timeout_s else float(timeout_s) + 30.0)
+                                   timeout=self._call_timeout(timeout_s))
         except BaseException:
             if shm_file is not None:
                 self._rings.give("r", ring, shm_file[0], shm_file[1], 0, False)

@@ -15,6 +15,30 @@ from .payload import KVFlowError, Part, RecvHeader, SendResult, decode_part, enc
 from .rings import CallFinished, RingPool, ShmWriter
 
 _END = object()
+GROW_MIN = 8 << 20      # a part's buffer starts at most this large (or its first chunk), then doubles
+
+
+class _PartBuffer:
+    """A received part's bytes as they arrive. The size its description declares comes from the sending
+    peer: room is made for what has arrived (doubling from GROW_MIN, never past the declared size), not
+    for what was declared (one byte declaring a TiB allocates 8 MiB, not a TiB). A part of up to GROW_MIN
+    gets its buffer at once, as before."""
+
+    def __init__(self, nbytes: int, first: int):
+        self.nbytes = nbytes
+        self.buf = uninitialized(min(nbytes, max(GROW_MIN, first)))
+        self.filled = 0
+
+    def room(self, n: int) -> memoryview:
+        """Where the next ``n`` bytes go (the caller fills all of it)."""
+        need = self.filled + n
+        if need > len(self.buf):
+            bigger = uninitialized(min(self.nbytes, max(need, 2 * len(self.buf))))
+            memoryview(bigger)[:self.filled] = memoryview(self.buf)[:self.filled]
+            self.buf = bigger
+        view = memoryview(self.buf)[self.filled:need]
+        self.filled = need
+        return view
 
 
 class SendHandle:
@@ -179,20 +203,20 @@ class RecvStream:
                 else:
                     value = d.data
                 return Part(info.index, value, info.name, info.nbytes, False)
-            state["buf"] = uninitialized(info.nbytes)
+            state["buf"] = _PartBuffer(info.nbytes, n)
         info, buf, filled = state["info"], state["buf"], state["filled"]
         if info is None or d.part != info.index or d.offset != filled or filled + n > info.nbytes:
             raise KVFlowError(grpc.StatusCode.DATA_LOSS, f"chunk out of order from the sidecar "
                               f"(part {d.part} offset {d.offset})")
         if ref is not None:
-            self._read_ring(ref, memoryview(buf)[filled:filled + n])
+            self._read_ring(ref, buf.room(n))
         else:
-            buf[filled:filled + n] = d.data
+            buf.room(n)[:] = d.data
         filled = state["filled"] = filled + n
         if filled == info.nbytes:
             state["info"] = None
             state["buf"] = None
-            return Part(info.index, decode_part(info, buf), info.name, info.nbytes, info.is_tensor)
+            return Part(info.index, decode_part(info, buf.buf), info.name, info.nbytes, info.is_tensor)
         return None
 
     def _read_ring(self, ref: pb.ShmRef, out: memoryview) -> None:

@@ -56,6 +56,7 @@ class OutChunk:
     crc: int
     info: Optional[pb.PartInfo]
     more: tuple = ()            # a packed chunk: the whole parts after the first (see pb.Chunk.more)
+    cost: int = 0               # what the owner reserved for it in its memory budget (0: its bytes)
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ class Transfer:
         freed = 0
         while self.released < self.acked:
             chunk = self.chunks[self.released]
-            freed += len(chunk.data)
+            freed += chunk.cost or len(chunk.data)
             self.chunks[self.released] = OutChunk(chunk.part, chunk.offset, b"", chunk.crc, None)
             self.released += 1
         self.buffered -= freed

@@ -26,6 +26,12 @@ FORMAT = "ciuicflow.kvcache/1"
 HEADER_NAME = "kvcache.header"
 META_NAME = "kvcache.meta"
 LAYOUTS = ("mla_latent", "per_head", "paged", "raw")
+# A received header comes from the sending peer: what it may declare is bounded before anything is built
+# from it (a header declaring 10^12 layers would otherwise be expanded into as many part names).
+MAX_HEADER_BYTES = 1 << 20
+MAX_LAYERS = 4096
+MAX_NAMES = 64                  # tensors per layer
+MAX_NAME_LEN = 256
 
 
 class CacheFormatError(ValueError):
@@ -36,8 +42,32 @@ def encode_json(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True).encode()
 
 
-def part_names(header: dict) -> List[str]:
-    return [f"layer.{i}.{n}" for i in range(header["num_layers"]) for n in header["names"]]
+def part_names(header: dict) -> Iterator[str]:
+    """The tensor parts' names, in order (generated as they are needed)."""
+    return (f"layer.{i}.{n}" for i in range(header["num_layers"]) for n in header["names"])
+
+
+def parse_header(key: str, raw) -> dict:
+    """A received cache header, checked: format, layout, and a bounded number of layers and names."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CacheFormatError(f"transfer {key!r}: cache header of {len(raw)} bytes (at most {MAX_HEADER_BYTES})")
+    try:
+        header = json.loads(bytes(raw))
+    except ValueError as exc:
+        raise CacheFormatError(f"transfer {key!r}: cache header is not JSON: {exc}") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CacheFormatError(f"transfer {key!r}: unknown cache format "
+                               f"{header.get('format') if isinstance(header, dict) else header!r}")
+    layers, names = header.get("num_layers"), header.get("names")
+    if type(layers) is not int or not 1 <= layers <= MAX_LAYERS:
+        raise CacheFormatError(f"transfer {key!r}: num_layers must be 1..{MAX_LAYERS}, got {layers!r}")
+    if (not isinstance(names, list) or not 1 <= len(names) <= MAX_NAMES
+            or not all(isinstance(n, str) and 0 < len(n) <= MAX_NAME_LEN for n in names)):
+        raise CacheFormatError(f"transfer {key!r}: names must be 1..{MAX_NAMES} strings of up to "
+                               f"{MAX_NAME_LEN} characters")
+    if header.get("layout") not in LAYOUTS:
+        raise CacheFormatError(f"transfer {key!r}: unknown layout {header.get('layout')!r}")
+    return header
 
 
 def send_tensors(client, dest: str, key: str, layers: Sequence[Sequence[Any]], names: Sequence[str],
@@ -117,17 +147,19 @@ class CacheReceiver:
             self._stream.cancel()
             raise CacheFormatError(f"transfer {self.key!r} is not a KV cache: its first part is "
                                    f"{'missing' if first is None else repr(first.name)}, not {HEADER_NAME!r}")
-        header = json.loads(bytes(first.value))
-        if header.get("format") != FORMAT:
-            raise CacheFormatError(f"transfer {self.key!r}: unknown cache format {header.get('format')!r}")
+        try:
+            header = parse_header(self.key, first.value)
+        except CacheFormatError:
+            self._stream.cancel()
+            raise
         self.header = header
-        names = part_names(header)
         per_layer = len(header["names"])
+        total = header["num_layers"] * per_layer
         pending: List[Any] = []
-        for pos, name in enumerate(names):
+        for pos, name in enumerate(part_names(header)):
             part = next(parts, None)
             if part is None:
-                raise CacheFormatError(f"transfer {self.key!r} ended after {pos} of {len(names)} tensors")
+                raise CacheFormatError(f"transfer {self.key!r} ended after {pos} of {total} tensors")
             if not part.is_tensor or part.name != name:
                 raise CacheFormatError(f"transfer {self.key!r}: part {part.index} is {part.name!r}, expected "
                                        f"tensor {name!r}")

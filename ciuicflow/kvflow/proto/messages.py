@@ -23,6 +23,9 @@ _PB_TO_PRIORITY = {pb.HIGH: "high", pb.NORMAL: "normal", pb.LOW: "low", pb.PRIOR
 
 PAYLOAD_KINDS = ("bytes", "tensors")
 MAX_KEY_LEN = 1024
+MAX_PART_NAME = 1024            # characters of a part's name
+MAX_DIMS = 32                   # dimensions of a tensor part
+MAX_PART_BYTES = 1 << 48        # a part's declared size (256 TiB): more is a lie, not a layer
 
 # torch dtype name -> bytes per element (the sidecar validates tensor parts without importing torch)
 DTYPE_ITEMSIZE = {
@@ -69,6 +72,12 @@ def check_part_info(info: "pb.PartInfo", expected_index: int) -> Optional[str]:
     """An error message for a malformed part description, or None."""
     if info.index != expected_index:
         return f"part info index {info.index} does not match part {expected_index}"
+    if len(info.name) > MAX_PART_NAME:
+        return f"part {expected_index}: name longer than {MAX_PART_NAME} characters"
+    if info.nbytes > MAX_PART_BYTES:
+        return f"part {expected_index}: {info.nbytes} bytes declared, more than {MAX_PART_BYTES}"
+    if len(info.shape) > MAX_DIMS:
+        return f"part {expected_index}: more than {MAX_DIMS} dimensions"
     if info.is_tensor:
         size = DTYPE_ITEMSIZE.get(info.dtype)
         if size is None:

@@ -14,6 +14,7 @@ peer's ``PeerService``, which fills the ``Store`` that Recv delivers from.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -26,6 +27,7 @@ import grpc
 
 from ..core.budget import MemoryBudget
 from ..core.identity import PeerPolicy
+from ..core.limits import Labels
 from ..proto import kvflow_pb2 as pb
 from ..proto import kvflow_pb2_grpc as pb_grpc
 from ..proto.codec import safe_deserializer
@@ -63,11 +65,14 @@ class Sidecar:
         self.started = time.monotonic()
         self.metrics = Metrics()
         self.budget = MemoryBudget(cfg.max_total_bytes, cfg.max_peer_bytes, on_change=self._budget_changed)
-        self.store = Store(self.budget, self.metrics, cfg.lease_s, cfg.resume_timeout_s)
+        self.labels = Labels(cfg.peers, cfg.max_unknown_peers)     # peer names in metrics and budget accounts
+        self.store = Store(self.budget, self.metrics, cfg.lease_s, cfg.resume_timeout_s, self.labels)
         self.policy = PeerPolicy(cfg.token, cfg.peer_secrets, bool(cfg.tls_ca), tuple(cfg.peers),
                                  cfg.allow_unknown_peers)
         self.peer_service = PeerService(self.store, self.budget, self.metrics, policy=self.policy,
-                                        shutting_down=self._is_shutting_down, throttle=inbound_throttle)
+                                        shutting_down=self._is_shutting_down, throttle=inbound_throttle,
+                                        labels=self.labels, max_open_transfers=cfg.max_open_transfers,
+                                        max_lease_s=cfg.max_lease_s)
         self.senders: Dict[str, PeerSender] = {}
         self.ingest = Ingest(self.budget, chunk_size=cfg.chunk_size, whole_part_bytes=cfg.whole_part_bytes,
                              chunk_limit=min(cfg.max_chunk_size, cfg.max_message_bytes - MESSAGE_SLACK),
@@ -78,7 +83,8 @@ class Sidecar:
         self.api_token = None if cfg.no_api_token else (cfg.api_token or new_api_token())
         self.api_token_path: Optional[str] = None
         self.local_api = LocalApi(self.senders, self.ingest, self.store, self.metrics, api_token=self.api_token,
-                                  local_shm=cfg.local_shm, shutting_down=self._is_shutting_down, stats=self.stats)
+                                  local_shm=cfg.local_shm, shutting_down=self._is_shutting_down, stats=self.stats,
+                                  max_lease_s=cfg.max_lease_s)
         self.servers = grpc_setup.Servers(cfg.max_message_bytes)
         self.data_plane: Optional[DataPlaneServer] = None
         self.api_address = ""
@@ -114,9 +120,10 @@ class Sidecar:
     # ------------------------------------------------------------------ start / stop
     async def start(self) -> None:
         cfg = self.cfg
+        limits = grpc_setup.ServerLimits(cfg.max_connections, cfg.hello_timeout_s, cfg.idle_timeout_s)
         # Small HTTP/2 windows on the local API: the memory cap, not gRPC, is the buffer.
         api_server = self.servers.new(LOCAL_SERVICE, self.local_api, pb_grpc.add_KVFlowServicer_to_server,
-                                      [("grpc.http2.bdp_probe", 0)])
+                                      [("grpc.http2.bdp_probe", 0)], limits)
         api_host, api_port = parse_hostport(cfg.api)
         bound = api_server.add_insecure_port(format_hostport(api_host, api_port))
         if bound == 0:
@@ -124,7 +131,10 @@ class Sidecar:
         self.api_address = format_hostport(api_host, bound)
         self._publish_api_token(bound)
 
-        peer_server = self.servers.new(PEER_SERVICE, self.peer_service, pb_grpc.add_KVFlowPeerServicer_to_server)
+        # A peer needs one connection and a few streams; strangers get no more before they authenticate.
+        peer_limits = dataclasses.replace(limits, streams_per_connection=32, max_rpcs=4 * cfg.max_connections)
+        peer_server = self.servers.new(PEER_SERVICE, self.peer_service, pb_grpc.add_KVFlowPeerServicer_to_server,
+                                       limits=peer_limits)
         host, port = parse_hostport(cfg.listen)
         listen = format_hostport(host, port)
         creds = grpc_setup.server_credentials(cfg)
@@ -134,7 +144,9 @@ class Sidecar:
         self.listen_address = format_hostport(host, bound)
         if cfg.data_port >= 0 and not cfg.tls_cert:     # no TLS on the data plane: TLS peers keep to gRPC
             self.data_plane = DataPlaneServer(self.peer_service.serve, safe_deserializer(pb.PeerFrame.FromString),
-                                              cfg.max_message_bytes, self._rejected)
+                                              cfg.max_message_bytes, self._rejected,
+                                              max_connections=cfg.max_connections,
+                                              hello_timeout_s=cfg.hello_timeout_s, idle_timeout_s=cfg.idle_timeout_s)
             await self.data_plane.start(host, cfg.data_port)
             self.peer_service.data_plane = self.data_plane
 

@@ -49,6 +49,12 @@ class SidecarConfig:
     resume_timeout_s: float = 30.0            # a peer gone this long: its transfers fail with UNAVAILABLE
     max_retransmits: int = 8                  # per chunk, then DATA_LOSS
     drain_s: float = 5.0                      # graceful shutdown: time to finish in-flight transfers
+    max_open_transfers: int = 1024            # per peer: transfers held here (in progress or not collected)
+    max_lease_s: float = 600.0                # the longest lease a sender may ask for (longer ones are cut)
+    max_unknown_peers: int = 32               # unknown peers counted by name; the rest together as "other"
+    max_connections: int = 256                # per port (local API, peer port, data plane)
+    hello_timeout_s: float = 5.0              # a new connection must complete its handshake/hello in this
+    idle_timeout_s: float = 300.0             # a connection without calls or frames this long is closed
     spool_dir: Optional[str] = None           # receiver: keep received chunks on disk, resume after a restart
     # security
     token: Optional[str] = None               # shared token required on peer links and sent to peers
@@ -88,6 +94,14 @@ class SidecarConfig:
         self.whole_part_bytes = min(self.whole_part_bytes, self.max_message_bytes - (64 << 10))
         if self.max_peer_bytes <= 0 or self.max_total_bytes <= 0:
             raise ValueError("memory caps must be positive")
+        for name in ("max_open_transfers", "max_connections", "hello_timeout_s", "idle_timeout_s", "lease_s",
+                     "max_lease_s"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
+        if self.max_unknown_peers < 0:
+            raise ValueError("--max-unknown-peers must be >= 0")
+        self.max_lease_s = max(self.max_lease_s, self.lease_s)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_ca and not self.tls_cert:
@@ -226,6 +240,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--resume-timeout-s", type=float, default=S, help="a peer gone this long fails its transfers (30)")
     a("--max-retransmits", type=int, default=S, help="retransmits of one chunk before DATA_LOSS (8)")
     a("--drain-s", type=float, default=S, help="graceful shutdown: time to finish in-flight transfers (5)")
+    a("--max-open-transfers", type=int, default=S, help="per peer: transfers held (in progress or not yet "
+                                                        "collected); more are refused (1024)")
+    a("--max-lease-s", type=float, default=S, help="longest lease a sender may ask for (600; at least --lease-s)")
+    a("--max-unknown-peers", type=int, default=S, help="--allow-unknown-peers: names counted apart in metrics "
+                                                       "and memory caps; the rest share 'other' (32)")
+    a("--max-connections", type=int, default=S, help="connections per port: local API, peer port, data plane "
+                                                     "(256)")
+    a("--hello-timeout-s", type=float, default=S, help="a connection must complete its handshake in this (5)")
+    a("--idle-timeout-s", type=float, default=S, help="a connection without calls or frames this long is "
+                                                      "closed (300)")
     a("--spool-dir", default=S, metavar="DIR", help="keep received chunks on disk to resume after a restart")
     a("--token", default=S, help=f"shared peer token (or --token-file, or ${TOKEN_ENV})")
     a("--token-file", default=S, metavar="FILE")

@@ -3,12 +3,14 @@ registered by the generated ``add_*Servicer_to_server`` functions (with health c
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from ..core.limits import Gate
 from ..proto.codec import safe_deserializer
 
 
@@ -59,28 +61,91 @@ def _safe(handler):
     return handler._replace(request_deserializer=safe_deserializer(handler.request_deserializer))
 
 
-class _SafeHandler(grpc.GenericRpcHandler):
-    def __init__(self, inner):
-        self._inner = inner
+async def _idle_limited(requests, idle_s: float):
+    """A stream's requests, ending when none comes for ``idle_s`` (a silent client holds nothing for ever)."""
+    iterator = requests.__aiter__()
+    while True:
+        try:
+            yield await asyncio.wait_for(iterator.__anext__(), idle_s)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            return
+
+
+def _gated(handler, gate: Gate, what: str, max_s: float):
+    """``handler`` with at most ``gate.limit`` calls at once (RESOURCE_EXHAUSTED beyond) and an end: a
+    server stream (health Watch) ends after ``max_s``, a bidirectional one (reflection) when its client is
+    silent that long. Health and reflection need no token, so strangers must not hold them open without
+    limit."""
+    if handler.unary_stream is not None:
+        behavior = handler.unary_stream
+
+        async def unary_stream(request, context):
+            if not gate.enter():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many {what} streams")
+            try:
+                await asyncio.wait_for(behavior(request, context), max_s)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                gate.leave()
+        return handler._replace(unary_stream=unary_stream)
+    if handler.stream_stream is not None:
+        behavior = handler.stream_stream
+
+        async def stream_stream(requests, context):
+            if not gate.enter():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many {what} streams")
+            try:
+                async for reply in behavior(_idle_limited(requests, max_s), context):
+                    yield reply
+            finally:
+                gate.leave()
+        return handler._replace(stream_stream=stream_stream)
+    return handler
+
+
+class _Wrap(grpc.GenericRpcHandler):
+    def __init__(self, inner, wrap):
+        self._inner, self._wrap = inner, wrap
 
     def service(self, handler_call_details):
         handler = self._inner.service(handler_call_details)
-        return None if handler is None else _safe(handler)
+        return None if handler is None else self._wrap(handler)
 
 
-class _SafeRegistration:
-    """The server as the generated ``add_*Servicer_to_server`` sees it: every request deserializer it
-    registers answers MALFORMED for bytes that are not its message (proto.codec.safe_deserializer), so the
-    servicer replies INVALID_ARGUMENT itself."""
+class _Registration:
+    """The server as a generated ``add_*Servicer_to_server`` sees it, with every handler it registers passed
+    through ``wrap`` (e.g. ``_safe``: request deserializers that answer MALFORMED for bytes that are not
+    their message, proto.codec.safe_deserializer, so the servicer replies INVALID_ARGUMENT itself)."""
 
-    def __init__(self, server: grpc.aio.Server):
+    def __init__(self, server: grpc.aio.Server, wrap=_safe):
         self._server = server
+        self._wrap = wrap
 
     def add_generic_rpc_handlers(self, handlers) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_SafeHandler(h) for h in handlers))
+        self._server.add_generic_rpc_handlers(tuple(_Wrap(h, self._wrap) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, handlers) -> None:
-        self._server.add_registered_method_handlers(service, {name: _safe(h) for name, h in handlers.items()})
+        self._server.add_registered_method_handlers(service, {name: self._wrap(h) for name, h in handlers.items()})
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one port lets strangers hold: connections, their handshake, idle connections, streams."""
+    max_connections: int = 256
+    hello_timeout_s: float = 5.0
+    idle_timeout_s: float = 300.0
+    streams_per_connection: int = 1024
+    max_rpcs: Optional[int] = None          # concurrent calls in all (None: no limit beyond the streams)
+    watch_streams: int = 16                 # health Watch streams at once
+    reflection_streams: int = 8
+    reflection_idle_s: float = 30.0
+
+    def options(self) -> List[Tuple[str, int]]:
+        return [("grpc.max_allowed_incoming_connections", self.max_connections),
+                ("grpc.server_handshake_timeout_ms", int(self.hello_timeout_s * 1000)),
+                ("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)),
+                ("grpc.max_concurrent_streams", self.streams_per_connection)]
 
 
 class Servers:
@@ -91,13 +156,21 @@ class Servers:
         self.servers: List[grpc.aio.Server] = []
         self._health: List[Tuple[health.aio.HealthServicer, str]] = []
 
-    def new(self, service_name: str, servicer, add_servicer, extra_options=()) -> grpc.aio.Server:
+    def new(self, service_name: str, servicer, add_servicer, extra_options=(),
+            limits: ServerLimits = ServerLimits()) -> grpc.aio.Server:
         """A server for ``servicer`` (registered with ``add_servicer``, the generated function)."""
-        server = grpc.aio.server(options=options(self.max_message_bytes) + list(extra_options))
-        add_servicer(servicer, _SafeRegistration(server))
+        server = grpc.aio.server(options=options(self.max_message_bytes) + limits.options() + list(extra_options),
+                                 maximum_concurrent_rpcs=limits.max_rpcs)
+        add_servicer(servicer, _Registration(server))
         hs = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-        reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        watch = Gate(limits.watch_streams)
+        health_pb2_grpc.add_HealthServicer_to_server(
+            hs, _Registration(server, lambda h: _gated(h, watch, "health Watch", limits.idle_timeout_s)))
+        names = (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        streams = Gate(limits.reflection_streams)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer(names),
+            _Registration(server, lambda h: _gated(h, streams, "reflection", limits.reflection_idle_s)))
         self._health.append((hs, service_name))
         self.servers.append(server)
         return server

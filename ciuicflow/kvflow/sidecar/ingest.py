@@ -13,6 +13,7 @@ import crc32c
 import grpc
 
 from ..core.chunking import Cutter
+from ..core.limits import chunk_cost
 from ..core.transfer import OutChunk, Transfer, TransferFailed
 from ..proto import kvflow_pb2 as pb
 from ..proto import shm as shmlib
@@ -146,7 +147,8 @@ class Ingest:
                 cutter.set_peer_chunk(peer_chunk)
                 for chunk in self._batch_chunks(cutter, datas, files, peer_chunk):
                     await sender.outbox.wait_readahead(t, self.readahead)
-                    if t.finished or not await self._admit(sender, t, len(chunk.data)):
+                    chunk.cost = chunk_cost(len(chunk.data), (chunk.info, *chunk.more))   # descriptions count
+                    if t.finished or not await self._admit(sender, t, chunk.cost):
                         return
                     sender.outbox.add_chunk(t, chunk)
                 continue

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import grpc
 
 from ..core.identity import bearer, check_peer_name, tokens_equal
+from ..core.limits import seconds
 from ..core.transfer import TransferFailed
 from ..proto import kvflow_pb2 as pb
 from ..proto import kvflow_pb2_grpc as pb_grpc
@@ -23,6 +24,8 @@ from .delivery import RecvRing, deliver
 
 log = logging.getLogger("ciuicflow.kvflow")
 
+MAX_WAIT_S = 86400.0            # deadlines and receive timeouts beyond this are cut to it
+
 
 class LocalApi(pb_grpc.KVFlowServicer):
     """``KVFlow`` for the inference server beside this sidecar: sends go to ``senders`` (peer name ->
@@ -32,13 +35,15 @@ class LocalApi(pb_grpc.KVFlowServicer):
     document ``Stats`` returns."""
 
     def __init__(self, senders, ingest, store, metrics, *, api_token: Optional[str], local_shm: bool,
-                 shutting_down: Callable[[], bool], stats: Callable[[], dict], token_hint: str = ""):
+                 shutting_down: Callable[[], bool], stats: Callable[[], dict], token_hint: str = "",
+                 max_lease_s: float = 600.0):
         self.senders = senders
         self.ingest = ingest
         self.store = store
         self.metrics = metrics
         self.api_token = api_token
         self.token_hint = token_hint
+        self.max_lease_s = max_lease_s
         self.local_shm = local_shm
         self.shutting_down = shutting_down
         self.stats = stats
@@ -79,16 +84,19 @@ class LocalApi(pb_grpc.KVFlowServicer):
         if h.payload_kind and h.payload_kind not in PAYLOAD_KINDS:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"payload_kind must be one of {PAYLOAD_KINDS}, got {h.payload_kind!r}")
-        if h.deadline_s < 0 or h.lease_s < 0:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "deadline_s and lease_s must be >= 0")
+        try:        # NaN never expires, inf pins memory for ever: refused, or cut to the maxima
+            deadline_s = seconds(h.deadline_s, maximum=MAX_WAIT_S, what="deadline_s")
+            lease_s = seconds(h.lease_s, maximum=self.max_lease_s, what="lease_s")
+        except ValueError as exc:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         sender = self.senders.get(h.dest)
         if sender is None:
             known = ", ".join(sorted(self.senders)) or "none"
             await self._reject(context, grpc.StatusCode.NOT_FOUND, f"unknown peer {h.dest!r} (known: {known})")
         outbox = sender.outbox
         try:
-            t, done = outbox.create(h.key, priority, flow, h.deadline_s, h.payload_kind or "bytes", h.resume,
-                                    h.lease_s)
+            t, done = outbox.create(h.key, priority, flow, deadline_s, h.payload_kind or "bytes", h.resume,
+                                    lease_s)
         except TransferFailed as exc:
             await self._reject(context, exc.code, exc.message)
         ingest = asyncio.create_task(self.ingest.run(sender, t, iterator))
@@ -123,13 +131,15 @@ class LocalApi(pb_grpc.KVFlowServicer):
         err = check_key(request.key)
         if err:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, err)
-        if request.timeout_s < 0:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0")
+        try:
+            timeout_s = seconds(request.timeout_s, maximum=MAX_WAIT_S, what="timeout_s")
+        except ValueError as exc:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.source and check_peer_name(request.source):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, check_peer_name(request.source))
         store = self.store
         source = request.source
-        deadline = time.monotonic() + request.timeout_s if request.timeout_s > 0 else None
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
         tomb = store.tombstone(request.key, source)
         if not store.find(request.key, source) and tomb is not None and tomb[0] == "expired":
             await context.abort(grpc.StatusCode.NOT_FOUND,
@@ -137,7 +147,7 @@ class LocalApi(pb_grpc.KVFlowServicer):
         found = await store.wait_for(request.key, deadline, source)
         if not found:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"no transfer with key {request.key!r} arrived within {request.timeout_s:g}s")
+                                f"no transfer with key {request.key!r} arrived within {timeout_s:g}s")
         if len(found) > 1:
             await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
                                f"transfers with key {request.key!r} from {len(found)} peers "
@@ -154,7 +164,7 @@ class LocalApi(pb_grpc.KVFlowServicer):
                 shmlib.unlink(request.shm_path)
             except (OSError, ValueError) as exc:
                 log.info("Recv %r: shared memory not possible, sending in-band: %s", request.key, exc)
-        async for reply in deliver(entry, store, ring, deadline, request.timeout_s, self.shutting_down, context):
+        async for reply in deliver(entry, store, ring, deadline, timeout_s, self.shutting_down, context):
             yield reply
 
     # ------------------------------------------------------------------ Stats

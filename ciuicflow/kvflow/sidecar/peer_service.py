@@ -18,10 +18,14 @@ from ..proto import kvflow_pb2 as pb
 from ..proto import kvflow_pb2_grpc as pb_grpc
 from ..proto.codec import MALFORMED, ChunkFrame
 from ..core.identity import AuthError, PeerPolicy, certificate_names
+from ..core.limits import Labels, seconds
 from ..proto.messages import AUTH_METADATA, PEER_METADATA, check_key, check_part_info, priority_from_pb, status_code
 from .store import InChunk, InTransfer, Store
 
 log = logging.getLogger("ciuicflow.kvflow.peer_service")
+
+MAX_DEADLINE_S = 86400.0        # a peer's deadline beyond this is cut to it
+STREAMS_PER_PEER = 8            # concurrent streams of one peer (a sender keeps one; reconnects overlap)
 
 
 def check_packed(c: pb.Chunk, n: int) -> Optional[str]:
@@ -44,14 +48,23 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
     (core.identity.PeerPolicy: token, per-peer secrets, certificate names, known peers);
     ``shutting_down()`` refuses new work. ``throttle`` (tests: an emulated slow link) is awaited with each
     frame's size before it is handled. ``data_plane``: the TCP data plane whose tickets ``DataPlane`` hands
-    out (None: none)."""
+    out (None: none).
+
+    What a peer can make it hold is bounded: ``max_open_transfers`` transfers per peer, leases cut to
+    ``max_lease_s``, STREAMS_PER_PEER streams, every held chunk's cost (descriptions included) in the
+    budget, and peers counted (metrics, budget) under ``labels`` (a bounded set of names)."""
 
     def __init__(self, store: Store, budget, metrics, *, policy: PeerPolicy, shutting_down: Callable[[], bool],
-                 throttle: Optional[Callable[[int], Awaitable[None]]] = None):
+                 throttle: Optional[Callable[[int], Awaitable[None]]] = None, labels: Optional[Labels] = None,
+                 max_open_transfers: int = 1024, max_lease_s: float = 600.0):
         self.store = store
         self.budget = budget
         self.metrics = metrics
         self.policy = policy
+        self.labels = labels or Labels(policy.known_peers)
+        self.max_open_transfers = max_open_transfers
+        self.max_lease_s = max_lease_s
+        self.streams: Dict[str, int] = {}          # account -> streams open
         self.shutting_down = shutting_down
         self.throttle = throttle
         self.data_plane = None
@@ -84,6 +97,12 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         """One sender's stream of frames (from any transport's receiving half); yields the replies."""
         if self.shutting_down():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
+        account = self.labels(source)
+        if self.streams.get(account, 0) >= STREAMS_PER_PEER:
+            self.metrics.rejected.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"peer {source!r} has {STREAMS_PER_PEER} streams open already")
+        self.streams[account] = self.streams.get(account, 0) + 1
         stream_id = object()
         attached: Dict[int, InTransfer] = {}
         frames = 0
@@ -102,10 +121,10 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
                 if self.throttle is not None:
                     await self.throttle(len(data) + 64 if data is not None else frame.ByteSize())
                 if kind == "chunk":
-                    for reply in self._on_chunk(source, frame.chunk, attached, data):
+                    for reply in self._on_chunk(account, frame.chunk, attached, data):
                         yield reply
                 elif kind == "open":
-                    yield self._on_open(source, frame.open, attached, stream_id)
+                    yield self._on_open(source, account, frame.open, attached, stream_id)
                 elif kind == "commit":
                     reply = self._on_commit(frame.commit, attached)
                     if reply is not None:
@@ -120,6 +139,9 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
                 else:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty PeerFrame")
         finally:
+            self.streams[account] -= 1
+            if not self.streams[account]:
+                del self.streams[account]
             now = time.monotonic()
             for entry in attached.values():
                 if entry.attached is stream_id:
@@ -127,7 +149,7 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
                     entry.detached_at = now
 
     # ------------------------------------------------------------------ frames
-    def _on_open(self, source: str, o: pb.TransferOpen, attached, stream_id) -> pb.PeerReply:
+    def _on_open(self, source: str, account: str, o: pb.TransferOpen, attached, stream_id) -> pb.PeerReply:
         def refuse(code: grpc.StatusCode, message: str) -> pb.PeerReply:
             self.metrics.rejected.labels(code.name).inc()
             return pb.PeerReply(state=pb.TransferState(tid=o.tid, error_code=code.value[0], error=message))
@@ -140,8 +162,17 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             return refuse(grpc.StatusCode.INVALID_ARGUMENT, f"unknown priority {o.priority}")
         if self.shutting_down():
             return refuse(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
+        try:
+            lease_s = seconds(o.lease_s, maximum=self.max_lease_s, what="lease_s")
+            deadline_s = seconds(o.deadline_s, maximum=MAX_DEADLINE_S, what="deadline_s")
+        except ValueError as exc:
+            return refuse(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         store = self.store
         entry = store.get(source, o.key)        # only this (authenticated) source's transfers
+        if o.tid not in attached and not (entry is not None and entry.attached is stream_id) \
+                and len(attached) >= self.max_open_transfers:
+            return refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{len(attached)} transfers open on this stream (at most {self.max_open_transfers})")
         if entry is not None:
             if entry.failed is not None:
                 store.drop(entry, "replaced")
@@ -159,10 +190,17 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             tomb = store.tombstone(o.key, source)
             if tomb is not None and tomb[0] == "collected" and tomb[1] == o.uuid:
                 return pb.PeerReply(state=pb.TransferState(tid=o.tid, complete=True))
-            deadline = time.monotonic() + o.deadline_s if o.deadline_s > 0 else None
-            entry = InTransfer(o.key, source, o.uuid, priority, o.payload_kind, o.lease_s, deadline)
+            if store.per_account[account] >= self.max_open_transfers:
+                return refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"peer {source!r} has {self.max_open_transfers} transfers here already "
+                              "(in progress or not yet collected)")
+            deadline = time.monotonic() + deadline_s if deadline_s > 0 else None
+            entry = InTransfer(o.key, source, o.uuid, priority, o.payload_kind, lease_s, deadline, account)
             store.add(entry)
         complete = entry.complete and entry.uuid == o.uuid
+        for tid, other in list(attached.items()):
+            if other is entry and tid != o.tid:
+                del attached[tid]           # one tid per transfer on a stream: re-opens do not pile up
         entry.uuid = o.uuid
         entry.attached = stream_id
         entry.detached_at = None
@@ -172,7 +210,7 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             tid=o.tid, held_chunks=len(entry.chunks), held_crc32c=[c.crc for c in entry.chunks],
             complete=complete, durable=store.spool is not None))
 
-    def _on_chunk(self, source: str, c: pb.Chunk, attached, data=None):
+    def _on_chunk(self, account: str, c: pb.Chunk, attached, data=None):
         def ack(code, error: grpc.StatusCode = None, message: str = "") -> pb.PeerReply:
             return pb.PeerReply(ack=pb.Ack(tid=c.tid, seq=c.seq, sn=c.sn, code=code,
                                            error_code=error.value[0] if error else 0, message=message))
@@ -197,7 +235,7 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             yield ack(pb.ACK_OK)                  # a duplicate of a chunk held already
             return
         if crc32c.crc32c(data) != c.crc32c:
-            self.metrics.retransmits.labels(source, "checksum_in").inc()
+            self.metrics.retransmits.labels(account, "checksum_in").inc()
             yield ack(pb.ACK_CORRUPT, message="checksum mismatch")
             return
         if c.seq < held:
@@ -220,17 +258,15 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             self.store.fail(entry, grpc.StatusCode.INVALID_ARGUMENT, error)
             yield ack(pb.ACK_FAILED, grpc.StatusCode.INVALID_ARGUMENT, error)
             return
-        if not self.budget.try_reserve(source, len(data)):
+        chunk = InChunk(c.part, c.offset, data, c.info if offset == 0 else None, c.crc32c, part_nbytes, c.more)
+        if not self.store.hold(entry, chunk):
             yield ack(pb.ACK_BUSY, message="receiver over its memory cap")
             return
-        chunk = InChunk(c.part, c.offset, data, c.info if offset == 0 else None, c.crc32c, part_nbytes, c.more)
-        entry.chunks.append(chunk)
-        entry.bytes += len(data)
         entry.last_activity = time.monotonic()
         if self.store.spool:
             self.store.spool.append(entry, chunk)
-        self.metrics.bytes.labels(source, entry.priority, "recv").inc(len(data))
-        self.metrics.chunks.labels(source, entry.priority, "recv").inc()
+        self.metrics.bytes.labels(account, entry.priority, "recv").inc(len(data))
+        self.metrics.chunks.labels(account, entry.priority, "recv").inc()
         entry.notify()
         yield ack(pb.ACK_OK)
         if entry.total is not None and len(entry.chunks) >= entry.total:

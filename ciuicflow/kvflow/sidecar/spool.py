@@ -107,7 +107,7 @@ class Spool:
                 with open(base + ".meta") as fh:
                     meta = json.load(fh)
                 entry = InTransfer(meta["key"], meta["source"], meta["uuid"], meta["priority"],
-                                   meta["payload_kind"], meta["lease_s"], None)
+                                   meta["payload_kind"], meta["lease_s"], None, store.labels(meta["source"]))
                 with open(base + ".data", "rb") as fh:
                     blob = fh.read()
                 with open(base + ".idx", "rb") as fh:
@@ -124,8 +124,10 @@ class Spool:
                     pos += length
                     pinfo = pb.PartInfo.FromString(base64.b64decode(info)) if info else None
                     more = [pb.PartInfo.FromString(base64.b64decode(m)) for m in more[0]] if more else ()
-                    entry.chunks.append(InChunk(part, offset, data, pinfo, crc, part_nbytes, more))
+                    chunk = InChunk(part, offset, data, pinfo, crc, part_nbytes, more)
+                    entry.chunks.append(chunk)
                     entry.bytes += length
+                    entry.cost += chunk.cost
                 entry.total = meta.get("total")
                 entry.num_parts = meta.get("num_parts")
                 if meta.get("complete") and entry.total == len(entry.chunks):
@@ -140,9 +142,9 @@ class Spool:
                     except FileNotFoundError:
                         pass
                 continue
-            if not budget.try_reserve(entry.source, entry.bytes):
+            if not budget.try_reserve(entry.account, entry.cost):
                 log.warning("spool entry %r does not fit in the memory cap; dropped", entry.key)
-                entry.bytes = 0
+                entry.bytes = entry.cost = 0
                 self.delete(entry)
                 continue
             store.insert(entry)

@@ -9,6 +9,8 @@ from typing import Dict, List, Optional, Tuple
 
 import grpc
 
+from ..core.limits import chunk_cost
+
 log = logging.getLogger("ciuicflow.kvflow.store")
 
 TOMBSTONES = 4096         # outcomes of transfers no longer held, kept for late receivers (most recent)
@@ -16,8 +18,9 @@ TOMBSTONES = 4096         # outcomes of transfers no longer held, kept for late 
 
 class InChunk:
     """A received chunk: bytes of one part from ``offset``, or, packed, several whole parts back to back
-    (``info`` and then ``more``)."""
-    __slots__ = ("part", "offset", "data", "info", "crc", "part_nbytes", "more")
+    (``info`` and then ``more``). ``cost``: what it counts in the memory budget (core.limits.chunk_cost:
+    data, part descriptions and overhead)."""
+    __slots__ = ("part", "offset", "data", "info", "crc", "part_nbytes", "more", "cost")
 
     def __init__(self, part, offset, data, info, crc, part_nbytes, more=()):
         self.part = part
@@ -27,6 +30,7 @@ class InChunk:
         self.crc = crc
         self.part_nbytes = part_nbytes
         self.more = tuple(more)
+        self.cost = chunk_cost(len(data), (info, *self.more))
 
     @property
     def last_part(self) -> int:
@@ -47,17 +51,22 @@ class InChunk:
 
 
 class InTransfer:
+    """One received transfer, from the authenticated peer ``source``; its memory is counted under
+    ``account`` (the source, or core.limits.OTHER past the unknown peers' limit)."""
+
     def __init__(self, key: str, source: str, uuid: str, priority: str, payload_kind: str, lease_s: float,
-                 deadline: Optional[float]):
+                 deadline: Optional[float], account: Optional[str] = None):
         self.key = key
         self.source = source
+        self.account = account or source
         self.uuid = uuid
         self.priority = priority
         self.payload_kind = payload_kind
         self.lease_s = lease_s
         self.deadline = deadline
         self.chunks: List[InChunk] = []
-        self.bytes = 0
+        self.bytes = 0                    # payload bytes held
+        self.cost = 0                     # what they count in the memory budget (reserved)
         self.total: Optional[int] = None
         self.num_parts: Optional[int] = None
         self.complete = False
@@ -103,13 +112,15 @@ class Store:
     Keys are scoped by the authenticated source: a peer can neither take another peer's key first (its
     transfer is another entry) nor resume or replace another peer's transfer."""
 
-    def __init__(self, budget, metrics, lease_s: float, resume_timeout_s: float):
+    def __init__(self, budget, metrics, lease_s: float, resume_timeout_s: float, labels=lambda name: name):
         self.budget = budget
+        self.labels = labels            # peer name -> its budget account and metric label (core.limits.Labels)
         self.metrics = metrics
         self.lease_s = lease_s
         self.resume_timeout_s = resume_timeout_s
         self.entries: Dict[Tuple[str, str], InTransfer] = {}         # (source, key) -> transfer
         self.by_key: Dict[str, Dict[str, InTransfer]] = {}            # key -> source -> transfer
+        self.per_account: "collections.Counter[str]" = collections.Counter()   # transfers held per account
         self.tombstones: "collections.OrderedDict[Tuple[str, str], tuple]" = collections.OrderedDict()
         self._arrival = asyncio.Event()
         self._tomb_sources: Dict[str, Dict[str, None]] = {}    # key -> sources of its tombstones, oldest first
@@ -143,11 +154,15 @@ class Store:
         """Hold ``entry`` (a new transfer, or one restored from the spool)."""
         self.entries[(entry.source, entry.key)] = entry
         self.by_key.setdefault(entry.key, {})[entry.source] = entry
+        self.per_account[entry.account] += 1
         self._untomb((entry.source, entry.key))
 
     def _remove(self, entry: InTransfer) -> None:
         if self.entries.get((entry.source, entry.key)) is entry:
             del self.entries[(entry.source, entry.key)]
+            self.per_account[entry.account] -= 1
+            if not self.per_account[entry.account]:
+                del self.per_account[entry.account]
             sources = self.by_key.get(entry.key)
             if sources is not None:
                 sources.pop(entry.source, None)
@@ -185,18 +200,29 @@ class Store:
         self._tombstone(entry, reason, code, message)
         entry.notify()
 
+    def hold(self, entry: InTransfer, chunk: InChunk) -> bool:
+        """Append ``chunk`` to ``entry`` if its cost fits the memory budget (False: it does not)."""
+        if not self.budget.try_reserve(entry.account, chunk.cost):
+            return False
+        entry.chunks.append(chunk)
+        entry.bytes += len(chunk.data)
+        entry.cost += chunk.cost
+        return True
+
     def _release(self, entry: InTransfer) -> None:
-        if entry.bytes:
-            self.budget.release(entry.source, entry.bytes)
-        entry.bytes = 0
+        if entry.cost:
+            self.budget.release(entry.account, entry.cost)
+        entry.bytes = entry.cost = 0
         entry.chunks = []
 
     def truncate(self, entry: InTransfer, seq: int) -> None:
         dropped = entry.chunks[seq:]
         n = sum(len(c.data) for c in dropped)
+        cost = sum(c.cost for c in dropped)
         del entry.chunks[seq:]
         entry.bytes -= n
-        self.budget.release(entry.source, n)
+        entry.cost -= cost
+        self.budget.release(entry.account, cost)
         entry.generation += 1
         entry.truncations.append((entry.generation, seq))
         if self.spool:
@@ -211,7 +237,7 @@ class Store:
         self._release(entry)
         if self.spool:
             self.spool.delete(entry)
-        self.metrics.transfers.labels(entry.source, entry.priority, "recv", code.name).inc()
+        self.metrics.transfers.labels(entry.account, entry.priority, "recv", code.name).inc()
         entry.notify()
 
     def mark_complete(self, entry: InTransfer) -> None:
@@ -220,7 +246,7 @@ class Store:
         self.completed += 1
         if self.spool:
             self.spool.complete(entry)
-        self.metrics.transfers.labels(entry.source, entry.priority, "recv", "OK").inc()
+        self.metrics.transfers.labels(entry.account, entry.priority, "recv", "OK").inc()
         self.metrics.latency.labels(entry.priority, "recv").observe(entry.completed_at - entry.created)
         entry.notify()
 
