@@ -83,7 +83,11 @@ def workload(args, n: int, rate: float, rng: random.Random):
     return out
 
 
+_RUN = iter(range(1 << 30))
+
+
 def run_open_loop(url: str, reqs, new_tokens: int, flow: str, timeout: float):
+    run_id = next(_RUN)
     results, threads = [], []
     lock = threading.Lock()
     t0 = time.monotonic()
@@ -91,7 +95,7 @@ def run_open_loop(url: str, reqs, new_tokens: int, flow: str, timeout: float):
     def one(offset, cls, prompt):
         r = stream_complete(url, prompt, new_tokens, timeout=timeout,
                             headers={"x-ciuic-priority": cls, "x-ciuic-flow": flow})
-        r.update(cls=cls, prompt_len=len(prompt), arrival_s=offset, done_s=time.monotonic() - t0)
+        r.update(cls=cls, prompt_len=len(prompt), arrival_s=offset, done_s=time.monotonic() - t0, run=run_id)
         r.pop("tokens", None)
         with lock:
             results.append(r)
@@ -136,9 +140,19 @@ def measure(url: str, args) -> dict:
     n = args.requests or max(4, int(rate * args.duration))
     print(f"[vllm-serve] {n} requests per mode at {rate:.2f} req/s", flush=True)
     reqs = workload(args, n, rate, random.Random(args.seed + 1))    # the same requests in both modes
-    out = {"rate_rps": rate, "requests_per_mode": n, "modes": {}}
-    for mode, flow in MODES.items():
-        rs = run_open_loop(url, reqs, args.new_tokens, flow, args.timeout)
+    out = {"rate_rps": rate, "requests_per_mode": n, "order": [], "modes": {}}
+    # ABBA: each mode runs twice (halves of the requests), so neither always runs first or on a warmer host
+    half = max(1, n // 2)
+    runs = {mode: [] for mode in MODES}
+    for i, mode in enumerate(("flow", "fifo", "fifo", "flow")):
+        part = reqs[:half] if i in (0, 1) else reqs[half:]
+        if not part:
+            continue
+        base = part[0][0]
+        shifted = [(t - base, cls, prompt) for t, cls, prompt in part]
+        out["order"].append(mode)
+        runs[mode] += run_open_loop(url, shifted, args.new_tokens, MODES[mode], args.timeout)
+    for mode, rs in runs.items():
         out["modes"][mode] = {"requests": rs, **summarize(rs, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)}
     return out
 

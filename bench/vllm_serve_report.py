@@ -18,7 +18,8 @@ def pct(values: List[float], q: float):
 
 def summarize(rs: List[dict], slo_ttft_s: float, slo_tpot_s: float) -> Dict:
     ok = [r for r in rs if r.get("ok")]
-    span = (max(r["done_s"] for r in rs) - min(r["arrival_s"] for r in rs)) if rs else 0.0
+    # runs of one mode (ABBA halves) each start at 0: their spans add up
+    span = sum(max(r["done_s"] for r in run) - min(r["arrival_s"] for r in run) for run in _runs(rs))
     good = [r for r in ok if r["ttft_s"] <= slo_ttft_s and r["tpot_s"] <= slo_tpot_s]
     out = {"completed": len(ok), "failed": len(rs) - len(ok), "span_s": span,
            "throughput_rps": len(ok) / span if span > 0 else 0.0,
@@ -33,6 +34,13 @@ def summarize(rs: List[dict], slo_ttft_s: float, slo_tpot_s: float) -> Dict:
             "tpot_p99_ms": _ms(pct([r["tpot_s"] for r in c], 0.99)),
             "slo_met": sum(1 for r in c if r in good)}
     return out
+
+
+def _runs(rs: List[dict]) -> List[List[dict]]:
+    out: Dict[int, List[dict]] = {}
+    for r in rs:
+        out.setdefault(r.get("run", 0), []).append(r)
+    return [v for v in out.values() if v]
 
 
 def _ms(v):
