@@ -4,7 +4,8 @@ a prefill and a decode ``vllm serve``, two sidecars, the proxy, a tiny DeepSeek-
 Each test checks what a broken connector would get wrong: decode tokens equal to the single instance's for
 several prompts sent at once; a corrupted layer, a transfer that never comes, a killed decode sidecar and a
 stopped prefill server all end in the right tokens (vLLM recomputes: kv_load_failure_policy=recompute)
-within bounded time, the failure visible in the connector's log, and the servers keep serving afterwards.
+within bounded time, the failure visible in the connector's log, and the servers keep serving afterwards;
+with kv_load_failure_policy=fail the request ends with an error instead.
 
 Needs vLLM's environment (``bash scripts/vllm_demo.sh --setup-only``): $CIUICFLOW_VLLM_PYTHON, else
 /work/vllm-venv or ~/.cache/ciuicflow/vllm-venv; skipped when none imports vllm.
@@ -145,3 +146,29 @@ def test_prefill_down_decode_keeps_serving(dep, prompts, reference):
     out = complete(dep.proxy_url, prompts[0], NEW)
     assert out["headers"].get("x-ciuic-prefill") == "failed"
     assert out["tokens"] == reference[0]
+
+
+def test_fail_policy_fails_the_request_explicitly(tmp_path):
+    """kv_load_failure_policy=fail (vLLM's default): a load that fails ends that request with an error, at
+    once after the load timeout, and the server keeps serving the next one."""
+    models = os.path.join(os.path.expanduser("~"), ".cache", "ciuicflow", "vllm-models")
+    model = build_model(PYTHON, "deepseek", "float32", models)
+    d = Deployment(PYTHON, model, "deepseek", "float32", str(tmp_path), failure_policy="fail",
+                   load_timeout_s=LOAD_TIMEOUT_S)
+    try:
+        d.start(600, log=lambda *a: None)
+        p = make_prompts(1, 16, seed=5)[0]
+        t0 = time.monotonic()
+        try:
+            out = complete(d.decode.url, p, NEW, kv_transfer_params={C.P_PREFILL: True, C.P_KEY: "never-sent"})
+            reason = out["finish_reason"]
+        except RuntimeError as exc:         # the server answers the failed request with an error status
+            reason = f"error: {exc}"
+        print(f"[fail policy] the failed load was answered with: {reason}")
+        assert reason not in ("length", "stop"), f"a failed load must not produce a normal answer ({reason})"
+        assert time.monotonic() - t0 < LOAD_TIMEOUT_S + 20
+        ok = complete(d.proxy_url, p, NEW)
+        assert ok["finish_reason"] == "length" and len(ok["tokens"]) == NEW
+        assert ok["tokens"] == complete(d.decode.url, p, NEW)["tokens"]
+    finally:
+        d.stop()
