@@ -85,33 +85,42 @@ def test_sidecar_without_shm_falls_back_in_band(sidecars):
     assert our_files() == []
 
 
+def _probe(client, path, nonce=b"0123456789abcdef"):
+    return client._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=nonce), metadata=client._metadata(False),
+                                 timeout=10)
+
+
 def test_probe_refuses_foreign_paths(pair):
     a, _ = pair
     ca = a.client()
+    secret = "00" * shmlib.SECRET_BYTES
     for path in ("/etc/passwd", "/dev/shm/../etc/passwd", "/tmp/ciuicflow-kv-x",
-                 os.path.join(shmlib.shm_dir(), "other-name")):
-        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"0123456789abcdef"), metadata=ca._metadata(False), timeout=10)
-        assert not r.ok, path
+                 os.path.join(shmlib.shm_dir(), "other-name"), f"/etc/passwd#{secret}",
+                 f"{shmlib.shm_dir()}/../etc/{shmlib.PREFIX}x#{secret}", "fd:0123", "fd:" + "ab" * 16):
+        r = _probe(ca, path)
+        assert not r.ok and "refused" in r.message, path
     # a symlink with the right name is not followed
     link = os.path.join(shmlib.shm_dir(), f"{shmlib.PREFIX}{os.getpid()}-link")
     os.symlink("/etc/hostname", link)
     try:
-        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=link, nonce=b"x"), metadata=ca._metadata(False), timeout=10)
-        assert not r.ok
+        assert not _probe(ca, f"{link}#{secret}").ok
     finally:
         os.unlink(link)
-    # a descriptor path must lead to one of our files in the shared-memory directory
-    with open("/etc/hostname", "rb") as fh, open(os.path.join(os.path.dirname(__file__), "conftest.py"), "rb") as py:
-        for path in (shmlib.fd_path(fh.fileno()), shmlib.fd_path(py.fileno()), "/proc/1/root/etc/passwd",
-                     f"/proc/{os.getpid()}/fd/../../environ", f"/proc/{os.getpid()}/fd/99999"):
-            r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"x"), metadata=ca._metadata(False), timeout=10)
-            assert not r.ok, path
-    # wrong content: another host or mount namespace with a file of the same name
+    # descriptor paths are not accepted any more, whatever they lead to (and the answer does not say)
     fd, path = shmlib.create("t")
     try:
-        os.write(fd, b"something else!!" + bytes(4 * shmlib.PAGE))
-        r = ca._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=b"0123456789abcdef"), metadata=ca._metadata(False), timeout=10)
-        assert not r.ok
+        os.write(fd, b"0123456789abcdef" + bytes(4 * shmlib.PAGE))
+        good = shmlib.named_ref(path, shmlib.new_secret(fd))
+        for proc_path in (f"/proc/{os.getpid()}/fd/{fd}", "/proc/1/root/etc/passwd"):
+            r = _probe(ca, proc_path)
+            assert not r.ok and path not in r.message and "/etc" not in r.message
+        assert not _probe(ca, path).ok                              # the name without its secret
+        assert not _probe(ca, shmlib.named_ref(path, os.urandom(shmlib.SECRET_BYTES))).ok     # a guessed one
+        assert not _probe(ca, good, nonce=b"0").ok                  # no short nonces (no guessing byte by byte)
+        assert _probe(ca, good).ok                                  # the file, its secret, its content
+        os.pwrite(fd, b"something else!!", 0)
+        r = _probe(ca, good)                                        # wrong content: another host or namespace
+        assert not r.ok and "differs" in r.message
     finally:
         shmlib.unlink(path)
         os.close(fd)
@@ -132,6 +141,7 @@ def test_send_shm_path_outside_dir_is_refused(pair):
         fd, path = shmlib.create("t")       # the sidecar unlinks it once open: a new one each time
         try:
             os.write(fd, b"abc")
+            path = shmlib.named_ref(path, shmlib.new_secret(fd))
             req[0] = pb.SendRequest(header=pb.SendHeader(dest="b", key=f"bad-2-{k}", payload_kind="bytes"))
             req[1] = pb.SendRequest(data=pb.SendData(part=0, offset=0, info=pb.PartInfo(index=0, nbytes=10),
                                                      shm=pb.ShmRef(path=path, offset=0, length=length,
@@ -251,8 +261,9 @@ def test_small_parts_are_packed_and_arrive_whole(pair):
 
 
 def test_rings_are_named_by_descriptor_and_reused(pair):
-    """Where the sidecar sees this process, rings are unlinked at once, named /proc/PID/fd/N, and kept for
-    the next transfers (no fresh tmpfs pages); a ring of a transfer that did not end well is not kept."""
+    """Where the sidecar takes this process's descriptors (its Unix socket), rings are unlinked at once,
+    handed over, and kept for the next transfers (no fresh tmpfs pages); a ring of a transfer that did not
+    end well is not kept."""
     a, b = pair
     ca, cb = a.client(), b.client()
     assert ca._use_shm() and cb._use_shm() and ca._rings.by_fd and cb._rings.by_fd
@@ -263,7 +274,7 @@ def test_rings_are_named_by_descriptor_and_reused(pair):
         ca.send("b", f"pool-{i}", [payload[:n // 2], payload[n // 2:]]).wait(30)
         assert b"".join(cb.recv(f"pool-{i}", timeout_s=10)) == payload
         assert our_files() == []            # never a name in /dev/shm
-        used |= {fd for idle in (ca._rings._idle, cb._rings._idle) for rings in idle.values() for fd, _ in rings}
+        used |= {fd for idle in (ca._rings._idle, cb._rings._idle) for rings in idle.values() for fd, *_ in rings}
     assert len(ca._rings._idle[("s", ca.shm_window_bytes)]) == 1      # one send ring, used six times
     assert len(cb._rings._idle[("r", cb.shm_recv_ring_bytes)]) == 1
     assert len(used) == 2
@@ -277,8 +288,8 @@ def test_rings_are_named_by_descriptor_and_reused(pair):
 
 
 def test_rings_by_name_when_descriptors_are_not_possible(pair):
-    """The fallback for a sidecar that cannot open /proc/PID/fd/N (another PID namespace): named files,
-    one per transfer, unlinked once both sides hold them."""
+    """The fallback where the sidecar's descriptor socket is out of reach (another user or mount
+    namespace): named files with a secret, one per transfer, unlinked once both sides hold them."""
     a, b = pair
     ca, cb = a.client(), b.client()
     for c in (ca, cb):

@@ -20,8 +20,10 @@ Payloads are bytes (returned as bytes) or a list of torch tensors (returned as t
 shape, on the CPU). A list may mix tensors and bytes. torch is imported only when tensors are used.
 
 On the same host as its sidecar the client hands the bytes over in shared memory (``/dev/shm``, see
-``proto/shm.py``): only small handles go over the local gRPC connection. ``Client(..., shm=False)`` turns that off;
-the default checks once that the sidecar can open this process's files and otherwise sends the bytes in-band.
+``proto/shm.py``): only small handles go over the local gRPC connection, and the sidecar opens only files
+this process proves it holds (descriptors handed over its Unix socket, or named files with their secret).
+``Client(..., shm=False)`` turns that off; the default checks once that the sidecar can open this process's
+files and otherwise sends the bytes in-band.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from ..proto import kvflow_pb2_grpc as pb_grpc
 from ..proto import runtime
 from ..proto import shm as shmlib
 from ..proto.messages import AUTH_METADATA, FLOW_METADATA, PRIORITY_NAMES, priority_to_pb
+from .handoff import FdHandoff
 from .payload import KVFlowError, messages, split_payload
 from .rings import CallFinished, RingPool, ShmWriter
 from .streams import RecvStream, SendHandle, SendStream
@@ -102,34 +105,46 @@ class Client:
         return self._shm_ok
 
     def _probe_shm(self):
-        """Whether the sidecar can open and write this process's shared-memory files: first named by
-        descriptor (then rings are reused, see RingPool), else by name; (ok, why not)."""
+        """Whether the sidecar can open and write this process's shared-memory files: first handed over
+        as descriptors (then rings are reused, see RingPool), else named with their secret; (ok, why not)."""
         if not shmlib.available():
             return False, f"{shmlib.shm_dir()} is not writable"
         ok, why = self._probe_shm_file(by_fd=True)
-        self._rings.by_fd = ok
         if not ok:
             log.debug("shared memory by descriptor not possible (%s); trying by name", why)
             ok, why = self._probe_shm_file(by_fd=False)
         return ok, why
 
     def _probe_shm_file(self, by_fd: bool):
+        """One way of naming files to the sidecar, tried with a probe file; by descriptor, a success keeps
+        the descriptor socket for the rings."""
+        handoff = FdHandoff.for_address(self.address) if by_fd else None
+        if by_fd and handoff is None:
+            return False, "the sidecar's descriptor socket is out of reach (another user, host or mount namespace)"
         try:
             fd, path = shmlib.create("p")
         except OSError as exc:
+            if handoff is not None:
+                handoff.close()
             return False, str(exc)
+        ref, ok = None, False
         try:
-            if by_fd:
-                shmlib.unlink(path)
-                path = shmlib.fd_path(fd)
             nonce = os.urandom(16)
             shmlib.write_all(fd, nonce + bytes(2 * shmlib.PAGE - len(nonce)), 0)
-            reply = self._stub.ShmProbe(pb.ShmProbeRequest(path=path, nonce=nonce), metadata=self._metadata(False),
+            if by_fd:
+                shmlib.unlink(path)
+                ref = handoff.register(fd)
+            else:
+                ref = shmlib.named_ref(path, shmlib.new_secret(fd))
+            reply = self._stub.ShmProbe(pb.ShmProbeRequest(path=ref, nonce=nonce), metadata=self._metadata(False),
                                         timeout=30)
             if reply.ok and os.pread(fd, len(nonce), shmlib.PAGE) != nonce:
                 # the rings need the sidecar to write into this process's files
                 return False, "the sidecar cannot write into the shared-memory file"
+            ok = reply.ok
             return reply.ok, reply.message
+        except OSError as exc:
+            return False, f"descriptor not taken: {exc}"
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNIMPLEMENTED,):
                 return False, "the sidecar does not support shared memory"
@@ -137,6 +152,13 @@ class Client:
         finally:
             shmlib.unlink(path)
             os.close(fd)
+            if handoff is not None:
+                if ref is not None:
+                    handoff.drop(ref)
+                if ok:
+                    self._rings.handoff = handoff
+                else:
+                    handoff.close()
 
     def _send_stub(self, priority: str):
         return self._high_stub if priority == "high" else self._stub
@@ -261,6 +283,8 @@ class Client:
         self._channel.close()
         self._high_channel.close()
         self._rings.close()
+        if self._rings.handoff is not None:
+            self._rings.handoff.close()
 
     def __enter__(self) -> "Client":
         return self

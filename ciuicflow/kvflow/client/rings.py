@@ -16,10 +16,11 @@ class CallFinished(Exception):
 
 
 class RingPool:
-    """A client's shared-memory rings (shm.py). When the sidecar opens them by descriptor
-    (``by_fd``), rings of finished transfers are kept, up to ``keep`` of each kind, and reused: a
-    transfer then writes into pages that exist already instead of fresh tmpfs pages, which cost about as
-    much to allocate, zero and free as the copy into them. Otherwise each transfer has a new, named file.
+    """A client's shared-memory rings (shm.py). When the sidecar takes descriptors (``handoff``, the
+    sidecar's descriptor socket), rings are unlinked at once, handed over, and those of finished transfers
+    kept, up to ``keep`` of each kind, and reused: a transfer then writes into pages that exist already
+    instead of fresh tmpfs pages, which cost about as much to allocate, zero and free as the copy into them.
+    Otherwise each transfer has a new, named file with a secret of its own.
 
     A ring is kept only after its transfer ended well, when the sidecar no longer touches it; a reused send
     ring continues from its last logical position (so a late position written by an old transfer could
@@ -28,29 +29,39 @@ class RingPool:
 
     def __init__(self, keep: int):
         self.keep = max(int(keep), 0)
-        self.by_fd = False
+        self.handoff = None       # client.handoff.FdHandoff, once the sidecar is known to take descriptors
         self._closed = False
-        self._idle = {}           # (kind, size) -> [(fd, pos)]
+        self._idle = {}           # (kind, size) -> [(fd, handle, pos)]
         self._lock = threading.Lock()
 
+    @property
+    def by_fd(self) -> bool:
+        return self.handoff is not None
+
     def take(self, kind: str, size: int) -> "tuple[int, str, int]":
-        """A ring of ``size`` data bytes: (fd, path for the sidecar, logical position to start at)."""
+        """A ring of ``size`` data bytes: (fd, its reference for the sidecar, logical position to start at)."""
         with self._lock:
             idle = self._idle.get((kind, size))
-            fd, pos = idle.pop() if idle else (-1, 0)
-        if fd < 0:
-            fd, path = shmlib.create_ring(kind, size)
-            if not self.by_fd:
-                return fd, path, 0
+            fd, ref, pos = idle.pop() if idle else (-1, "", 0)
+        if fd >= 0:
+            if kind == "r":
+                shmlib.publish_read(fd, 0)
+                pos = 0
+            return fd, ref, pos
+        fd, path = shmlib.create_ring(kind, size)
+        try:
+            if self.handoff is None:
+                return fd, shmlib.named_ref(path, shmlib.new_secret(fd)), 0
             shmlib.unlink(path)
-        elif kind == "r":
-            shmlib.publish_read(fd, 0)
-            pos = 0
-        return fd, shmlib.fd_path(fd), pos
+            return fd, self.handoff.register(fd), 0
+        except BaseException:
+            shmlib.unlink(path)
+            os.close(fd)
+            raise
 
-    def give(self, kind: str, size: int, fd: int, path: str, pos: int, reusable: bool) -> None:
+    def give(self, kind: str, size: int, fd: int, ref: str, pos: int, reusable: bool) -> None:
         """A ring whose transfer has ended (``reusable``: well, and the reader has read up to ``pos``)."""
-        if reusable and self.by_fd and shmlib.is_fd_path(path):
+        if reusable and shmlib.is_handle(ref):
             try:
                 reusable = kind == "r" or shmlib.read_position(fd) == pos
             except OSError:
@@ -58,9 +69,16 @@ class RingPool:
             with self._lock:
                 idle = self._idle.setdefault((kind, size), [])
                 if reusable and not self._closed and len(idle) < self.keep:
-                    idle.append((fd, pos))
+                    idle.append((fd, ref, pos))
                     return
-        shmlib.unlink(path)
+        self._free(fd, ref)
+
+    def _free(self, fd: int, ref: str) -> None:
+        if shmlib.is_handle(ref):
+            if self.handoff is not None:
+                self.handoff.drop(ref)
+        else:
+            shmlib.unlink(ref)
         os.close(fd)
 
     def __del__(self):      # a Client dropped without close(): its idle rings are not kept alive
@@ -73,10 +91,10 @@ class RingPool:
         """Free the idle rings; rings still in use are freed when their transfers end."""
         with self._lock:
             self._closed = True
-            rings = [fd for idle in self._idle.values() for fd, _ in idle]
+            rings = [(fd, ref) for idle in self._idle.values() for fd, ref, _ in idle]
             self._idle.clear()
-        for fd in rings:
-            os.close(fd)
+        for fd, ref in rings:
+            self._free(fd, ref)
 
 
 def _succeeded(future) -> bool:
@@ -96,7 +114,7 @@ class ShmWriter:
     def __init__(self, window: int, done=lambda: False, rings: Optional[RingPool] = None):
         self.window = max(int(window), 1 << 20)
         self._rings = rings or RingPool(0)
-        self.fd, self.path, self.pos = self._rings.take("s", self.window)   # pos: of the next byte written
+        self.fd, self.path, self.pos = self._rings.take("s", self.window)   # path: the ring's reference
         self.piece = self.window // 2        # room for two pieces: one being read while the next is written
         self._done = done
         self._lock = threading.Lock()

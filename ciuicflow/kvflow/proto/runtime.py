@@ -56,7 +56,8 @@ def netns_id() -> str:
         return "0"
 
 
-def _port_of(address: str) -> Optional[int]:
+def port_of(address: str) -> Optional[int]:
+    """The port of a sidecar on this host at ``address`` (None: another host, or no port)."""
     host, sep, port = address.rpartition(":")
     if not sep:
         return None
@@ -95,7 +96,7 @@ def find_api_token(address: str) -> Optional[str]:
     path = os.environ.get(API_TOKEN_FILE_ENV)
     if path:
         return read_secret(path, f"${API_TOKEN_FILE_ENV}")
-    port = _port_of(address)
+    port = port_of(address)
     if port is None:
         return None
     try:

@@ -3,25 +3,29 @@
 The bytes of a transfer go through a file in the shared-memory directory (``/dev/shm``, a tmpfs) instead
 of through gRPC messages on the local API: the client writes them once, the sidecar reads them once, and
 only small ``ShmRef`` handles cross the loopback gRPC connection. Files are always created by the client
-(mode 0600, name ``ciuicflow-kv-*``), and nothing is left in ``/dev/shm`` when either process dies. The
-client names a file to the sidecar in one of two ways:
+(mode 0600, name ``ciuicflow-kv-*``), and nothing is left in ``/dev/shm`` when either process dies.
 
-- by its descriptor, ``/proc/<client pid>/fd/<fd>`` (``fd_path``), when the sidecar sees the client's
-  processes (same PID namespace): the client unlinks the file as soon as it is created, and keeps the
+The sidecar opens only what its caller proves it holds (another local process's rings stay out of reach,
+whatever the caller names). A client names a file in one of two ways:
+
+- by a handle, ``fd:HEX`` (``is_handle``): the client hands the file's descriptor over the sidecar's Unix
+  socket (``SCM_RIGHTS``, in the sidecar user's private runtime directory, see runtime.py, peer credentials
+  checked) and gets the handle back; the client unlinks the file as soon as it is created and keeps the
   ring for its next transfers (``Client``'s ring pool), so a transfer does not pay for fresh tmpfs pages
   (allocating, zeroing and freeing them cost about as much as the copy into them);
-- by its name in ``/dev/shm`` otherwise (a container that shares only ``/dev/shm``): the sidecar unlinks
-  it once both sides hold it open, and each transfer has a new file.
+- by its name in ``/dev/shm`` with the file's secret, ``PATH#HEX`` (``named_ref``), where the socket is
+  out of reach (a container that shares only ``/dev/shm``, a client of another user): the client writes a
+  random secret into the file's header (``new_secret``), which only processes that can read the file know;
+  the sidecar opens the name without following links (``openat`` from the directory it opened at start,
+  ``O_NOFOLLOW``), checks what it opened and compares the secret before anything else, and unlinks the
+  name once both sides hold the file. Each transfer has a new file.
 
-The sidecar opens only files named ``ciuicflow-kv-*`` directly in the shared-memory directory, whichever
-way they are named (``open_checked``). The client checks once per ``Client`` which way works
+``/proc/PID/fd/N`` paths (older clients) are refused. The client checks once per ``Client`` which way works
 (``ShmProbe``); when neither does (another host), the bytes go in-band in the gRPC messages as before.
 """
 from __future__ import annotations
 
 import os
-import re
-import stat
 import struct
 import uuid as uuidlib
 from typing import Optional
@@ -47,68 +51,44 @@ def create(tag: str = "") -> "tuple[int, str]":
     return fd, path
 
 
-def unlink(path: Optional[str]) -> None:
-    """Remove the file's name (nothing to do for a /proc/PID/fd/N path: the client unlinked it already)."""
-    if not path or is_fd_path(path):
+HANDLE_PREFIX = "fd:"            # a descriptor handed over the sidecar's Unix socket: "fd:" + 32 hex digits
+SECRET_OFFSET = 64              # a named file's secret, in its header page (after the read position)
+SECRET_BYTES = 32
+
+
+def is_handle(ref: str) -> bool:
+    return ref.startswith(HANDLE_PREFIX)
+
+
+def named_ref(path: str, secret: bytes) -> str:
+    """How a file is named to the sidecar by its path: the path and its secret."""
+    return f"{path}#{secret.hex()}"
+
+
+def split_named(ref: str) -> "tuple[str, Optional[bytes]]":
+    """(path, secret or None) of a named reference."""
+    path, sep, secret = ref.partition("#")
+    try:
+        return path, bytes.fromhex(secret) if sep else None
+    except ValueError:
+        return path, None
+
+
+def new_secret(fd: int) -> bytes:
+    """Write a fresh random secret into the file's header; returns it (named files prove possession)."""
+    secret = os.urandom(SECRET_BYTES)
+    write_all(fd, secret, SECRET_OFFSET)
+    return secret
+
+
+def unlink(ref: Optional[str]) -> None:
+    """Remove a named file's name (nothing to do for a handle: the client unlinked it already)."""
+    if not ref or is_handle(ref):
         return
     try:
-        os.unlink(path)
+        os.unlink(split_named(ref)[0])
     except FileNotFoundError:
         pass
-
-
-_FD_PATH = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
-_DELETED = " (deleted)"
-
-
-def fd_path(fd: int) -> str:
-    """How the sidecar opens this process's file ``fd`` (unlinked or not)."""
-    return f"/proc/{os.getpid()}/fd/{fd}"
-
-
-def is_fd_path(path: str) -> bool:
-    return bool(_FD_PATH.fullmatch(path))
-
-
-def check_path(path: str, allowed_dir: str) -> Optional[str]:
-    """Why the sidecar must not open ``path`` (None: it may). Only files named ``ciuicflow-kv-*`` directly
-    in the shared-memory directory (for a ``/proc/PID/fd/N`` path: the file it leads to, checked once open)."""
-    if not path or "\x00" in path:
-        return "empty shared-memory path"
-    if path.startswith("/proc/"):
-        target = os.readlink(path) if is_fd_path(path) and os.path.islink(path) else ""
-        if target.endswith(_DELETED):
-            target = target[:-len(_DELETED)]
-        if not target:
-            return f"{path!r} is not a /proc/PID/fd/N link"
-        err = check_path(target, allowed_dir)
-        return f"{path!r} leads to a file the sidecar may not open: {err}" if err else None
-    name = os.path.basename(path)
-    if not name.startswith(PREFIX) or name in (".", ".."):
-        return f"shared-memory file {path!r} is not named {PREFIX}*"
-    if os.path.realpath(os.path.dirname(path)) != os.path.realpath(allowed_dir):
-        return f"shared-memory file {path!r} is not in {allowed_dir}"
-    return None
-
-
-def open_checked(path: str, allowed_dir: str, write: bool = False) -> int:
-    """Open a client's shared-memory file (no symlinks, regular files only); raises OSError/ValueError."""
-    err = check_path(path, allowed_dir)
-    if err:
-        raise ValueError(err)
-    fd_link = is_fd_path(path)      # a /proc fd link is a symlink by nature: it is followed, then re-checked
-    fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | (0 if fd_link else os.O_NOFOLLOW) | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"shared-memory file {path!r} is not a regular file")
-        if fd_link:     # what was opened, not what the link said a moment before
-            err = check_path(fd_path(fd), allowed_dir)
-            if err:
-                raise ValueError(err)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def write_all(fd: int, data, offset: int) -> None:

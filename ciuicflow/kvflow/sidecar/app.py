@@ -32,6 +32,7 @@ from ..proto import kvflow_pb2 as pb
 from ..proto import kvflow_pb2_grpc as pb_grpc
 from ..proto.codec import safe_deserializer
 from ..proto import runtime
+from ..proto import shm as shmlib
 from ..proto.messages import AUTH_METADATA, LOCAL_SERVICE, PEER_METADATA, PEER_SERVICE
 from ..transports.base import Transport
 from ..transports.grpc_stream import GrpcStreamTransport, PeerChannel
@@ -40,11 +41,13 @@ from ..transports.tcp_server import DataPlaneServer
 from . import grpc_setup
 from .config import SidecarConfig, format_hostport, parse_hostport
 from .credentials import new_api_token
+from .fd_handoff import FdRegistry, HandoffServer
 from .ingest import Ingest
 from .local_api import LocalApi
 from .metrics import Metrics
 from .peer_sender import PeerSender
 from .peer_service import PeerService
+from .shm_access import ShmAccess
 from .store import Store
 
 log = logging.getLogger("ciuicflow.kvflow")
@@ -74,17 +77,22 @@ class Sidecar:
                                         labels=self.labels, max_open_transfers=cfg.max_open_transfers,
                                         max_lease_s=cfg.max_lease_s)
         self.senders: Dict[str, PeerSender] = {}
+        # Shared memory: only the caller's own files (descriptors handed over, or named files with their
+        # secret); the descriptor socket starts with the local API (start).
+        self.fd_registry = FdRegistry()
+        self.shm_access = ShmAccess(shmlib.shm_dir(), self.fd_registry) if cfg.local_shm else None
+        self.handoff: Optional[HandoffServer] = None
         self.ingest = Ingest(self.budget, chunk_size=cfg.chunk_size, whole_part_bytes=cfg.whole_part_bytes,
                              chunk_limit=min(cfg.max_chunk_size, cfg.max_message_bytes - MESSAGE_SLACK),
                              readahead=cfg.ingest_readahead, admission_timeout_s=cfg.admission_timeout_s,
-                             local_shm=cfg.local_shm)
+                             local_shm=cfg.local_shm, access=self.shm_access)
         # The local API always needs a token unless --no-api-token: a random one when none is configured,
         # published (start) where only this user's processes can read it (proto/runtime.py).
         self.api_token = None if cfg.no_api_token else (cfg.api_token or new_api_token())
         self.api_token_path: Optional[str] = None
         self.local_api = LocalApi(self.senders, self.ingest, self.store, self.metrics, api_token=self.api_token,
                                   local_shm=cfg.local_shm, shutting_down=self._is_shutting_down, stats=self.stats,
-                                  max_lease_s=cfg.max_lease_s)
+                                  max_lease_s=cfg.max_lease_s, access=self.shm_access)
         self.servers = grpc_setup.Servers(cfg.max_message_bytes)
         self.data_plane: Optional[DataPlaneServer] = None
         self.api_address = ""
@@ -130,6 +138,7 @@ class Sidecar:
             raise RuntimeError(f"cannot bind the local API on {cfg.api}")
         self.api_address = format_hostport(api_host, bound)
         self._publish_api_token(bound)
+        self._start_handoff(bound)
 
         # A peer needs one connection and a few streams; strangers get no more before they authenticate.
         peer_limits = dataclasses.replace(limits, streams_per_connection=32, max_rpcs=4 * cfg.max_connections)
@@ -184,6 +193,17 @@ class Sidecar:
                                    f"or ${runtime.API_TOKEN_ENV}") from None
             log.warning("local API token not published (%s): clients must be given it", exc)
 
+    def _start_handoff(self, port: int) -> None:
+        """The Unix socket clients of this user hand their rings' descriptors over on (fd_handoff.py)."""
+        if self.shm_access is None:
+            return
+        try:
+            self.handoff = HandoffServer(self.fd_registry, runtime.api_file(port, "sock", create_dir=True))
+            self.handoff.start()
+        except OSError as exc:
+            self.handoff = None
+            log.warning("no descriptor socket for shared memory (%s): clients use named files", exc)
+
     async def _sweeper(self) -> None:
         period = max(0.05, min(1.0, self.cfg.lease_s / 4))
         while True:
@@ -216,6 +236,10 @@ class Sidecar:
         if self.data_plane is not None:
             await self.data_plane.stop()
         await self.servers.stop(1.0)
+        if self.handoff is not None:
+            self.handoff.stop()
+        if self.shm_access is not None:
+            self.shm_access.close()
         runtime.unpublish(self.api_token_path, self.api_token)
         log.info("stopped")
 

@@ -18,6 +18,7 @@ from ..core.transfer import OutChunk, Transfer, TransferFailed
 from ..proto import kvflow_pb2 as pb
 from ..proto import shm as shmlib
 from ..proto.codec import MALFORMED, uninitialized
+from .shm_access import ShmRefused
 
 MAX_PACKED_PARTS = 64   # most whole parts in one packed chunk (bounds its header)
 MAX_SHM_FILES = 16      # shared-memory files one Send may name
@@ -29,7 +30,7 @@ class Ingest:
     ``local_shm``: whether handles to shared memory are accepted."""
 
     def __init__(self, budget, *, chunk_size: int, whole_part_bytes: int, chunk_limit: int, readahead: int,
-                 admission_timeout_s: float, local_shm: bool):
+                 admission_timeout_s: float, local_shm: bool, access=None):
         self.budget = budget
         self.chunk_size = chunk_size
         self.whole_part_bytes = whole_part_bytes
@@ -37,6 +38,7 @@ class Ingest:
         self.readahead = readahead
         self.admission_timeout_s = admission_timeout_s
         self.local_shm = local_shm
+        self.access = access            # shm_access.ShmAccess: which of the caller's files may be opened
 
     def _open_shm(self, files: Dict[str, int], path: str) -> int:
         fd = files.get(path)
@@ -46,12 +48,11 @@ class Ingest:
             if len(files) >= MAX_SHM_FILES:
                 raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, "too many shared-memory files in one Send")
             try:
-                fd = shmlib.open_checked(path, shmlib.shm_dir(), write=True)   # write: to say what it has read
-            except (OSError, ValueError) as exc:
-                raise TransferFailed(grpc.StatusCode.FAILED_PRECONDITION,
-                                     f"cannot open shared-memory file: {exc}") from None
+                fd = self.access.open(path)     # read-write: to say what it has read
+            except ShmRefused as exc:
+                raise TransferFailed(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
             files[path] = fd
-            shmlib.unlink(path)         # both sides hold it open: no name left behind if either dies
+            self.access.unlink(path, fd)        # both sides hold it open: no name left behind if either dies
         return fd
 
     async def run(self, sender, t: Transfer, requests) -> None:

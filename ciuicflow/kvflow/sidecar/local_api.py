@@ -4,6 +4,7 @@ destination's peer sender), ``Recv`` (a received transfer delivered as it arrive
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -21,10 +22,12 @@ from ..proto import shm as shmlib
 from ..proto.codec import MALFORMED
 from ..proto.messages import AUTH_METADATA, FLOW_METADATA, PAYLOAD_KINDS, check_key, priority_from_pb
 from .delivery import RecvRing, deliver
+from .shm_access import ShmRefused
 
 log = logging.getLogger("ciuicflow.kvflow")
 
 MAX_WAIT_S = 86400.0            # deadlines and receive timeouts beyond this are cut to it
+PROBE_NONCE = 16                # ShmProbe: the nonce's length, exactly
 
 
 class LocalApi(pb_grpc.KVFlowServicer):
@@ -36,7 +39,7 @@ class LocalApi(pb_grpc.KVFlowServicer):
 
     def __init__(self, senders, ingest, store, metrics, *, api_token: Optional[str], local_shm: bool,
                  shutting_down: Callable[[], bool], stats: Callable[[], dict], token_hint: str = "",
-                 max_lease_s: float = 600.0):
+                 max_lease_s: float = 600.0, access=None):
         self.senders = senders
         self.ingest = ingest
         self.store = store
@@ -44,6 +47,7 @@ class LocalApi(pb_grpc.KVFlowServicer):
         self.api_token = api_token
         self.token_hint = token_hint
         self.max_lease_s = max_lease_s
+        self.access = access            # shm_access.ShmAccess: which of the caller's files may be opened
         self.local_shm = local_shm
         self.shutting_down = shutting_down
         self.stats = stats
@@ -159,11 +163,10 @@ class LocalApi(pb_grpc.KVFlowServicer):
         ring = None
         if request.shm_path and self.local_shm and request.shm_ring_bytes:
             try:
-                ring = RecvRing(shmlib.open_checked(request.shm_path, shmlib.shm_dir(), write=True),
-                                 request.shm_ring_bytes)
-                shmlib.unlink(request.shm_path)
-            except (OSError, ValueError) as exc:
-                log.info("Recv %r: shared memory not possible, sending in-band: %s", request.key, exc)
+                ring = RecvRing(self.access.open(request.shm_path), request.shm_ring_bytes)
+                self.access.unlink(request.shm_path, ring.fd)
+            except ShmRefused:
+                log.info("Recv %r: shared-memory handle refused, sending in-band", request.key)
         async for reply in deliver(entry, store, ring, deadline, timeout_s, self.shutting_down, context):
             yield reply
 
@@ -179,19 +182,22 @@ class LocalApi(pb_grpc.KVFlowServicer):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed ShmProbeRequest")
         if not self.local_shm:
             return pb.ShmProbeReply(ok=False, message="shared memory is off (--no-local-shm)")
+        if len(request.nonce) != PROBE_NONCE:       # no shorter nonce: no guessing a file byte by byte
+            return pb.ShmProbeReply(ok=False, message=f"the nonce must be {PROBE_NONCE} bytes")
         try:
-            fd = shmlib.open_checked(request.path, shmlib.shm_dir(), write=True)
-        except (OSError, ValueError) as exc:
-            return pb.ShmProbeReply(ok=False, message=f"cannot open {request.path!r}: {exc}")
+            fd = self.access.open(request.path)
+        except ShmRefused as exc:       # says nothing about what was named
+            return pb.ShmProbeReply(ok=False, message=str(exc))
         try:
-            seen = os.pread(fd, len(request.nonce), 0)
-            if request.nonce and seen == request.nonce:
+            seen = os.pread(fd, PROBE_NONCE, 0)
+            same = hmac.compare_digest(seen, request.nonce)
+            if same:
                 # written back after the first page: the client checks that this sidecar can write its files
                 os.pwrite(fd, seen, shmlib.PAGE)
-        except OSError as exc:
-            return pb.ShmProbeReply(ok=False, message=f"cannot use {request.path!r}: {exc}")
+        except OSError:
+            return pb.ShmProbeReply(ok=False, message="cannot use this shared-memory file")
         finally:
             os.close(fd)
-        if not request.nonce or seen != request.nonce:
+        if not same:
             return pb.ShmProbeReply(ok=False, message="the file's content differs (another host or namespace)")
         return pb.ShmProbeReply(ok=True)
