@@ -138,7 +138,8 @@ class WorkerSide:
         meta = self.meta
         for spec in (meta.saves if meta is not None else ()):
             out = self._out.pop(spec.req_id, None)
-            if out is None:          # no layer was saved (should not happen): the receiver must not wait
+            if out is None:          # no layer was saved (should not happen): a failed send, reported as done;
+                                     # the decode side finds no transfer and recomputes after its timeout
                 out = OutgoingKV(self.client, spec.req_id, spec.key, spec.dest, spec.block_ids, spec.num_tokens,
                                  spec.tokens_sha, self.layer_names)
             out.close()
