@@ -13,6 +13,15 @@ from ciuicflow.kvflow.sidecar.process import READY_RE, free_port
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
+def wait_until(condition, timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll ``condition()`` until it holds (AssertionError after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout:g}s")
+        time.sleep(0.05)
+
+
 class FakeClock:
     """A simulated clock for the pure parts (scheduler, congestion controller, transfer state machine)."""
 

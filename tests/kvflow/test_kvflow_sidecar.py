@@ -12,6 +12,7 @@ import pytest
 
 from ciuicflow.kvflow import KVFlowError
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
+from tests.kvflow.conftest import wait_until
 from ciuicflow.testing.kvflow_faults import Faults
 
 CHUNK = 64 << 10          # small chunks: many chunks per transfer at small sizes
@@ -56,7 +57,8 @@ def test_kvflow_many_sizes_arrive_intact(pair, flow):
         assert isinstance(got, bytes)
         assert sha(got) == sha(v), k
     assert cb.stats()["memory"]["used"] == 0
-    assert ca.stats()["memory"]["used"] == 0
+    # the sender keeps each transfer until the receiver's consumer has it (Delivery guarantees)
+    wait_until(lambda: ca.stats()["memory"]["used"] == 0, what="sender's memory released")
 
 
 def test_kvflow_tensors_arrive_with_dtype_and_shape(pair):
@@ -263,11 +265,12 @@ def test_kvflow_memory_cap_holds_under_overload(sidecars):
     sb, sa = cb.stats()["memory"], ca.stats()["memory"]
     assert sb["peak"] <= cap_b_total and sb["peak_per_peer"]["a"] <= cap_b_peer
     assert sa["peak"] <= 5 << 20 and sa["peak_per_peer"]["b"] <= 4 << 20
-    assert sa["used"] == 0
+    assert sa["used"] <= len(ok) * ((512 << 10) + (4 << 10))    # kept for the receiver until collected
     # what was accepted is intact; once collected, there is room again
     for k in ok:
         assert sha(cb.recv(k, timeout_s=10)) == sha(payloads[k])
     assert cb.stats()["memory"]["used"] == 0
+    wait_until(lambda: ca.stats()["memory"]["used"] == 0, what="sender's memory released")
     ca.send("b", "after-overload", os.urandom(1 << 20)).wait(30)
     assert len(cb.recv("after-overload", timeout_s=10)) == 1 << 20
 

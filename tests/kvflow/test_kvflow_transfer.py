@@ -277,3 +277,52 @@ def test_kvflow_rate_limit_paces_bytes():
     assert bucket.take(100) == pytest.approx(0.1)
     clock.advance(10.0)
     assert bucket.take(50) == 0.0                   # refilled, capped at the burst
+
+
+def test_kvflow_transfer_local_sender_silent_too_long_fails():
+    """A Send whose client stops without ending it fails after the stall timeout (nothing outstanding)."""
+    clock = FakeClock(100.0)
+    t = make(clock)
+    t.add_chunk(chunk(0))
+    t.open()
+    send_all(t)
+    t.on_ack(ack(t, 0))
+    clock.advance(2.0)
+    t.add_chunk(chunk(1))          # more input: the clock restarts
+    send_all(t)
+    t.on_ack(ack(t, 1))
+    clock.advance(2.9)
+    t.check_time(clock(), peer_down_since=None)
+    assert t.state == OPEN
+    clock.advance(0.2)
+    t.check_time(clock(), peer_down_since=None)
+    assert t.state == FAILED and t.failure.code == grpc.StatusCode.CANCELLED and t.failure.tell_peer
+
+
+def test_kvflow_transfer_revived_after_the_receiver_lost_it():
+    """A committed transfer the receiver lost (not durable) goes out again: reopened as a resume, all of
+    its chunks, and committed again."""
+    clock = FakeClock(100.0)
+    t = make(clock)
+    for i in range(3):
+        t.add_chunk(chunk(i))
+    t.close(3)
+    t.open()
+    send_all(t)
+    for i in range(3):
+        t.on_ack(ack(t, i))
+    t.commit()
+    t.on_commit(pb.CommitAck(tid=t.tid, lease_s=30.0, queries=True))
+    assert t.state == DONE and not t.durable and t.queryable and t.lease_s == 30.0
+    t.revive()
+    assert t.state == NEW
+    frame = t.open()
+    assert frame.resume and t.state == OPENING
+    t.on_state(pb.TransferState(tid=t.tid))                # it holds nothing
+    assert send_all(t) == [0, 1, 2]
+    for i in range(3):
+        t.on_ack(ack(t, i))
+    assert t.commit_due()
+    t.commit()
+    t.on_commit(pb.CommitAck(tid=t.tid, durable=True))
+    assert t.state == DONE and t.durable

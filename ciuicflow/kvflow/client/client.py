@@ -186,19 +186,22 @@ class Client:
 
     # ------------------------------------------------------------------ sending
     def send(self, dest: str, key: str, payload, priority: str = "normal", deadline_s: Optional[float] = None,
-             *, flow: Optional[bool] = None, lease_s: Optional[float] = None, resume: bool = False) -> SendHandle:
+             *, flow: Optional[bool] = None, lease_s: Optional[float] = None, resume: bool = False,
+             idempotency_key: Optional[str] = None) -> SendHandle:
         """Send ``payload`` (bytes, or a list of tensors) to peer ``dest`` under ``key``; returns at once.
 
         Tensors are read when their turn comes: do not modify them before ``handle.wait()`` returns.
         ``resume``: when retrying after a failed attempt (e.g. this side's sidecar died mid-transfer), set it so
         that chunks the receiver already holds with the same checksum are not sent again; without it a
         partial transfer of this key from this sidecar is discarded and sent from the start.
+        ``idempotency_key``: the same key names the same transfer on every try, also after a restart of
+        the sending sidecar: a receiver that holds it, or whose consumer had it, does not take it again.
         """
         self._check_priority(priority)
         kind, parts = split_payload(payload, self.message_bytes)
         header = pb.SendRequest(header=pb.SendHeader(
             dest=dest, key=key, priority=priority_to_pb(priority), deadline_s=float(deadline_s or 0.0),
-            payload_kind=kind, resume=resume, lease_s=float(lease_s or 0.0)))
+            payload_kind=kind, resume=resume, lease_s=float(lease_s or 0.0), idempotency_key=idempotency_key or ""))
         message_bytes = self.message_bytes
         box = []
         writer = (ShmWriter(self.shm_window_bytes, lambda: bool(box) and box[0].done(), self._rings)
@@ -230,22 +233,27 @@ class Client:
 
     def open(self, dest: str, key: str, priority: str = "normal", deadline_s: Optional[float] = None, *,
              flow: Optional[bool] = None, lease_s: Optional[float] = None, resume: bool = False,
-             payload_kind: str = "tensors") -> SendStream:
+             payload_kind: str = "tensors", idempotency_key: Optional[str] = None) -> SendStream:
         """Open a transfer to which parts are appended as they are produced (e.g. layer by layer)."""
         self._check_priority(priority)
         return SendStream(self, dest, key, priority, deadline_s, self.flow if flow is None else flow, lease_s,
-                          resume, payload_kind, self.queue_messages)
+                          resume, payload_kind, self.queue_messages, idempotency_key)
 
     # ------------------------------------------------------------------ receiving
-    def recv_stream(self, key: str, timeout_s: Optional[float] = None, *, source: Optional[str] = None) -> RecvStream:
+    def recv_stream(self, key: str, timeout_s: Optional[float] = None, *, source: Optional[str] = None,
+                    manual_ack: bool = False) -> RecvStream:
         """Parts of transfer ``key`` as they arrive (waits up to ``timeout_s`` for the whole transfer).
         ``source``: only the transfer sent by that peer. Keys are scoped by the sending peer, so two peers
         may send the same key; without ``source`` such a key is refused (FAILED_PRECONDITION), and the
-        first peer to send a key is the one received: name the source when peers do not trust each other."""
+        first peer to send a key is the one received: name the source when peers do not trust each other.
+        ``manual_ack``: the sidecar keeps the transfer after delivering it until ``ack(key)``, and delivers it
+        again to a later receive (at-least-once: a consumer that dies before ``ack`` loses nothing); by
+        default it is deleted once delivered (at-most-once)."""
         ring = self.shm_recv_ring_bytes
         shm_file = self._rings.take("r", ring)[:2] if self._use_shm() else None
         try:
             call = self._stub.Recv(pb.RecvRequest(key=key, timeout_s=float(timeout_s or 0.0), source=source or "",
+                                                  manual_ack=manual_ack,
                                                   shm_path=shm_file[1] if shm_file else "",
                                                   shm_ring_bytes=ring if shm_file else 0),
                                    metadata=self._metadata(False),
@@ -256,15 +264,24 @@ class Client:
             raise
         return RecvStream(call, shm_file, ring, self._rings)
 
-    def recv(self, key: str, timeout_s: Optional[float] = None, *,
-             source: Optional[str] = None) -> Union[bytes, List[Any]]:
+    def recv(self, key: str, timeout_s: Optional[float] = None, *, source: Optional[str] = None,
+             manual_ack: bool = False) -> Union[bytes, List[Any]]:
         """The whole transfer ``key`` (from peer ``source``, see recv_stream): bytes for a bytes payload, else
         a list (tensors, bytes parts)."""
-        stream = self.recv_stream(key, timeout_s, source=source)
+        stream = self.recv_stream(key, timeout_s, source=source, manual_ack=manual_ack)
         parts = [p.value for p in stream]
         if stream.header is not None and stream.header.payload_kind == "bytes":
             return b"".join(parts)
         return parts
+
+    def ack(self, key: str, source: Optional[str] = None) -> None:
+        """This consumer has transfer ``key`` (received with ``manual_ack=True``): the sidecar may delete it.
+        Acknowledging twice is fine; NOT_FOUND when there is nothing to acknowledge (e.g. its lease expired)."""
+        try:
+            self._stub.Acknowledge(pb.AcknowledgeRequest(key=key, source=source or ""),
+                                   metadata=self._metadata(False), timeout=30)
+        except grpc.RpcError as exc:
+            raise KVFlowError.from_rpc(exc) from None
 
     # ------------------------------------------------------------------ misc
     def stats(self) -> dict:

@@ -77,7 +77,7 @@ class SendStream:
     """
 
     def __init__(self, client, dest: str, key: str, priority: str, deadline_s, flow: bool,
-                 lease_s, resume: bool, payload_kind: str, queue_messages: int):
+                 lease_s, resume: bool, payload_kind: str, queue_messages: int, idempotency_key=None):
         self.dest = dest
         self.key = key
         self._message_bytes = client.message_bytes
@@ -88,7 +88,8 @@ class SendStream:
                      if client._use_shm() else None)
         header = pb.SendRequest(header=pb.SendHeader(
             dest=dest, key=key, priority=priority_to_pb(priority), deadline_s=float(deadline_s or 0.0),
-            payload_kind=payload_kind, resume=resume, lease_s=float(lease_s or 0.0)))
+            payload_kind=payload_kind, resume=resume, lease_s=float(lease_s or 0.0),
+            idempotency_key=idempotency_key or ""))
         try:
             future = client._send_stub(priority).Send.future(self._requests(header), metadata=client._metadata(flow),
                                                              timeout=client._call_timeout(deadline_s))

@@ -12,7 +12,9 @@ Events (methods): ``add_chunk`` and ``close`` (the local client's data), ``open`
 first, non-resuming open goes straight to OPEN, the receiver starts it empty), ``on_state``
 (TransferState), ``take_chunk`` (the next chunk goes out), ``on_ack`` (Ack: OK, CORRUPT and BUSY rewind to
 the chunk, FAILED ends it), ``commit`` / ``on_commit``, ``disconnected`` (back to NEW), ``check_time``
-(deadline, peer gone too long, no progress too long) and ``fail``.
+(deadline, peer gone too long, no progress too long, the local sender silent too long) and ``fail``;
+``revive`` (DONE -> NEW: a receiver without spool lost the transfer before its consumer had it, and it is
+sent again).
 
 On OPEN with the receiver's checksums (a resume), chunks it already holds with the same content count as
 acknowledged without being sent. A durable receiver (one that spools to disk) keeps what it acknowledged
@@ -100,7 +102,11 @@ class Transfer:
         self.stall_logged = False
         self.created = clock()
         self.last_progress = self.created
+        self.last_input = self.created          # the local client's last part (or its end)
         self.finished_at: Optional[float] = None
+        self.durable = False                    # the receiver said it holds it on disk (CommitAck, TransferState)
+        self.queryable = False                  # ... and that it answers Query frames (to keep it until collected)
+        self.retain_until: Optional[float] = None   # DONE, kept for the receiver's sake until then (owner)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -131,8 +137,9 @@ class Transfer:
 
     # ------------------------------------------------------------------ the local client's data
     def add_chunk(self, chunk: OutChunk) -> None:
+        self.last_input = self.clock()
         if self.acked == len(self.chunks):
-            self.last_progress = self.clock()
+            self.last_progress = self.last_input
         self.chunks.append(chunk)
         self.bytes += len(chunk.data)
         self._skip_held()
@@ -140,7 +147,7 @@ class Transfer:
     def close(self, num_parts: int) -> None:
         self.closed = True
         self.num_parts = num_parts
-        self.last_progress = self.clock()
+        self.last_progress = self.last_input = self.clock()
         self._skip_held()
 
     # ------------------------------------------------------------------ the connection
@@ -172,6 +179,7 @@ class Transfer:
             return
         if st.complete:
             self.resumed = len(self.chunks)
+            self.durable, self.queryable = st.durable, st.queries
             self._succeed()
             return
         self.last_progress = self.clock()
@@ -236,12 +244,27 @@ class Transfer:
         if ack.error_code:
             self.fail(status_code(ack.error_code), ack.message, from_peer=True)
         else:
+            self.durable, self.queryable = ack.durable, ack.queries
+            self.lease_s = ack.lease_s or self.lease_s
             self._succeed()
+
+    def revive(self) -> None:
+        """A DONE transfer its receiver lost (restarted without spool before its consumer had it): NEW
+        again, to be sent again (the receiver reports what it holds, as on a resume)."""
+        assert self.state == DONE, self.state
+        self.state = NEW
+        self.resume = True
+        self.commit_sent = False
+        self.remote_crcs = None
+        self.next_seq = self.acked = 0
+        self.finished_at = self.retain_until = None
+        self.last_progress = self.clock()
 
     # ------------------------------------------------------------------ time
     def check_time(self, now: float, peer_down_since: Optional[float], peer_address: str = "") -> None:
         """Fail on a missed deadline, a peer unreachable (since ``peer_down_since``; None: connected) for
-        the resume timeout, or no progress for the stall timeout."""
+        the resume timeout, no progress for the stall timeout, or a local sender that sent nothing (and did
+        not end the transfer) for the stall timeout."""
         if self.finished:
             return
         lim = self.limits
@@ -257,6 +280,11 @@ class Transfer:
                           f"peer {self.dest!r} refused chunks (memory cap) for {lim.stall_timeout_s:g}s")
             else:
                 self.fail(grpc.StatusCode.UNAVAILABLE, f"no progress to {self.dest!r} for {lim.stall_timeout_s:g}s")
+        elif not self.closed and now - self.last_input > lim.stall_timeout_s:
+            # a Send that never ends would hold its bytes here and at the receiver, and every FIFO transfer
+            # behind it, for ever
+            self.fail(grpc.StatusCode.CANCELLED, f"the local sender of {self.key!r} sent nothing for "
+                      f"{lim.stall_timeout_s:g}s and did not end the transfer")
 
     # ------------------------------------------------------------------ outcomes
     def fail(self, code: grpc.StatusCode, message: str, from_peer: bool = False) -> bool:

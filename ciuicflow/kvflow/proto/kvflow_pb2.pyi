@@ -21,6 +21,14 @@ class AckCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACK_OUT_OF_ORDER: _ClassVar[AckCode]
     ACK_BUSY: _ClassVar[AckCode]
     ACK_FAILED: _ClassVar[AckCode]
+
+class Holding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HOLDING_UNKNOWN: _ClassVar[Holding]
+    HOLDING_HELD: _ClassVar[Holding]
+    HOLDING_COLLECTED: _ClassVar[Holding]
+    HOLDING_EXPIRED: _ClassVar[Holding]
+    HOLDING_GONE: _ClassVar[Holding]
 PRIORITY_UNSPECIFIED: Priority
 HIGH: Priority
 NORMAL: Priority
@@ -30,6 +38,11 @@ ACK_CORRUPT: AckCode
 ACK_OUT_OF_ORDER: AckCode
 ACK_BUSY: AckCode
 ACK_FAILED: AckCode
+HOLDING_UNKNOWN: Holding
+HOLDING_HELD: Holding
+HOLDING_COLLECTED: Holding
+HOLDING_EXPIRED: Holding
+HOLDING_GONE: Holding
 
 class PartInfo(_message.Message):
     __slots__ = ("index", "nbytes", "name", "dtype", "shape", "is_tensor")
@@ -46,6 +59,18 @@ class PartInfo(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     is_tensor: bool
     def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., is_tensor: _Optional[bool] = ...) -> None: ...
+
+class AcknowledgeRequest(_message.Message):
+    __slots__ = ("key", "source")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    source: str
+    def __init__(self, key: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
+class AcknowledgeReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ShmRef(_message.Message):
     __slots__ = ("path", "offset", "length", "ring_bytes")
@@ -76,7 +101,7 @@ class ShmProbeReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SendHeader(_message.Message):
-    __slots__ = ("dest", "key", "priority", "deadline_s", "payload_kind", "resume", "lease_s")
+    __slots__ = ("dest", "key", "priority", "deadline_s", "payload_kind", "resume", "lease_s", "idempotency_key")
     DEST_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +109,7 @@ class SendHeader(_message.Message):
     PAYLOAD_KIND_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     dest: str
     key: str
     priority: Priority
@@ -91,7 +117,8 @@ class SendHeader(_message.Message):
     payload_kind: str
     resume: bool
     lease_s: float
-    def __init__(self, dest: _Optional[str] = ..., key: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., deadline_s: _Optional[float] = ..., payload_kind: _Optional[str] = ..., resume: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, dest: _Optional[str] = ..., key: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., deadline_s: _Optional[float] = ..., payload_kind: _Optional[str] = ..., resume: _Optional[bool] = ..., lease_s: _Optional[float] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class SendData(_message.Message):
     __slots__ = ("part", "offset", "data", "info", "shm")
@@ -150,18 +177,20 @@ class SendReply(_message.Message):
     def __init__(self, key: _Optional[str] = ..., bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., retransmits: _Optional[int] = ..., resumed_chunks: _Optional[int] = ..., seconds: _Optional[float] = ..., flow: _Optional[bool] = ...) -> None: ...
 
 class RecvRequest(_message.Message):
-    __slots__ = ("key", "timeout_s", "shm_path", "shm_ring_bytes", "source")
+    __slots__ = ("key", "timeout_s", "shm_path", "shm_ring_bytes", "source", "manual_ack")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     SHM_RING_BYTES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MANUAL_ACK_FIELD_NUMBER: _ClassVar[int]
     key: str
     timeout_s: float
     shm_path: str
     shm_ring_bytes: int
     source: str
-    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_ring_bytes: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+    manual_ack: bool
+    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ..., shm_path: _Optional[str] = ..., shm_ring_bytes: _Optional[int] = ..., source: _Optional[str] = ..., manual_ack: _Optional[bool] = ...) -> None: ...
 
 class RecvHeader(_message.Message):
     __slots__ = ("key", "source", "payload_kind", "priority")
@@ -289,20 +318,38 @@ class Abort(_message.Message):
     message: str
     def __init__(self, tid: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
+class Query(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[QueryItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[QueryItem, _Mapping]]] = ...) -> None: ...
+
+class QueryItem(_message.Message):
+    __slots__ = ("tid", "key", "uuid")
+    TID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    tid: int
+    key: str
+    uuid: str
+    def __init__(self, tid: _Optional[int] = ..., key: _Optional[str] = ..., uuid: _Optional[str] = ...) -> None: ...
+
 class PeerFrame(_message.Message):
-    __slots__ = ("open", "chunk", "commit", "abort")
+    __slots__ = ("open", "chunk", "commit", "abort", "query")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
     open: TransferOpen
     chunk: Chunk
     commit: Commit
     abort: Abort
-    def __init__(self, open: _Optional[_Union[TransferOpen, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    query: Query
+    def __init__(self, open: _Optional[_Union[TransferOpen, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., query: _Optional[_Union[Query, _Mapping]] = ...) -> None: ...
 
 class TransferState(_message.Message):
-    __slots__ = ("tid", "held_chunks", "held_crc32c", "complete", "error_code", "error", "durable")
+    __slots__ = ("tid", "held_chunks", "held_crc32c", "complete", "error_code", "error", "durable", "queries")
     TID_FIELD_NUMBER: _ClassVar[int]
     HELD_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     HELD_CRC32C_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +357,7 @@ class TransferState(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
     tid: int
     held_chunks: int
     held_crc32c: _containers.RepeatedScalarFieldContainer[int]
@@ -317,7 +365,8 @@ class TransferState(_message.Message):
     error_code: int
     error: str
     durable: bool
-    def __init__(self, tid: _Optional[int] = ..., held_chunks: _Optional[int] = ..., held_crc32c: _Optional[_Iterable[int]] = ..., complete: _Optional[bool] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ..., durable: _Optional[bool] = ...) -> None: ...
+    queries: bool
+    def __init__(self, tid: _Optional[int] = ..., held_chunks: _Optional[int] = ..., held_crc32c: _Optional[_Iterable[int]] = ..., complete: _Optional[bool] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ..., durable: _Optional[bool] = ..., queries: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("tid", "seq", "sn", "code", "error_code", "message")
@@ -336,21 +385,37 @@ class Ack(_message.Message):
     def __init__(self, tid: _Optional[int] = ..., seq: _Optional[int] = ..., sn: _Optional[int] = ..., code: _Optional[_Union[AckCode, str]] = ..., error_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CommitAck(_message.Message):
-    __slots__ = ("tid", "error_code", "message")
+    __slots__ = ("tid", "error_code", "message", "lease_s", "durable", "queries")
     TID_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
     tid: int
     error_code: int
     message: str
-    def __init__(self, tid: _Optional[int] = ..., error_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    lease_s: float
+    durable: bool
+    queries: bool
+    def __init__(self, tid: _Optional[int] = ..., error_code: _Optional[int] = ..., message: _Optional[str] = ..., lease_s: _Optional[float] = ..., durable: _Optional[bool] = ..., queries: _Optional[bool] = ...) -> None: ...
+
+class QueryReply(_message.Message):
+    __slots__ = ("tid", "holding")
+    TID_FIELD_NUMBER: _ClassVar[int]
+    HOLDING_FIELD_NUMBER: _ClassVar[int]
+    tid: _containers.RepeatedScalarFieldContainer[int]
+    holding: _containers.RepeatedScalarFieldContainer[Holding]
+    def __init__(self, tid: _Optional[_Iterable[int]] = ..., holding: _Optional[_Iterable[_Union[Holding, str]]] = ...) -> None: ...
 
 class PeerReply(_message.Message):
-    __slots__ = ("state", "ack", "commit")
+    __slots__ = ("state", "ack", "commit", "query")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
     state: TransferState
     ack: Ack
     commit: CommitAck
-    def __init__(self, state: _Optional[_Union[TransferState, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., commit: _Optional[_Union[CommitAck, _Mapping]] = ...) -> None: ...
+    query: QueryReply
+    def __init__(self, state: _Optional[_Union[TransferState, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., commit: _Optional[_Union[CommitAck, _Mapping]] = ..., query: _Optional[_Union[QueryReply, _Mapping]] = ...) -> None: ...

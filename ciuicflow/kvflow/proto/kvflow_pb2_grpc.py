@@ -56,6 +56,11 @@ class KVFlowStub:
                 request_serializer=kvflow__pb2.ShmProbeRequest.SerializeToString,
                 response_deserializer=kvflow__pb2.ShmProbeReply.FromString,
                 _registered_method=True)
+        self.Acknowledge = channel.unary_unary(
+                '/ciuicflow.kvflow.v1.KVFlow/Acknowledge',
+                request_serializer=kvflow__pb2.AcknowledgeRequest.SerializeToString,
+                response_deserializer=kvflow__pb2.AcknowledgeReply.FromString,
+                _registered_method=True)
 
 
 class KVFlowServicer:
@@ -97,6 +102,14 @@ class KVFlowServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Acknowledge(self, request, context):
+        """Explicit acknowledgement of a transfer received with RecvRequest.manual_ack: the consumer has it, the
+        sidecar may delete it (until then another Recv gets it again: at-least-once delivery).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVFlowServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +132,11 @@ def add_KVFlowServicer_to_server(servicer, server):
                     servicer.ShmProbe,
                     request_deserializer=kvflow__pb2.ShmProbeRequest.FromString,
                     response_serializer=kvflow__pb2.ShmProbeReply.SerializeToString,
+            ),
+            'Acknowledge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acknowledge,
+                    request_deserializer=kvflow__pb2.AcknowledgeRequest.FromString,
+                    response_serializer=kvflow__pb2.AcknowledgeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -231,6 +249,33 @@ class KVFlow:
             '/ciuicflow.kvflow.v1.KVFlow/ShmProbe',
             kvflow__pb2.ShmProbeRequest.SerializeToString,
             kvflow__pb2.ShmProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acknowledge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ciuicflow.kvflow.v1.KVFlow/Acknowledge',
+            kvflow__pb2.AcknowledgeRequest.SerializeToString,
+            kvflow__pb2.AcknowledgeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -161,8 +161,13 @@ class Sidecar:
 
         if cfg.spool_dir:
             from .spool import Spool
-            self.store.spool = Spool(cfg.spool_dir)
-            restored = self.store.spool.restore(self.budget, self.store)
+            from .spool_restore import restore
+            try:
+                spool = Spool(cfg.spool_dir)
+            except OSError as exc:
+                raise RuntimeError(f"cannot use --spool-dir: {exc}") from None
+            restored = restore(spool, self.budget, self.store)
+            self.store.spool = spool
             if restored:
                 log.info("restored %d transfer(s) from spool %s", restored, cfg.spool_dir)
 

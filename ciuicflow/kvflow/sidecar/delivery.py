@@ -61,11 +61,16 @@ def in_band(c) -> List[pb.RecvData]:
 
 
 async def deliver(entry: InTransfer, store: Store, ring: Optional[RecvRing], deadline: Optional[float],
-                  timeout_s: float, shutting_down, context):
-    """The RecvReply messages of ``entry`` (header first), until it is complete and collected; ends the call
-    (``context.abort``) with the transfer's failure, at the deadline, or at shutdown. ``ring``: the
-    client's shared-memory ring (None: in-band)."""
+                  timeout_s: float, shutting_down, context, manual_ack: bool = False):
+    """The RecvReply messages of ``entry`` (header first), until it is complete and collected (at-most-once),
+    or, with ``manual_ack``, delivered and kept until the consumer's Acknowledge (at-least-once); ends the
+    call (``context.abort``) with the transfer's failure, at the deadline, or at shutdown. ``ring``: the
+    client's shared-memory ring (None: in-band). The store's sweep ends a call that stops reading for the
+    transfer's lease."""
     entry.readers += 1
+    entry.read_at = time.monotonic()
+    task = asyncio.current_task()
+    entry.reader_tasks.add(task)
     try:
         yield pb.RecvReply(header=pb.RecvHeader(key=entry.key, source=entry.source,
                                                 payload_kind=entry.payload_kind,
@@ -92,6 +97,7 @@ async def deliver(entry: InTransfer, store: Store, ring: Optional[RecvRing], dea
                 if batch:
                     ring_wait = RING_POLL_S
                     yield pb.RecvReply(batch=pb.RecvBatch(data=batch))
+                    entry.read_at = time.monotonic()
                     continue
                 ring_full = True
             while ring is None and pos < len(entry.chunks):
@@ -99,11 +105,15 @@ async def deliver(entry: InTransfer, store: Store, ring: Optional[RecvRing], dea
                 pos += 1
                 for d in in_band(c):
                     yield pb.RecvReply(data=d)
+                entry.read_at = time.monotonic()
             if entry.failed:
                 code, message = entry.failed
                 await context.abort(code, message)
             if entry.complete and pos >= len(entry.chunks):
-                store.collect(entry)
+                if manual_ack:
+                    entry.delivered = True      # kept (and delivered again) until Acknowledge or its lease
+                else:
+                    store.collect(entry)
                 return
             if shutting_down():
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
@@ -118,6 +128,7 @@ async def deliver(entry: InTransfer, store: Store, ring: Optional[RecvRing], dea
             else:
                 await entry.changed(1.0 if timeout is None else min(timeout, 1.0))
     finally:
+        entry.reader_tasks.discard(task)
         if ring is not None:
             os.close(ring.fd)
         entry.readers -= 1

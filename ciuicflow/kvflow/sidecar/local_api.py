@@ -93,6 +93,10 @@ class LocalApi(pb_grpc.KVFlowServicer):
             lease_s = seconds(h.lease_s, maximum=self.max_lease_s, what="lease_s")
         except ValueError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if len(h.idempotency_key) > 256 or "\x00" in h.idempotency_key:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key: at most 256 characters")
+        # the same key names the same transfer on every try (and after a restart of this sidecar)
+        uuid = f"idem:{h.idempotency_key}" if h.idempotency_key else None
         sender = self.senders.get(h.dest)
         if sender is None:
             known = ", ".join(sorted(self.senders)) or "none"
@@ -100,7 +104,7 @@ class LocalApi(pb_grpc.KVFlowServicer):
         outbox = sender.outbox
         try:
             t, done = outbox.create(h.key, priority, flow, deadline_s, h.payload_kind or "bytes", h.resume,
-                                    lease_s)
+                                    lease_s, uuid)
         except TransferFailed as exc:
             await self._reject(context, exc.code, exc.message)
         ingest = asyncio.create_task(self.ingest.run(sender, t, iterator))
@@ -167,8 +171,35 @@ class LocalApi(pb_grpc.KVFlowServicer):
                 self.access.unlink(request.shm_path, ring.fd)
             except ShmRefused:
                 log.info("Recv %r: shared-memory handle refused, sending in-band", request.key)
-        async for reply in deliver(entry, store, ring, deadline, timeout_s, self.shutting_down, context):
+        async for reply in deliver(entry, store, ring, deadline, timeout_s, self.shutting_down, context,
+                                   manual_ack=request.manual_ack):
             yield reply
+
+    # ------------------------------------------------------------------ Acknowledge
+    async def Acknowledge(self, request, context):
+        """The consumer has a transfer it received with manual_ack: it may go (idempotent)."""
+        await self._check_auth(context)
+        if request is MALFORMED:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed AcknowledgeRequest")
+        err = check_key(request.key) or (check_peer_name(request.source) if request.source else None)
+        if err:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, err)
+        found = self.store.find(request.key, request.source)
+        if len(found) > 1:
+            await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transfers with key {request.key!r} from {len(found)} peers: name the source")
+        if found:
+            entry = found[0]
+            if not entry.complete or entry.readers:
+                await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"transfer {request.key!r} is {'being received' if entry.complete else 'incomplete'}")
+            self.store.collect(entry)
+            return pb.AcknowledgeReply()
+        tomb = self.store.tombstone(request.key, request.source)
+        if tomb is not None and tomb[0] == "collected":
+            return pb.AcknowledgeReply()
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no transfer {request.key!r} to acknowledge"
+                            + (" (its lease expired)" if tomb is not None and tomb[0] == "expired" else ""))
 
     # ------------------------------------------------------------------ Stats
     async def Stats(self, request, context):

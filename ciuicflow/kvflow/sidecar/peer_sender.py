@@ -31,6 +31,7 @@ FATAL_CODES = {
 }
 STALL_LOG_S = 5.0               # a transfer without progress this long is logged (once) with the sender's state
 TIMER_S = 0.1                   # how often deadlines, timeouts and gauges are checked
+QUERY_S = 0.2                   # how often the receiver is asked about retained transfers (outbox.py)
 
 
 class PeerSender:
@@ -55,6 +56,7 @@ class PeerSender:
         self.sent_chunks = 0
         self.kind = ""                          # the current stream's transport: "tcp" or "grpc"
         self._sn = 0
+        self._next_query = 0.0
         self._flushing = False              # closing: send control frames only, then half-close
         self._flushed = asyncio.Event()     # ... and the receiver has ended the stream
         self._tasks: List[asyncio.Task] = []
@@ -163,6 +165,8 @@ class PeerSender:
                 delay = self.cc.send_delay()
                 if delay > 0:
                     timeout = min(timeout, delay)
+            if box.retained:
+                timeout = min(timeout, max(self._next_query - now, 0.0))
             for t in list(box.transfers.values()):
                 if t.busy_until > now:
                     timeout = min(timeout, t.busy_until - now)
@@ -181,6 +185,12 @@ class PeerSender:
             await stream.send(box.control.popleft())
             return True
         now = time.monotonic()
+        if box.retained and now >= self._next_query:
+            self._next_query = now + QUERY_S
+            items = box.query(now)
+            if items:
+                await stream.send(pb.PeerFrame(query=pb.Query(items=items)))
+                return True
         for t in box.transfers.values():
             if t.state == NEW:
                 frame = pb.PeerFrame(open=t.open())
@@ -256,6 +266,8 @@ class PeerSender:
                 if t is not None:
                     t.on_commit(reply.commit)
                     self.outbox.settle(t)
+            elif kind == "query":
+                self.outbox.on_query(reply.query)
 
     def _on_ack(self, ack: pb.Ack) -> None:
         entry = self.inflight.pop(ack.sn, None)
@@ -302,6 +314,7 @@ class PeerSender:
             "connects": self.connects,
             "transport": self.kind if self.connected else "",
             "transfers": len(self.outbox.transfers),
+            "retained": len(self.outbox.retained),
             "fifo": len(self.outbox.fifo),
             "queue": self.outbox.sched.depth(),
             "aged_picks": self.outbox.sched.stats.aged,

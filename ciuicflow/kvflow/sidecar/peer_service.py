@@ -129,6 +129,8 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
                     reply = self._on_commit(frame.commit, attached)
                     if reply is not None:
                         yield reply
+                elif kind == "query":
+                    yield self._on_query(source, frame.query)
                 elif kind == "abort":
                     entry = attached.pop(frame.abort.tid, None)
                     if entry is not None:
@@ -189,7 +191,8 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         if entry is None:
             tomb = store.tombstone(o.key, source)
             if tomb is not None and tomb[0] == "collected" and tomb[1] == o.uuid:
-                return pb.PeerReply(state=pb.TransferState(tid=o.tid, complete=True))
+                return pb.PeerReply(state=pb.TransferState(tid=o.tid, complete=True, durable=store.spool is not None,
+                                                           queries=True))
             if store.per_account[account] >= self.max_open_transfers:
                 return refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"peer {source!r} has {self.max_open_transfers} transfers here already "
@@ -208,7 +211,7 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         attached[o.tid] = entry
         return pb.PeerReply(state=pb.TransferState(
             tid=o.tid, held_chunks=len(entry.chunks), held_crc32c=[c.crc for c in entry.chunks],
-            complete=complete, durable=store.spool is not None))
+            complete=complete, durable=store.spool is not None, queries=True))
 
     def _on_chunk(self, account: str, c: pb.Chunk, attached, data=None):
         def ack(code, error: grpc.StatusCode = None, message: str = "") -> pb.PeerReply:
@@ -272,16 +275,45 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         if entry.total is not None and len(entry.chunks) >= entry.total:
             yield self._finish(entry, c.tid)
 
+    def _on_query(self, source: str, query: pb.Query) -> pb.PeerReply:
+        """Which of this sender's committed transfers are held here, collected, expired or unknown (lost):
+        a sender keeps a committed transfer, to send it again, until it learns that its consumer has it."""
+        reply = pb.QueryReply()
+        for item in query.items[:1024]:
+            entry = self.store.get(source, item.key)
+            if entry is not None and entry.uuid == item.uuid:
+                holding = pb.HOLDING_GONE if entry.failed else pb.HOLDING_HELD
+            else:
+                tomb = self.store.tombstone(item.key, source)
+                if tomb is not None and tomb[1] == item.uuid:
+                    holding = {"collected": pb.HOLDING_COLLECTED, "expired": pb.HOLDING_EXPIRED}.get(
+                        tomb[0], pb.HOLDING_GONE)
+                else:       # another transfer of the key since, or none at all (this receiver lost it)
+                    holding = pb.HOLDING_GONE if entry is not None else pb.HOLDING_UNKNOWN
+            reply.tid.append(item.tid)
+            reply.holding.append(holding)
+        return pb.PeerReply(query=reply)
+
+    def _commit_ack(self, tid: int, entry: Optional[InTransfer] = None, code=None, message: str = "") -> pb.PeerReply:
+        ack = pb.CommitAck(tid=tid, error_code=code.value[0] if code else 0, message=message)
+        if entry is not None and code is None:
+            ack.lease_s = entry.lease_s or self.store.lease_s
+            ack.durable = self.store.spool is not None
+            ack.queries = True
+        return pb.PeerReply(commit=ack)
+
     def _on_commit(self, commit: pb.Commit, attached) -> Optional[pb.PeerReply]:
         entry = attached.get(commit.tid)
         if entry is None:
-            return pb.PeerReply(commit=pb.CommitAck(tid=commit.tid, error_code=grpc.StatusCode.FAILED_PRECONDITION.value[0],
-                                                    message=f"commit for unknown transfer {commit.tid}"))
+            return self._commit_ack(commit.tid, None, grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"commit for unknown transfer {commit.tid}")
         if entry.failed:
-            return pb.PeerReply(commit=pb.CommitAck(tid=commit.tid, error_code=entry.failed[0].value[0],
-                                                    message=entry.failed[1]))
+            return self._commit_ack(commit.tid, None, *entry.failed)
         if entry.complete:
-            return pb.PeerReply(commit=pb.CommitAck(tid=commit.tid))
+            if not self.store.holds(entry):     # collected or expired since: the sender must not wait for it
+                return self._commit_ack(commit.tid, None, grpc.StatusCode.ABORTED,
+                                        f"transfer {entry.key!r} is no longer held here")
+            return self._commit_ack(commit.tid, entry)
         entry.total = commit.total_chunks
         entry.num_parts = commit.num_parts
         if len(entry.chunks) > entry.total:
@@ -300,7 +332,6 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             error = "commit of 0 parts after chunks"
         if error:
             self.store.fail(entry, grpc.StatusCode.INVALID_ARGUMENT, error)
-            return pb.PeerReply(commit=pb.CommitAck(tid=tid, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                                    message=error))
-        self.store.mark_complete(entry)
-        return pb.PeerReply(commit=pb.CommitAck(tid=tid))
+            return self._commit_ack(tid, None, grpc.StatusCode.INVALID_ARGUMENT, error)
+        self.store.mark_complete(entry)         # with a spool: durable before this acknowledgement
+        return self._commit_ack(tid, entry)

@@ -1,11 +1,16 @@
-"""Receiver spool (``--spool-dir``): received chunks are written through to disk before they are
-acknowledged, so a receiving sidecar killed mid-transfer resumes from its last acknowledged chunk when it
-comes back, and keeps completed-but-uncollected transfers (their lease restarts).
+"""Receiver spool (``--spool-dir``): received chunks are written through to disk, and made durable
+(``fdatasync``) before they are acknowledged, so an acknowledged chunk (and a committed transfer) survives a
+receiver killed at any point: it resumes from its last acknowledged chunk when it comes back, and keeps
+completed-but-uncollected transfers (their lease restarts). The outcomes of the latest transfers
+(collected, expired) are kept too, so a sender retrying after a restart is not delivered twice.
 
-Per transfer, named by the SHA-256 of its key: ``.meta`` (JSON), ``.data`` (chunk bytes back to back) and
-``.idx`` (one JSON line per chunk: seq, part, offset, length, crc32c, part bytes, PartInfo, and for a packed
-chunk the PartInfos of its further parts). On restore,
-chunks are checked against their crc32c; the first bad or missing one ends what is kept.
+Per transfer, named by the SHA-256 of its (source, key): ``.meta`` (JSON), ``.data`` (chunk bytes back to
+back) and ``.idx`` (one JSON line per chunk: seq, part, offset, length, crc32c, part bytes, PartInfo, and for
+a packed chunk the PartInfos of its further parts); ``tombstones.log``: one JSON line per outcome.
+
+The directory is private (created 0700; one that is a symlink, another user's or open to others is
+refused), files are created 0600 relative to the directory opened at start and never through a symlink
+(``O_NOFOLLOW``). Restoring (spool_restore.py) trusts nothing in them.
 """
 from __future__ import annotations
 
@@ -14,143 +19,147 @@ import hashlib
 import json
 import logging
 import os
-import time
-from typing import Dict, Tuple
-
-import crc32c
+import stat
+from typing import Dict, List, Tuple
 
 from ..proto import kvflow_pb2 as pb
-from .store import InChunk, InTransfer
 
 log = logging.getLogger("ciuicflow.kvflow.spool")
+
+TOMBSTONE_LOG = "tombstones.log"
+_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def private_dir(directory: str) -> int:
+    """The spool directory, created if missing, as a descriptor; raises PermissionError unless private."""
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PermissionError(f"--spool-dir {directory} must be a directory of this user (uid {os.geteuid()}) "
+                              "with mode 0700, not a symlink")
+    return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | _FLAGS)
 
 
 class Spool:
     def __init__(self, directory: str):
         self.dir = directory
-        os.makedirs(directory, exist_ok=True)
-        self._files: Dict[str, Tuple] = {}
+        self.dirfd = private_dir(directory)
+        self._files: Dict[Tuple[str, str], Tuple[int, int]] = {}       # (source, key) -> (data fd, idx fd)
+        self._tomb_lines = 0
 
-    def _base(self, entry) -> str:
+    # ------------------------------------------------------------------ files
+    def base(self, entry) -> str:
         """Files named by the transfer's (source, key): keys are scoped by source."""
-        name = hashlib.sha256(f"{entry.source}\0{entry.key}".encode()).hexdigest()
-        return os.path.join(self.dir, name)
+        return hashlib.sha256(f"{entry.source}\0{entry.key}".encode()).hexdigest()
+
+    def open(self, name: str, flags: int) -> int:
+        return os.open(name, flags | _FLAGS, 0o600, dir_fd=self.dirfd)
+
+    def _write_file(self, name: str, text: bytes) -> None:
+        """``name``'s new content, durable, replacing the old one at once (no half-written file)."""
+        tmp = name + ".tmp"
+        fd = self.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            _write_all(fd, text)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+        os.fsync(self.dirfd)
 
     def _meta(self, entry) -> None:
         meta = {"key": entry.key, "source": entry.source, "uuid": entry.uuid, "priority": entry.priority,
                 "payload_kind": entry.payload_kind, "lease_s": entry.lease_s, "total": entry.total,
                 "num_parts": entry.num_parts, "complete": entry.complete}
-        base = self._base(entry)
-        with open(base + ".meta.tmp", "w") as fh:
-            json.dump(meta, fh)
-        os.replace(base + ".meta.tmp", base + ".meta")
+        self._write_file(self.base(entry) + ".meta", json.dumps(meta).encode())
 
     def _close(self, entry) -> None:
-        files = self._files.pop((entry.source, entry.key), None)
-        if files:
-            for fh in files:
-                fh.close()
+        fds = self._files.pop((entry.source, entry.key), None)
+        if fds:
+            for fd in fds:
+                os.close(fd)
 
-    def _open(self, entry, mode: str = "ab"):
-        files = self._files.get((entry.source, entry.key))
-        if files is None:
-            base = self._base(entry)
-            files = (open(base + ".data", mode), open(base + ".idx", mode))
-            self._files[(entry.source, entry.key)] = files
-        return files
+    def _open(self, entry):
+        fds = self._files.get((entry.source, entry.key))
+        if fds is None:
+            base = self.base(entry)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            fds = (self.open(base + ".data", flags), self.open(base + ".idx", flags))
+            self._files[(entry.source, entry.key)] = fds
+        return fds
 
+    # ------------------------------------------------------------------ a transfer's life
     def create(self, entry) -> None:
         self._close(entry)
-        base = self._base(entry)
+        base = self.base(entry)
         for ext in (".data", ".idx"):
-            open(base + ext, "wb").close()
+            os.close(self.open(base + ext, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
         self._meta(entry)
 
-    def append(self, entry, chunk, seq: int = None) -> None:
-        data_fh, idx_fh = self._open(entry)
+    def append(self, entry, chunk, seq: int = None, sync: bool = True) -> None:
+        """Write ``chunk`` (and, with ``sync``, make it durable: the caller acknowledges it next)."""
+        data_fd, idx_fd = self._open(entry)
         seq = len(entry.chunks) - 1 if seq is None else seq
         info = _b64(chunk.info) if chunk.info is not None else None
-        data_fh.write(chunk.data)
-        data_fh.flush()
+        _write_all(data_fd, chunk.data)
         record = [seq, chunk.part, chunk.offset, len(chunk.data), chunk.crc, chunk.part_nbytes, info]
         if chunk.more:
             record.append([_b64(m) for m in chunk.more])
-        idx_fh.write((json.dumps(record) + "\n").encode())
-        idx_fh.flush()
+        _write_all(idx_fd, (json.dumps(record) + "\n").encode())
+        if sync:
+            os.fdatasync(data_fd)
+            os.fdatasync(idx_fd)
 
     def rewrite(self, entry) -> None:
         self.create(entry)
         for seq, chunk in enumerate(entry.chunks):
-            self.append(entry, chunk, seq)
+            self.append(entry, chunk, seq, sync=False)
+        for fd in self._files.get((entry.source, entry.key), ()):
+            os.fdatasync(fd)
 
     def complete(self, entry) -> None:
+        """The transfer is complete: durable before its sender is told (the meta file, replaced)."""
         self._meta(entry)
 
     def delete(self, entry) -> None:
         self._close(entry)
-        base = self._base(entry)
-        for ext in (".meta", ".data", ".idx"):
+        self.remove(self.base(entry))
+
+    def remove(self, base: str) -> None:
+        for ext in (".meta", ".data", ".idx", ".meta.tmp"):
             try:
-                os.unlink(base + ext)
+                os.unlink(base + ext, dir_fd=self.dirfd)
             except FileNotFoundError:
                 pass
 
-    def restore(self, budget, store) -> int:
-        """Load what the directory holds into ``store`` (memory from ``budget``); the number restored."""
+    # ------------------------------------------------------------------ outcomes (de-duplication)
+    def tombstone(self, source: str, key: str, reason: str, uuid: str, keep: int) -> None:
+        """Record an outcome (collected, expired) durably; the log is rewritten when it grows past twice
+        ``keep`` lines (the caller passes its tombstones then: ``compact``)."""
+        fd = self.open(TOMBSTONE_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            _write_all(fd, (json.dumps([source, key, reason, uuid]) + "\n").encode())
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        self._tomb_lines += 1
 
-        restored = 0
-        for name in sorted(os.listdir(self.dir)):
-            if not name.endswith(".meta"):
-                continue
-            base = os.path.join(self.dir, name[:-len(".meta")])
-            try:
-                with open(base + ".meta") as fh:
-                    meta = json.load(fh)
-                entry = InTransfer(meta["key"], meta["source"], meta["uuid"], meta["priority"],
-                                   meta["payload_kind"], meta["lease_s"], None, store.labels(meta["source"]))
-                with open(base + ".data", "rb") as fh:
-                    blob = fh.read()
-                with open(base + ".idx", "rb") as fh:
-                    lines = fh.read().splitlines()
-                pos = 0
-                for seq, line in enumerate(lines):
-                    try:
-                        s, part, offset, length, crc, part_nbytes, info, *more = json.loads(line)
-                    except ValueError:
-                        break
-                    data = blob[pos:pos + length]
-                    if s != seq or len(data) != length or crc32c.crc32c(data) != crc:
-                        break
-                    pos += length
-                    pinfo = pb.PartInfo.FromString(base64.b64decode(info)) if info else None
-                    more = [pb.PartInfo.FromString(base64.b64decode(m)) for m in more[0]] if more else ()
-                    chunk = InChunk(part, offset, data, pinfo, crc, part_nbytes, more)
-                    entry.chunks.append(chunk)
-                    entry.bytes += length
-                    entry.cost += chunk.cost
-                entry.total = meta.get("total")
-                entry.num_parts = meta.get("num_parts")
-                if meta.get("complete") and entry.total == len(entry.chunks):
-                    entry.complete = True
-                    entry.completed_at = time.monotonic()
-                entry.detached_at = time.monotonic()
-            except (OSError, ValueError, KeyError) as exc:
-                log.warning("dropping unreadable spool entry %s: %s", base, exc)
-                for ext in (".meta", ".data", ".idx"):
-                    try:
-                        os.unlink(base + ext)
-                    except FileNotFoundError:
-                        pass
-                continue
-            if not budget.try_reserve(entry.account, entry.cost):
-                log.warning("spool entry %r does not fit in the memory cap; dropped", entry.key)
-                entry.bytes = entry.cost = 0
-                self.delete(entry)
-                continue
-            store.insert(entry)
-            self.rewrite(entry)      # drop whatever followed the last good chunk
-            restored += 1
-        return restored
+    def needs_compaction(self, keep: int) -> bool:
+        return self._tomb_lines > 2 * keep
+
+    def compact(self, tombstones: List[Tuple[str, str, str, str]]) -> None:
+        self._write_file(TOMBSTONE_LOG, "".join(json.dumps(list(t)) + "\n" for t in tombstones).encode())
+        self._tomb_lines = len(tombstones)
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.write(fd, view)
+        view = view[n:]
 
 
 def _b64(info: pb.PartInfo) -> str:

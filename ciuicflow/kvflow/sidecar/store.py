@@ -13,7 +13,8 @@ from ..core.limits import chunk_cost
 
 log = logging.getLogger("ciuicflow.kvflow.store")
 
-TOMBSTONES = 4096         # outcomes of transfers no longer held, kept for late receivers (most recent)
+TOMBSTONES = 16384        # outcomes of transfers no longer held (most recent): for late receivers, for senders
+#                           asking whether their consumer has a transfer, and to refuse a transfer again
 
 
 class InChunk:
@@ -76,6 +77,9 @@ class InTransfer:
         self.last_activity = now
         self.completed_at: Optional[float] = None
         self.readers = 0
+        self.read_at = now                # when a reader last made progress
+        self.reader_tasks: set = set()    # the Recv calls reading it (ended if they stop reading)
+        self.delivered = False            # fully delivered to a Recv that acknowledges itself (manual_ack)
         self.attached = None              # the peer stream feeding it, None while its sender is away
         self.detached_at: Optional[float] = None
         self.truncations: List[Tuple[int, int]] = []    # (generation, seq)
@@ -177,12 +181,23 @@ class Store:
         self._arrival = asyncio.Event()
 
     def _tombstone(self, entry: InTransfer, reason: str, code=None, message: str = "") -> None:
-        where = (entry.source, entry.key)
+        self.restore_tombstone(entry.source, entry.key, reason, entry.uuid, code, message)
+        if self.spool and reason in ("collected", "expired"):       # durable: no second delivery after a restart
+            self.spool.tombstone(entry.source, entry.key, reason, entry.uuid, TOMBSTONES)
+            if self.spool.needs_compaction(TOMBSTONES):
+                self.spool.compact(self.tombstone_records())
+
+    def restore_tombstone(self, source: str, key: str, reason: str, uuid: str, code=None, message: str = ""):
+        where = (source, key)
         self._untomb(where)
-        self.tombstones[where] = (reason, entry.uuid, code, message)
-        self._tomb_sources.setdefault(entry.key, {})[entry.source] = None     # an ordered set
+        self.tombstones[where] = (reason, uuid, code, message)
+        self._tomb_sources.setdefault(key, {})[source] = None     # an ordered set
         while len(self.tombstones) > TOMBSTONES:
             self._untomb(next(iter(self.tombstones)))
+
+    def tombstone_records(self):
+        """(source, key, reason, uuid) of the durable outcomes, oldest first (the spool's log)."""
+        return [(s, k, t[0], t[1]) for (s, k), t in self.tombstones.items() if t[0] in ("collected", "expired")]
 
     def _untomb(self, where: Tuple[str, str]) -> None:
         if self.tombstones.pop(where, None) is not None:
@@ -192,6 +207,11 @@ class Store:
                 del self._tomb_sources[where[1]]
 
     def drop(self, entry: InTransfer, reason: str) -> None:
+        """Forget ``entry``. One not complete is failed first: the stream still feeding it is refused from
+        now on (its chunks are not held, its commit is not acknowledged)."""
+        if not entry.complete and entry.failed is None:
+            entry.failed = (grpc.StatusCode.ABORTED, f"transfer {entry.key!r} was dropped here ({reason})")
+            self.metrics.transfers.labels(entry.account, entry.priority, "recv", "ABORTED").inc()
         self._remove(entry)
         self._release(entry)
         if self.spool:
@@ -283,9 +303,14 @@ class Store:
                     self.fail(entry, grpc.StatusCode.UNAVAILABLE,
                               f"sender {entry.source!r} went away mid-transfer and did not come back "
                               f"within {self.resume_timeout_s:g}s")
-            if entry.readers:
-                continue
             lease = entry.lease_s or self.lease_s
+            if entry.readers:
+                if now - entry.read_at > lease:
+                    # a reader that does not read must not keep it past its lease: its Recv is ended
+                    log.info("Recv of %r from %s made no progress for %gs: ended", entry.key, entry.source, lease)
+                    for task in list(entry.reader_tasks):
+                        task.cancel()
+                continue
             since = entry.completed_at if entry.complete else entry.last_activity
             if now - since > lease:
                 if entry.complete:
