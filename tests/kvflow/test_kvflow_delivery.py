@@ -24,9 +24,14 @@ def test_ok_without_spool_survives_a_receiver_restart(sidecars):
     a, b = sidecars.pair()
     payload = os.urandom(3 << 20)
     a.client().send("b", "d-1", payload).wait(30)           # OK
-    assert a.stats()["peers"]["b"]["retained"] == 1
+    small = {f"d-{i}": os.urandom(100_000 + i) for i in range(2, 30)}
+    for h in [a.client().send("b", k, v) for k, v in small.items()]:
+        h.wait(30)
+    assert a.stats()["peers"]["b"]["retained"] == 29
     b.restart()                                              # kill -9: b's memory is gone
     assert b.client().recv("d-1", timeout_s=30) == payload
+    for k, v in small.items():
+        assert b.client().recv(k, timeout_s=30) == v
     wait_until(lambda: a.stats()["peers"]["b"]["retained"] == 0 and a.stats()["memory"]["used"] == 0,
                what="the sender let it go once its consumer had it")
 
@@ -240,3 +245,20 @@ def test_a_reader_that_never_reads_does_not_defeat_the_lease(sidecars):
         wait_until(lambda: b.stats()["memory"]["used"] == 0, timeout=10, what="the lease ended the stalled Recv")
         replies.cancel()
     assert b.stats()["store"]["expired"] == 1
+
+
+def test_a_cancelled_send_is_settled_once(sidecars):
+    """A local client that cancels its Send while the transfer is on its way (all of it ingested): the
+    transfer fails once, cleanly (before: the cancelled outcome was set again, and the sidecar logged an
+    InvalidStateError instead of answering), and its memory is released."""
+    from ciuicflow.testing.kvflow_faults import Faults
+    a, b = sidecars.pair(b_args=Faults(link_rate=2_000_000).flags())
+    handle = a.client().send("b", "cancel-me", os.urandom(2 << 20))
+    time.sleep(0.5)
+    handle.cancel()
+    with pytest.raises(KVFlowError):
+        handle.wait(10)
+    wait_until(lambda: a.stats()["memory"]["used"] == 0, what="the cancelled transfer released")
+    a.client().send("b", "after-cancel", b"ok").wait(30)
+    assert b.client().recv("after-cancel", timeout_s=10) == b"ok"
+    assert "InvalidStateError" not in a.log()

@@ -212,6 +212,19 @@ print(" ".join(out))
     assert b.client().recv("private", timeout_s=5) == b"a user's prompt"
 
 
+def test_clients_keep_their_token_across_a_sidecar_restart(sidecars):
+    """The token a sidecar made for its port stays the same when it restarts: its clients keep working
+    (a new random token each time would lock every running client out)."""
+    a, b = sidecars.pair()
+    ca, cb = a.client(), b.client()
+    ca.send("b", "before", b"1").wait(20)
+    assert cb.recv("before", timeout_s=10) == b"1"
+    b.restart()
+    a.restart()
+    ca.send("b", "after", b"2").wait(30)
+    assert cb.recv("after", timeout_s=10) == b"2"
+
+
 def test_local_api_token_options(sidecars, tmp_path):
     """--no-api-token is loopback only; --allow-remote-api keeps the token."""
     from ciuicflow.kvflow.sidecar.config import load_config

@@ -61,9 +61,9 @@ class Client:
     congestion-controlled; ``flow=False`` gives the plain FIFO baseline. ``token``: the local API's token;
     None (the default): ``$CIUICFLOW_KVFLOW_API_TOKEN``, else the file ``$CIUICFLOW_KVFLOW_API_TOKEN_FILE``,
     else the token a sidecar on this host publishes for its own user (proto/runtime.py), so a client
-    running as the sidecar's user needs nothing. ``shm``: hand the bytes over in shared memory (/dev/shm) when the sidecar
-    can open this process's files (None, the default: check once and fall back to in-band bytes; False:
-    always in-band; True: fail if the sidecar cannot). ``shm_window_bytes`` and ``shm_recv_ring_bytes``:
+    running as the sidecar's user needs nothing. ``shm``: hand the bytes over in shared memory (/dev/shm) when
+    the sidecar can open this process's files (None, the default: check once and fall back to in-band bytes;
+    False: always in-band; True: fail if the sidecar cannot). ``shm_window_bytes`` and ``shm_recv_ring_bytes``:
     the sizes of a transfer's shared-memory ring when sending and receiving (see shm.py).
     """
 
@@ -160,6 +160,26 @@ class Client:
                 else:
                     handoff.close()
 
+    def _send_ring(self, done) -> Optional[ShmWriter]:
+        """A shared-memory ring for one send, or None: in-band (no shared memory, or no ring to be had right
+        now, e.g. while the sidecar restarts)."""
+        if not self._use_shm():
+            return None
+        try:
+            return ShmWriter(self.shm_window_bytes, done, self._rings)
+        except OSError as exc:
+            log.debug("no shared-memory ring for this send (%s): in-band", exc)
+            return None
+
+    def _recv_ring(self, ring: int):
+        if not self._use_shm():
+            return None
+        try:
+            return self._rings.take("r", ring)[:2]
+        except OSError as exc:
+            log.debug("no shared-memory ring for this receive (%s): in-band", exc)
+            return None
+
     def _send_stub(self, priority: str):
         return self._high_stub if priority == "high" else self._stub
 
@@ -204,8 +224,7 @@ class Client:
             payload_kind=kind, resume=resume, lease_s=float(lease_s or 0.0), idempotency_key=idempotency_key or ""))
         message_bytes = self.message_bytes
         box = []
-        writer = (ShmWriter(self.shm_window_bytes, lambda: bool(box) and box[0].done(), self._rings)
-                  if self._use_shm() else None)
+        writer = self._send_ring(lambda: bool(box) and box[0].done())
 
         def requests():
             yield header
@@ -250,7 +269,7 @@ class Client:
         again to a later receive (at-least-once: a consumer that dies before ``ack`` loses nothing); by
         default it is deleted once delivered (at-most-once)."""
         ring = self.shm_recv_ring_bytes
-        shm_file = self._rings.take("r", ring)[:2] if self._use_shm() else None
+        shm_file = self._recv_ring(ring)
         try:
             call = self._stub.Recv(pb.RecvRequest(key=key, timeout_s=float(timeout_s or 0.0), source=source or "",
                                                   manual_ack=manual_ack,

@@ -5,6 +5,7 @@ sits in that user's private runtime directory, proto/runtime.py)."""
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 from typing import Optional
@@ -15,17 +16,28 @@ TIMEOUT_S = 5.0
 
 
 class FdHandoff:
+    """One connection to the sidecar's descriptor socket. The sidecar forgets every handle of a connection
+    that closes, and a sidecar that restarts has a new socket: ``generation`` counts the connections, so
+    rings handed over on an earlier one are not reused (RingPool), and ``register`` reconnects once when the
+    sidecar went away."""
+
     def __init__(self, path: str):
         self.path = path
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self._sock.settimeout(TIMEOUT_S)
+        self.generation = 0
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._sock = self._connect()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.settimeout(TIMEOUT_S)
         try:
-            self._sock.connect(path)
+            sock.connect(self.path)
         except BaseException:
-            self._sock.close()
+            sock.close()
             raise
+        self.generation += 1
+        return sock
 
     @classmethod
     def for_address(cls, address: str) -> Optional["FdHandoff"]:
@@ -37,13 +49,45 @@ class FdHandoff:
         except OSError:
             return None
 
+    def alive(self) -> bool:
+        """Whether the sidecar still holds this connection (no hang-up, nothing unread)."""
+        with self._lock:
+            return self._alive()
+
+    def _alive(self) -> bool:
+        if self._sock.fileno() < 0:
+            return False
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable             # the sidecar never sends unasked: readable means hung up
+
+    def _reconnect(self) -> None:
+        """A new connection (OSError while the sidecar is not there; the next call tries again)."""
+        self._sock.close()
+        self._sock = self._connect()
+
+    def _register(self, fd: int) -> bytes:
+        socket.send_fds(self._sock, [b"R"], [fd])
+        reply = self._sock.recv(256)
+        if not reply:
+            raise ConnectionResetError("the sidecar closed its descriptor socket")
+        return reply
+
     def register(self, fd: int) -> str:
-        """Hand ``fd`` over; its handle. Raises OSError when the sidecar refuses it."""
+        """Hand ``fd`` over; its handle (of connection ``generation``). Raises OSError when the sidecar
+        refuses it or cannot be reached."""
         with self._lock:
             if os.getpid() != self._pid:
                 raise OSError("descriptor socket inherited across fork")
-            socket.send_fds(self._sock, [b"R"], [fd])
-            reply = self._sock.recv(256)
+            if not self._alive():
+                self._reconnect()
+            try:
+                reply = self._register(fd)
+            except OSError:
+                self._reconnect()
+                reply = self._register(fd)
         if not reply.startswith(b"H"):
             raise OSError(f"the sidecar refused the descriptor: {reply[1:].decode(errors='replace')}")
         return reply[1:].decode()

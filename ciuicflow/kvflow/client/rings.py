@@ -31,7 +31,8 @@ class RingPool:
         self.keep = max(int(keep), 0)
         self.handoff = None       # client.handoff.FdHandoff, once the sidecar is known to take descriptors
         self._closed = False
-        self._idle = {}           # (kind, size) -> [(fd, handle, pos)]
+        self._generations = {}    # handle -> the handoff connection it was registered on
+        self._idle = {}           # (kind, size) -> [(fd, handle, pos, handoff generation)]
         self._lock = threading.Lock()
 
     @property
@@ -40,9 +41,15 @@ class RingPool:
 
     def take(self, kind: str, size: int) -> "tuple[int, str, int]":
         """A ring of ``size`` data bytes: (fd, its reference for the sidecar, logical position to start at)."""
+        handoff = self.handoff
+        if handoff is not None and self._idle and not handoff.alive():
+            self._drop_idle()           # the sidecar restarted: it knows none of these handles
         with self._lock:
             idle = self._idle.get((kind, size))
-            fd, ref, pos = idle.pop() if idle else (-1, "", 0)
+            fd, ref, pos, generation = idle.pop() if idle else (-1, "", 0, 0)
+        if fd >= 0 and (handoff is None or generation != handoff.generation):
+            self._free(fd, ref)
+            fd = -1
         if fd >= 0:
             if kind == "r":
                 shmlib.publish_read(fd, 0)
@@ -53,7 +60,9 @@ class RingPool:
             if self.handoff is None:
                 return fd, shmlib.named_ref(path, shmlib.new_secret(fd)), 0
             shmlib.unlink(path)
-            return fd, self.handoff.register(fd), 0
+            ref = self.handoff.register(fd)
+            self._generations[ref] = self.handoff.generation
+            return fd, ref, 0
         except BaseException:
             shmlib.unlink(path)
             os.close(fd)
@@ -69,13 +78,14 @@ class RingPool:
             with self._lock:
                 idle = self._idle.setdefault((kind, size), [])
                 if reusable and not self._closed and len(idle) < self.keep:
-                    idle.append((fd, ref, pos))
+                    idle.append((fd, ref, pos, self._generations.get(ref, 0)))
                     return
         self._free(fd, ref)
 
     def _free(self, fd: int, ref: str) -> None:
         if shmlib.is_handle(ref):
-            if self.handoff is not None:
+            generation = self._generations.pop(ref, 0)
+            if self.handoff is not None and generation == self.handoff.generation:
                 self.handoff.drop(ref)
         else:
             shmlib.unlink(ref)
@@ -87,14 +97,18 @@ class RingPool:
         except Exception:   # noqa: BLE001
             pass
 
+    def _drop_idle(self) -> None:
+        with self._lock:
+            rings = [(fd, ref) for idle in self._idle.values() for fd, ref, *_ in idle]
+            self._idle.clear()
+        for fd, ref in rings:
+            self._free(fd, ref)
+
     def close(self) -> None:
         """Free the idle rings; rings still in use are freed when their transfers end."""
         with self._lock:
             self._closed = True
-            rings = [(fd, ref) for idle in self._idle.values() for fd, ref, _ in idle]
-            self._idle.clear()
-        for fd, ref in rings:
-            self._free(fd, ref)
+        self._drop_idle()
 
 
 def _succeeded(future) -> bool:

@@ -12,7 +12,7 @@ from ..proto import shm as shmlib
 from ..proto.codec import uninitialized
 from ..proto.messages import priority_from_pb, priority_to_pb
 from .payload import KVFlowError, Part, RecvHeader, SendResult, decode_part, encode_part, messages
-from .rings import CallFinished, RingPool, ShmWriter
+from .rings import CallFinished, RingPool
 
 _END = object()
 GROW_MIN = 8 << 20      # a part's buffer starts at most this large (or its first chunk), then doubles
@@ -84,8 +84,7 @@ class SendStream:
         self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, queue_messages))
         self._parts = 0
         self._closed = False
-        self._shm = (ShmWriter(client.shm_window_bytes, lambda: self.handle.done(), client._rings)
-                     if client._use_shm() else None)
+        self._shm = client._send_ring(lambda: self.handle.done())
         header = pb.SendRequest(header=pb.SendHeader(
             dest=dest, key=key, priority=priority_to_pb(priority), deadline_s=float(deadline_s or 0.0),
             payload_kind=payload_kind, resume=resume, lease_s=float(lease_s or 0.0),

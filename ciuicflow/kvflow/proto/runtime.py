@@ -118,15 +118,3 @@ def publish(path: str, text: str) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-
-
-def unpublish(path: Optional[str], text: Optional[str] = None) -> None:
-    """Remove ``path`` (when ``text`` is given: only while it still holds that, not a successor's)."""
-    if not path:
-        return
-    try:
-        if text is not None and read_secret(path, "published") != text:
-            return
-        os.unlink(path)
-    except (OSError, ValueError):
-        pass

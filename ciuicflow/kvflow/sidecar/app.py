@@ -189,6 +189,13 @@ class Sidecar:
             return
         try:
             self.api_token_path = runtime.api_file(port, "token", create_dir=True)
+            if not self.cfg.api_token:
+                # The token a sidecar on this port published before stays: clients that read it keep working
+                # across a restart (delete the file to change it).
+                try:
+                    self.api_token = self.local_api.api_token = runtime.read_secret(self.api_token_path, "token")
+                except (OSError, ValueError):
+                    pass
             runtime.publish(self.api_token_path, self.api_token)
             self.local_api.token_hint = f"; this sidecar's user finds it in {self.api_token_path}"
         except OSError as exc:       # PermissionError too: a runtime directory that is not private
@@ -245,7 +252,6 @@ class Sidecar:
             self.handoff.stop()
         if self.shm_access is not None:
             self.shm_access.close()
-        runtime.unpublish(self.api_token_path, self.api_token)
         log.info("stopped")
 
     def stats(self) -> dict:

@@ -61,6 +61,22 @@ def _safe(handler):
     return handler._replace(request_deserializer=safe_deserializer(handler.request_deserializer))
 
 
+def _lenient(handler):
+    """Health and reflection requests that do not parse are taken as empty ones (answered as such) instead
+    of making gRPC log a traceback for every stranger's garbage."""
+    parse = handler.request_deserializer
+    cls = getattr(parse, "__self__", None)
+    if parse is None or cls is None:
+        return handler
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception:       # noqa: BLE001 - any malformed bytes
+            return cls()
+    return handler._replace(request_deserializer=deserialize)
+
+
 async def _idle_limited(requests, idle_s: float):
     """A stream's requests, ending when none comes for ``idle_s`` (a silent client holds nothing for ever)."""
     iterator = requests.__aiter__()
@@ -165,12 +181,12 @@ class Servers:
         hs = health.aio.HealthServicer()
         watch = Gate(limits.watch_streams)
         health_pb2_grpc.add_HealthServicer_to_server(
-            hs, _Registration(server, lambda h: _gated(h, watch, "health Watch", limits.idle_timeout_s)))
+            hs, _Registration(server, lambda h: _gated(_lenient(h), watch, "health Watch", limits.idle_timeout_s)))
         names = (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
         streams = Gate(limits.reflection_streams)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
             reflection.aio.ReflectionServicer(names),
-            _Registration(server, lambda h: _gated(h, streams, "reflection", limits.reflection_idle_s)))
+            _Registration(server, lambda h: _gated(_lenient(h), streams, "reflection", limits.reflection_idle_s)))
         self._health.append((hs, service_name))
         self.servers.append(server)
         return server

@@ -191,8 +191,8 @@ class LocalApi(pb_grpc.KVFlowServicer):
         if found:
             entry = found[0]
             if not entry.complete or entry.readers:
-                await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"transfer {request.key!r} is {'being received' if entry.complete else 'incomplete'}")
+                state = "being received" if entry.complete else "incomplete"
+                await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, f"transfer {request.key!r} is {state}")
             self.store.collect(entry)
             return pb.AcknowledgeReply()
         tomb = self.store.tombstone(request.key, request.source)

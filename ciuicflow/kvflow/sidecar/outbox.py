@@ -185,6 +185,9 @@ class Outbox:
         if not t.finished or self.transfers.get(t.tid) is not t:
             return False
         future = self._outcomes.pop(t.tid, None)       # None: told OK already (a revived transfer)
+        revived = future is None
+        if future is not None and future.done():        # cancelled with the local Send that awaited it
+            future = None
         if t.state == DONE:
             reply = t.reply()
             if future is not None:
@@ -195,9 +198,9 @@ class Outbox:
             f = t.failure
             if f.tell_peer and self.connected:
                 self.control.append(pb.PeerFrame(abort=pb.Abort(tid=t.tid, code=f.code.value[0], message=f.message)))
-            log.log(logging.INFO if future is not None else logging.WARNING, "transfer %r to %s failed: %s %s%s",
-                    t.key, self.dest, f.code.name, f.message, "" if future is not None else
-                    " (sent again after its receiver lost it; its sender had been told OK)")
+            log.log(logging.WARNING if revived else logging.INFO, "transfer %r to %s failed: %s %s%s", t.key,
+                    self.dest, f.code.name, f.message,
+                    " (sent again after its receiver lost it; its sender had been told OK)" if revived else "")
             if future is not None:
                 future.set_exception(f)
                 future.exception()   # mark retrieved; the local API reads it
@@ -210,7 +213,7 @@ class Outbox:
             self.fifo.remove(t)
         except ValueError:
             pass
-        if future is not None:
+        if not revived:
             self.metrics.transfers.labels(self.dest, t.priority, "send", status).inc()
         if t.state == DONE and not t.durable and t.queryable:
             # only in the receiver's memory: kept (bytes and budget) until its consumer has it
