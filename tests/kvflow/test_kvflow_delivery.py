@@ -72,11 +72,16 @@ def test_spool_syncs_before_it_acknowledges(tmp_path, monkeypatch):
 
 def test_spool_must_be_private_and_follows_no_symlink(sidecars, tmp_path):
     from ciuicflow.kvflow.sidecar.spool import Spool
-    shared = tmp_path / "shared"
+    shared = tmp_path / "shared"            # another user's
     shared.mkdir(mode=0o755)
-    shared.chmod(0o755)
+    os.chown(shared, 65534, 65534)
     with pytest.raises(PermissionError):
         Spool(str(shared))
+    mine = tmp_path / "mine"                # this user's, open to others (as sidecars before made them)
+    mine.mkdir(mode=0o755)
+    mine.chmod(0o755)
+    Spool(str(mine))
+    assert os.stat(mine).st_mode & 0o777 == 0o700
     link = tmp_path / "link"
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
@@ -99,12 +104,13 @@ def test_spool_must_be_private_and_follows_no_symlink(sidecars, tmp_path):
         b.wait_ready(20)
 
 
-def _spool_entry(d, source, key, meta_over=None, chunks=((0, b"hello"),), data=None):
-    """Spool files as a receiver would write them, with fields replaced by ``meta_over``."""
+def _spool_entry(d, source, key, meta_over=None, chunks=((0, b"hello"),), data=None, legacy=False, mode=0o600):
+    """Spool files as a receiver would write them, with fields replaced by ``meta_over`` (``legacy``: named
+    as sidecars before keys were scoped by source named them)."""
     import base64
     import hashlib
     import crc32c
-    base = hashlib.sha256(f"{source}\0{key}".encode()).hexdigest()
+    base = hashlib.sha256((key if legacy else f"{source}\0{key}").encode()).hexdigest()
     meta = {"key": key, "source": source, "uuid": "u", "priority": "normal", "payload_kind": "bytes",
             "lease_s": 0.0, "total": len(chunks), "num_parts": len(chunks), "complete": True, **(meta_over or {})}
     (d / f"{base}.meta").write_text(json.dumps(meta))
@@ -116,7 +122,7 @@ def _spool_entry(d, source, key, meta_over=None, chunks=((0, b"hello"),), data=N
     (d / f"{base}.idx").write_text("\n".join(lines) + "\n")
     (d / f"{base}.data").write_bytes(blob if data is None else data)
     for ext in (".meta", ".idx", ".data"):
-        os.chmod(d / f"{base}{ext}", 0o600)
+        os.chmod(d / f"{base}{ext}", mode)
     return base
 
 
@@ -157,6 +163,20 @@ def test_spool_contents_are_checked_on_restore(sidecars, tmp_path):
     with pytest.raises(KVFlowError):            # its records out of order: kept as nothing, not complete
         cb.recv("out-of-order", timeout_s=1)
     assert cb.stats()["memory"]["used"] == 0
+
+
+def test_spool_of_an_older_sidecar_is_restored(sidecars, tmp_path):
+    """Upgrading: a spool directory and files made with the umask, named by key alone, are taken over
+    (made private, renamed) rather than dropped."""
+    d = tmp_path / "spool"
+    d.mkdir(mode=0o755)
+    d.chmod(0o755)
+    old = _spool_entry(d, "a", "from-before", legacy=True, mode=0o644)
+    b = sidecars.make("b", args=["--spool-dir", str(d), "--allow-unknown-peers"])
+    sidecars.start_all(b)
+    assert b.client().recv("from-before", timeout_s=5, source="a") == b"hello"
+    assert not any(name.startswith(old) for name in os.listdir(d))
+    assert os.stat(d).st_mode & 0o777 == 0o700
 
 
 def test_idempotency_key_prevents_a_second_delivery(sidecars, tmp_path):

@@ -8,8 +8,8 @@ Per transfer, named by the SHA-256 of its (source, key): ``.meta`` (JSON), ``.da
 back) and ``.idx`` (one JSON line per chunk: seq, part, offset, length, crc32c, part bytes, PartInfo, and for
 a packed chunk the PartInfos of its further parts); ``tombstones.log``: one JSON line per outcome.
 
-The directory is private (created 0700; one that is a symlink, another user's or open to others is
-refused), files are created 0600 relative to the directory opened at start and never through a symlink
+The directory is private (created 0700; one that is a symlink or another user's is refused, one of this
+user's open to others is made 0700), files are created 0600 relative to the directory opened at start and never through a symlink
 (``O_NOFOLLOW``). Restoring (spool_restore.py) trusts nothing in them.
 """
 from __future__ import annotations
@@ -31,16 +31,22 @@ _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def private_dir(directory: str) -> int:
-    """The spool directory, created if missing, as a descriptor; raises PermissionError unless private."""
+    """The spool directory, created if missing, as a descriptor; raises PermissionError unless it is this
+    user's directory (not a symlink). One of this user's that others may enter (sidecars before this made
+    theirs with the umask) is made private (0700), with a warning."""
     try:
         os.mkdir(directory, 0o700)
     except FileExistsError:
         pass
     st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise PermissionError(f"--spool-dir {directory} must be a directory of this user (uid {os.geteuid()}) "
-                              "with mode 0700, not a symlink")
-    return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | _FLAGS)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(f"--spool-dir {directory} must be a directory of this user (uid {os.geteuid()}), "
+                              "not a symlink")
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | _FLAGS)
+    if st.st_mode & 0o077:
+        log.warning("--spool-dir %s was open to other users (mode %o): made 0700", directory, st.st_mode & 0o777)
+        os.fchmod(fd, 0o700)
+    return fd
 
 
 class Spool:
@@ -54,6 +60,22 @@ class Spool:
     def base(self, entry) -> str:
         """Files named by the transfer's (source, key): keys are scoped by source."""
         return hashlib.sha256(f"{entry.source}\0{entry.key}".encode()).hexdigest()
+
+    @staticmethod
+    def legacy_base(entry) -> str:
+        """How sidecars before keys were scoped by source named a transfer's files (by its key alone)."""
+        return hashlib.sha256(entry.key.encode()).hexdigest()
+
+    def adopt(self, old: str, entry) -> None:
+        """Rename a legacy transfer's files to their name now (and make them private)."""
+        new = self.base(entry)
+        for ext in (".meta", ".data", ".idx"):
+            fd = self.open(old + ext, os.O_RDONLY | os.O_NONBLOCK)     # never through a symlink
+            try:
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
+            os.replace(old + ext, new + ext, src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
 
     def open(self, name: str, flags: int) -> int:
         return os.open(name, flags | _FLAGS, 0o600, dir_fd=self.dirfd)

@@ -125,12 +125,16 @@ def _in_order(entry: InTransfer, part, offset, length, part_nbytes, info, more) 
     return offset + length <= want_nbytes and (length > 0 or want_nbytes == 0)
 
 
-def _restore_one(spool, budget, store, base: str) -> bool:
+def _restore_one(spool, budget, store, base: str) -> str:
+    """Restore one transfer's files; the name they have now (a legacy one is renamed)."""
     meta = _meta(_read(spool, base + ".meta", MAX_META_BYTES))
     entry = InTransfer(meta["key"], meta["source"], meta["uuid"], meta["priority"], meta["payload_kind"],
                        meta["lease_s"], None, store.labels(meta["source"]))
     if spool.base(entry) != base:
-        raise ValueError("files named for another transfer")
+        if spool.legacy_base(entry) != base:
+            raise ValueError("files named for another transfer")
+        spool.adopt(base, entry)            # written by a sidecar before keys were scoped by source
+        base = spool.base(entry)
     records = _records(_read(spool, base + ".idx", MAX_IDX_BYTES))
     reserved = sum(chunk_cost(r[2], (r[5], *r[6])) for r in records)
     if not budget.try_reserve(entry.account, reserved):       # before any data is read
@@ -169,7 +173,7 @@ def _restore_one(spool, budget, store, base: str) -> bool:
     store.insert(entry)
     if len(entry.chunks) != len(records):
         spool.rewrite(entry)        # drop whatever followed the last good chunk
-    return True
+    return base
 
 
 def _restore_tombstones(spool, store) -> None:
@@ -194,15 +198,15 @@ def _restore_tombstones(spool, store) -> None:
 
 def restore(spool, budget, store) -> int:
     """Load what the spool directory holds into ``store`` (memory from ``budget``); the number restored."""
-    restored = 0
+    done = set()
     for name in sorted(os.listdir(spool.dirfd)):
-        if not name.endswith(".meta") or len(name) != 69:
+        if not name.endswith(".meta") or len(name) != 69 or name[:-len(".meta")] in done:
             continue
         base = name[:-len(".meta")]
         try:
-            restored += _restore_one(spool, budget, store, base)
+            done.add(_restore_one(spool, budget, store, base))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("dropping spool entry %s: %s", base, exc)
             spool.remove(base)
     _restore_tombstones(spool, store)
-    return restored
+    return len(done)
