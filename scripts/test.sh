@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pytest -q -ra "$@"
+python -m pytest -q -ra --durations=30 "$@"
