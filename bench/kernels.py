@@ -8,6 +8,9 @@ buffer (``out=``), as the collectives do: a fresh 256 MB allocation costs more t
 whose stores read each destination line before writing it; the CPU unpack writes outputs of 8 MiB and
 more with streaming stores that skip that read, so it can exceed 100% of the ceiling.
 
+``orthogonalize_`` is also timed against ``torch.linalg.qr`` of the same float32 matrix (impl
+"linalg.qr"), a tall [numel / 4, 4] one: PowerSGD's P of a large layer.
+
     python bench/kernels.py                      # 64M elements, CPU
     python bench/kernels.py --numel 1000000 --json out/kernels.json
     python bench/kernels.py --device cuda        # on a GPU build
@@ -15,16 +18,19 @@ more with streaming stores that skip that read, so it can exceed 100% of the cei
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
 
 import torch
 
-import ciuicflow.ops as ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ciuicflow.ops as ops  # noqa: E402
 
-CHUNK = 2048
-WORLD = 4  # vectors averaged by onebit_unpack_mean
+CHUNK = ops.DEFAULT_CHUNK_SIZE  # the 1-bit hooks' default
+INT8_CHUNK = 256
+WORLD = 4  # vectors averaged by the unpack_mean ops
 RANK = 4  # columns orthogonalised
 
 
@@ -55,6 +61,23 @@ def torch_unpack(packed, scales, numel, chunk):
 
 def torch_unpack_mean(packed, scales, numel, chunk):
     return torch_unpack(packed, scales, numel, chunk).mean(0)
+
+
+def torch_int8_pack(x, error, chunk):
+    n = x.numel()
+    y = x.float() + error
+    nchunks = math.ceil(n / chunk)
+    rows = torch.nn.functional.pad(y, (0, nchunks * chunk - n)).view(nchunks, chunk)
+    scales = rows.abs().amax(1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(rows / safe[:, None]).clamp_(-127, 127)
+    error.copy_((rows - q * scales[:, None]).view(-1)[:n])
+    return q.view(-1)[:n].to(torch.int8), scales
+
+
+def torch_int8_unpack_mean(values, scales, numel, chunk):
+    per_elem = scales.repeat_interleave(chunk, dim=-1)[..., :numel]
+    return (values.float() * per_elem).mean(0)
 
 
 def torch_orthogonalize(m, eps=0.0):
@@ -91,7 +114,8 @@ def copy_ceiling(nbytes, device, repeats):
 
 
 def cases(numel, dtype, device):
-    """(op, bytes_moved, ciuicflow fn, torch fn) for each op at this size and dtype."""
+    """(op, bytes_moved, ciuicflow fn, {impl: fn} of what it is compared with) for each op at
+    this size and dtype."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=gen).to(dtype).to(device)
     error = torch.zeros(numel, device=device)
@@ -104,11 +128,20 @@ def cases(numel, dtype, device):
     matrix = torch.randn(rows, RANK, generator=gen).to(dtype).to(device)
     matrix32 = matrix.float()
     itemsize = x.element_size()
+    int8_chunks = math.ceil(numel / INT8_CHUNK)
+    values, int8_scales = ops.int8_pack(x, error.clone(), INT8_CHUNK)
+    values_w, int8_scales_w = values.repeat(WORLD, 1), int8_scales.repeat(WORLD, 1)
     yield (
         "onebit_pack",
         numel * itemsize + 8 * numel + nbytes + 4 * nchunks,
         lambda: ops.onebit_pack(x, error, CHUNK),
-        lambda: torch_pack(x, error, CHUNK),
+        {"torch": lambda: torch_pack(x, error, CHUNK)},
+    )
+    yield (
+        "int8_pack",
+        numel * itemsize + 8 * numel + numel + 4 * int8_chunks,
+        lambda: ops.int8_pack(x, error, INT8_CHUNK),
+        {"torch": lambda: torch_int8_pack(x, error, INT8_CHUNK)},
     )
     if dtype != torch.float32:
         return  # the other ops take or produce float32 only; measured once
@@ -116,27 +149,34 @@ def cases(numel, dtype, device):
         "onebit_unpack",
         nbytes + 4 * nchunks + 4 * numel,
         lambda: ops.onebit_unpack(packed, scales, numel, CHUNK, out=unpacked),
-        lambda: torch_unpack(packed, scales, numel, CHUNK),
+        {"torch": lambda: torch_unpack(packed, scales, numel, CHUNK)},
     )
     yield (
         "onebit_unpack_mean",
         WORLD * (nbytes + 4 * nchunks) + 4 * numel,
         lambda: ops.onebit_unpack_mean(packed_w, scales_w, numel, CHUNK, out=unpacked),
-        lambda: torch_unpack_mean(packed_w, scales_w, numel, CHUNK),
+        {"torch": lambda: torch_unpack_mean(packed_w, scales_w, numel, CHUNK)},
+    )
+    yield (
+        "int8_unpack_mean",
+        WORLD * (numel + 4 * int8_chunks) + 4 * numel,
+        lambda: ops.int8_unpack_mean(values_w, int8_scales_w, numel, INT8_CHUNK, out=unpacked),
+        {"torch": lambda: torch_int8_unpack_mean(values_w, int8_scales_w, numel, INT8_CHUNK)},
     )
     yield (
         f"orthogonalize_[{rows}x{RANK}]",
         2 * rows * RANK * itemsize,
         lambda: ops.orthogonalize_(matrix),
-        lambda: torch_orthogonalize(matrix32),
+        {"torch": lambda: torch_orthogonalize(matrix32),
+         "linalg.qr": lambda: torch.linalg.qr(matrix32)},
     )
 
 
 def run(numel, dtypes, device, repeats):
     records = []
     for dtype in dtypes:
-        for op, nbytes, ours, reference in cases(numel, dtype, device):
-            for impl, fn in (("ciuicflow", ours), ("torch", reference), ("copy", None)):
+        for op, nbytes, ours, others in cases(numel, dtype, device):
+            for impl, fn in (("ciuicflow", ours), *others.items(), ("copy", None)):
                 seconds = copy_ceiling(nbytes, device, repeats) if fn is None else timed(fn, device, repeats)
                 records.append(
                     dict(op=op, impl=impl, numel=numel, dtype=str(dtype).replace("torch.", ""),
@@ -154,15 +194,19 @@ def table(records):
     for r in records:
         by_key.setdefault((r["op"], r["dtype"]), {})[r["impl"]] = r
     lines = [
-        "| op | dtype | ciuicflow ms | torch ms | copy GB/s | ciuicflow GB/s | of ceiling | vs torch |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| op | dtype | ciuicflow ms | torch ms | copy GB/s | ciuicflow GB/s | of ceiling | vs torch "
+        "| linalg.qr ms | vs linalg.qr |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (op, dtype), impls in by_key.items():
         ours, ref, copy = impls["ciuicflow"], impls["torch"], impls["copy"]
+        qr = impls.get("linalg.qr")
+        qr_cells = (f"{qr['seconds'] * 1e3:.2f} | {qr['seconds'] / ours['seconds']:.2f}x"
+                    if qr else "- | -")
         lines.append(
             f"| {op} | {dtype} | {ours['seconds'] * 1e3:.2f} | {ref['seconds'] * 1e3:.2f} | "
             f"{copy['GB/s']:.2f} | {ours['GB/s']:.2f} | {ours['GB/s'] / copy['GB/s']:.0%} | "
-            f"{ref['seconds'] / ours['seconds']:.1f}x |"
+            f"{ref['seconds'] / ours['seconds']:.1f}x | {qr_cells} |"
         )
     return "\n".join(lines)
 
@@ -184,8 +228,6 @@ def main(argv=None):
     records = run(args.numel, dtypes, device, args.repeats)
     print(table(records))
     if args.json:
-        import os
-
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

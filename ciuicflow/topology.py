@@ -29,7 +29,10 @@ _TORCHRUN_ENV = ("LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK")
 # parent group -> its Topology; subgroup rank tuple -> its process group (never built twice).
 # Both belong to one default process group: a new init_process_group starts them afresh.
 _TOPOLOGIES: dict[int, tuple[object, "Topology"]] = {}
-_SUBGROUPS: dict[tuple[int, ...], object] = {}
+# Keys of the subgroups every rank of the world built start with _WORLD_BUILT: a group that only
+# its members built (for a smaller parent) is never reused where every rank must take part.
+_SUBGROUPS: dict[tuple, object] = {}
+_WORLD_BUILT = ("world",)
 _CACHE_WORLD: list = [None]
 _WARNED: set[str] = set()
 
@@ -157,18 +160,47 @@ class Topology:
     # -- subgroups ---------------------------------------------------------------------------
 
     def _with_subgroups(self) -> "Topology":
+        if self._whole_world:
+            self._make_all_subgroups()
+        elif _device_bound_default_group():
+            raise ValueError(
+                "ciuicflow: the hierarchical collectives of a process group smaller than the world "
+                "need subgroups that only its members create, which a default process group bound "
+                "to a device (init_process_group(device_id=...)) cannot split without every rank: "
+                "detect the topology of the whole world, or initialise without device_id")
         return Topology(self.group, self.rank, self.world_size, self.node_of_rank, self.source,
                         self.global_ranks, self._make_intra_group(), self._make_inter_group())
 
+    @property
+    def _whole_world(self) -> bool:
+        return len(self.global_ranks) == dist.get_world_size()
+
     def _global_ranks(self, group_ranks) -> list[int]:
         return [self.global_ranks[r] for r in group_ranks]
+
+    def _subgroup_rank_sets(self) -> list[list[int]]:
+        """Every intra-node group, then every inter-node group, as global ranks (a fixed order)."""
+        if self.local_world_size == 1 or self.num_nodes == 1:
+            return []  # the group itself, or nothing, serves each level
+        intra = [self.ranks_on_node(n) for n in range(self.num_nodes)]
+        inter = [[ranks[local] for ranks in intra] for local in range(self.local_world_size)]
+        return [self._global_ranks(ranks) for ranks in intra + inter]
+
+    def _make_all_subgroups(self) -> None:
+        """Over the whole world, every rank creates every subgroup, in the same order: the way
+        ``new_group`` works with every backend, NCCL's communicator splits of a device-bound
+        default group included (non-members take part in the split)."""
+        for ranks in self._subgroup_rank_sets():
+            key = _WORLD_BUILT + tuple(sorted(ranks))
+            if key not in _SUBGROUPS:
+                _SUBGROUPS[key] = dist.new_group(list(key[1:]))
 
     def _make_intra_group(self):
         if self.local_world_size == 1:
             return None
         if self.num_nodes == 1:
             return self.group
-        return _subgroup(self._global_ranks(self.ranks_on_node(self.node)))
+        return _subgroup(self._global_ranks(self.ranks_on_node(self.node)), self._whole_world)
 
     def _make_inter_group(self):
         if self.num_nodes == 1:
@@ -176,16 +208,21 @@ class Topology:
         if self.local_world_size == 1:
             return self.group
         peers = [self.ranks_on_node(n)[self.local_rank] for n in range(self.num_nodes)]
-        return _subgroup(self._global_ranks(peers))
+        return _subgroup(self._global_ranks(peers), self._whole_world)
 
 
-def _subgroup(global_ranks: list[int]):
+def _device_bound_default_group() -> bool:
+    return getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None) is not None
+
+
+def _subgroup(global_ranks: list[int], whole_world: bool):
     """A process group over ``global_ranks``, built once per rank set.
 
-    Only its members call this (local synchronisation), so detecting the topology of a subgroup
-    does not need the ranks outside it. Every rank builds its intra-node group before its
-    inter-node group, so no two ranks wait on each other's creations in opposite orders."""
-    key = tuple(sorted(global_ranks))
+    Subgroups of the whole world were all built by ``_make_all_subgroups``. For a smaller parent
+    group only its members call this (local synchronisation), so the ranks outside it need not
+    take part. Every rank builds its intra-node group before its inter-node group, so no two ranks
+    wait on each other's creations in opposite orders."""
+    key = (_WORLD_BUILT if whole_world else ()) + tuple(sorted(global_ranks))
     group = _SUBGROUPS.get(key)
     if group is None:
         group = dist.new_group(list(key), use_local_synchronization=True)

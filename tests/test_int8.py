@@ -7,18 +7,12 @@ import torch
 import torch.distributed as dist
 
 import ciuicflow.ops as ops
+from tests.devices import DEVICES
 from tests.dist_utils import run_distributed
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 7, 255, 256, 257, 1000, 65_537]
 CHUNKS = [1, 7, 256, 1000]
-
-devices = ["cpu"]
-if torch.cuda.is_available() and ops.has_cuda_kernels():
-    devices.append("cuda")
-DEVICES = devices + [pytest.param("cuda", marks=pytest.mark.skip(
-    reason="no CUDA device" if not torch.cuda.is_available() else
-    "this build of ciuicflow has no CUDA kernels"))] * (len(devices) == 1)
 
 
 def reference_pack(x, error, chunk):

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import ciuicflow.ops as ops
 from tests import reference as ref
+from tests.devices import DEVICES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 7, 8, 9, 15, 64, 1000, 2047, 2048, 2049, 4099, 65_537, 1 << 20]
@@ -15,12 +16,6 @@ CHUNKS = [8, 24, 2048]
 POISON_BYTE = 0xA5
 POISON_FLOAT = float("nan")
 
-devices = ["cpu"]
-if torch.cuda.is_available() and ops.has_cuda_kernels():
-    devices.append("cuda")
-DEVICES = devices + [
-    pytest.param("cuda", marks=pytest.mark.skip(reason="CUDA not available on this machine"))
-] * (len(devices) == 1)
 
 
 def fresh(n, dtype, device, seed):
@@ -117,43 +112,48 @@ def test_large_unpack_into_aligned_and_misaligned_buffers(chunk, offset):
         assert math.isnan(buffer[n])  # nothing written past the end
 
 
-def test_pack_unpack_outputs_are_fully_written():
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_unpack_outputs_are_fully_written(device):
     """Output buffers start from a garbage-filled allocator state: every byte must be written."""
     n, chunk = 4099, 24
     for _ in range(3):  # fill the allocator's free blocks with poison
-        poisoned_like(torch.empty(n)).sum()
-    x, error = fresh(n, torch.float32, "cpu", seed=1)
+        poisoned_like(torch.empty(n, device=device)).sum()
+    x, error = fresh(n, torch.float32, device, seed=1)
     packed, scales = ops.onebit_pack(x, error.clone(), chunk)
     assert torch.isfinite(scales).all()
     out = ops.onebit_unpack(packed, scales, n, chunk)
     assert torch.isfinite(out).all() and out.abs().min() > 0
 
 
-def test_tail_bits_beyond_numel_are_zero():
-    packed, _ = ops.onebit_pack(torch.ones(9), torch.zeros(9), 8)
+@pytest.mark.parametrize("device", DEVICES)
+def test_tail_bits_beyond_numel_are_zero(device):
+    packed, _ = ops.onebit_pack(torch.ones(9, device=device), torch.zeros(9, device=device), 8)
     assert packed.tolist() == [0xFF, 0x01]
 
 
-def test_zero_and_negative_zero_count_as_positive():
-    x = torch.tensor([0.0, -0.0, -1.0, 1.0, -0.0, 0.0, -2.0, 3.0])
-    packed, scales = ops.onebit_pack(x, torch.zeros(8), 8)
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_and_negative_zero_count_as_positive(device):
+    x = torch.tensor([0.0, -0.0, -1.0, 1.0, -0.0, 0.0, -2.0, 3.0], device=device)
+    packed, scales = ops.onebit_pack(x, torch.zeros(8, device=device), 8)
     assert packed.item() == 0b10111011
     assert scales.item() == pytest.approx(7.0 / 8)
 
 
-def test_all_zero_input_round_trips_to_zero():
-    x = torch.zeros(100)
-    error = torch.zeros(100)
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_zero_input_round_trips_to_zero(device):
+    x = torch.zeros(100, device=device)
+    error = torch.zeros(100, device=device)
     packed, scales = ops.onebit_pack(x, error, 16)
     assert torch.all(scales == 0) and torch.all(error == 0)
     assert torch.all(ops.onebit_unpack(packed, scales, 100, 16) == 0)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_input_poisons_only_its_chunk(bad):
-    x = torch.randn(64)
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_input_poisons_only_its_chunk(device, bad):
+    x = torch.randn(64, device=device)
     x[20] = bad
-    error = torch.zeros(64)
+    error = torch.zeros(64, device=device)
     packed, scales = ops.onebit_pack(x, error, 16)
     assert not torch.isfinite(scales[1])
     assert torch.isfinite(scales[[0, 2, 3]]).all()
@@ -181,6 +181,7 @@ def test_bad_arguments_raise_clear_errors(call, message):
         call()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(1, 5000),
@@ -188,15 +189,15 @@ def test_bad_arguments_raise_clear_errors(call, message):
     steps=st.integers(1, 4),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_error_feedback_invariant(n, chunk, steps, seed):
+def test_error_feedback_invariant(device, n, chunk, steps, seed):
     """Over several steps, what was sent plus what is still in the error buffer equals the sum of
     the inputs: error feedback loses nothing."""
     gen = torch.Generator().manual_seed(seed)
-    error = torch.zeros(n)
-    sent = torch.zeros(n, dtype=torch.float64)
-    total = torch.zeros(n, dtype=torch.float64)
+    error = torch.zeros(n, device=device)
+    sent = torch.zeros(n, dtype=torch.float64, device=device)
+    total = torch.zeros(n, dtype=torch.float64, device=device)
     for _ in range(steps):
-        x = torch.randn(n, generator=gen)
+        x = torch.randn(n, generator=gen).to(device)
         error_before = error.clone()
         packed, scales = ops.onebit_pack(x, error, chunk)
         out = ops.onebit_unpack(packed, scales, n, chunk)
@@ -206,15 +207,16 @@ def test_error_feedback_invariant(n, chunk, steps, seed):
     torch.testing.assert_close(sent + error.double(), total, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 3000), chunk=st.sampled_from([8, 40, 2048]), seed=st.integers(0, 2**31 - 1))
-def test_round_trip_of_a_sign_vector_is_exact_to_rounding(n, chunk, seed):
+def test_round_trip_of_a_sign_vector_is_exact_to_rounding(device, n, chunk, seed):
     """Packing a vector that is already +-scale per chunk leaves no error and round-trips exactly."""
     gen = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
     scale = (torch.rand(-(-n // chunk), generator=gen) + 0.5).repeat_interleave(chunk)[:n]
-    x = signs * scale
-    error = torch.zeros(n)
+    x = (signs * scale).to(device)
+    error = torch.zeros(n, device=device)
     packed, scales = ops.onebit_pack(x, error, chunk)
     torch.testing.assert_close(ops.onebit_unpack(packed, scales, n, chunk), x, rtol=1e-5, atol=0)
     assert error.abs().max() <= 1e-5 * x.abs().max()  # the mean of |x| is rounded in float32
@@ -222,7 +224,10 @@ def test_round_trip_of_a_sign_vector_is_exact_to_rounding(n, chunk, seed):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1), (7, 1), (33, 4), (1000, 7), (3, 17, 5), (2, 4097, 2), (5, 5)])
+# (70000, 4), (2, 40000, 3), (1, 300000, 2): tall enough for the CUDA kernel's several blocks per
+# matrix (every 16384 rows one more); the rest take one block per matrix
+@pytest.mark.parametrize("shape", [(1, 1), (7, 1), (33, 4), (1000, 7), (3, 17, 5), (2, 4097, 2), (5, 5),
+                                   (70000, 4), (2, 40000, 3), (1, 300000, 2)])
 def test_orthogonalize_matches_reference(device, dtype, shape):
     gen = torch.Generator().manual_seed(sum(shape))
     m = torch.randn(shape, generator=gen).to(dtype)
@@ -237,33 +242,40 @@ def test_orthogonalize_matches_reference(device, dtype, shape):
         torch.testing.assert_close(q.transpose(-1, -2) @ q, eye, rtol=0, atol=tol * 10)
 
 
-def test_orthogonalize_keeps_zero_columns_zero_and_honours_eps():
-    m = torch.randn(10, 3)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [10, 50_000])
+def test_orthogonalize_keeps_zero_columns_zero_and_honours_eps(device, rows):
+    m = torch.randn(rows, 3, device=device)
     m[:, 1] = 0
     ops.orthogonalize_(m)
     assert torch.all(m[:, 1] == 0) and torch.isfinite(m).all()
-    col = torch.full((4, 1), 2.0)  # norm 4
+    col = torch.full((rows, 1), 2.0, device=device)  # norm 2 sqrt(rows)
     ops.orthogonalize_(col, eps=1.0)
-    torch.testing.assert_close(col, torch.full((4, 1), 2.0 / 5))
+    torch.testing.assert_close(col, torch.full((rows, 1), 2.0 / (2 * math.sqrt(rows) + 1), device=device))
 
 
-def test_orthogonalize_non_finite_does_not_crash():
-    m = torch.randn(8, 3)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [8, 50_000])
+def test_orthogonalize_non_finite_does_not_crash(device, rows):
+    m = torch.randn(rows, 3, device=device)
     m[0, 1] = float("inf")
     ops.orthogonalize_(m)
     assert torch.isfinite(m[:, 0]).all() and torch.isnan(m[:, 2]).all()
 
 
-def test_orthogonalize_non_contiguous_view_in_place():
+@pytest.mark.parametrize("device", DEVICES)
+def test_orthogonalize_non_contiguous_view_in_place(device):
     base = torch.randn(4, 20)
+    want = ref.orthogonalize(base.t())
+    base = base.to(device)
     view = base.t()  # [20, 4], not contiguous
-    want = ref.orthogonalize(view)
     ops.orthogonalize_(view)
-    torch.testing.assert_close(base.t().double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(base.t().cpu().double(), want, rtol=1e-4, atol=1e-4)
 
 
-def test_opcheck():
-    x, error = fresh(1000, torch.float32, "cpu", seed=3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x, error = fresh(1000, torch.float32, device, seed=3)
     torch.library.opcheck(torch.ops.ciuicflow.onebit_pack.default, (x, error, 16))
     packed, scales = ops.onebit_pack(x, error.clone(), 16)
     torch.library.opcheck(torch.ops.ciuicflow.onebit_unpack.default, (packed, scales, 1000, 16))
@@ -272,18 +284,20 @@ def test_opcheck():
         (torch.stack([packed, packed]), torch.stack([scales, scales * 2]), 1000, 16),
     )
     torch.library.opcheck(
-        torch.ops.ciuicflow.onebit_unpack_into.default, (packed, scales, 1000, 16, torch.empty(1000))
+        torch.ops.ciuicflow.onebit_unpack_into.default, (packed, scales, 1000, 16, torch.empty(1000, device=device))
     )
-    torch.library.opcheck(torch.ops.ciuicflow.orthogonalize_.default, (torch.randn(30, 4), 0.0))
+    torch.library.opcheck(torch.ops.ciuicflow.orthogonalize_.default,
+                          (torch.randn(30, 4, device=device), 0.0))
 
 
-def test_ops_trace_under_torch_compile():
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_trace_under_torch_compile(device):
     @torch.compile(backend="aot_eager", fullgraph=True)
     def roundtrip(x, error):
         packed, scales = ops.onebit_pack(x, error, 64)
         return ops.onebit_unpack(packed, scales, x.numel(), 64)
 
-    x, error = fresh(1000, torch.float32, "cpu", seed=4)
+    x, error = fresh(1000, torch.float32, device, seed=4)
     eager_error = error.clone()
     want = ops.onebit_unpack(*ops.onebit_pack(x, eager_error, 64), 1000, 64)
     torch.testing.assert_close(roundtrip(x, error), want)

@@ -88,6 +88,29 @@ def test_topology_of_a_subgroup():
         assert got == pytest.approx(want)
 
 
+def _half_then_whole_world(rank, world):
+    """The first half's topology (members only), then the world's: every rank builds every
+    subgroup of the world (as a device-bound NCCL default group needs), so none may be reused from
+    the half's, which only its members built (node 0's group has the same ranks in both)."""
+    from ciuicflow.collectives.hierarchical import hierarchical_all_reduce
+    from ciuicflow.topology import Topology
+
+    halves = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]
+    half = Topology.detect(halves[rank // 4])
+    whole = Topology.detect()
+    x = torch.full((10,), float(rank))
+    hierarchical_all_reduce(x, whole)
+    return (half.intra_group is not whole.intra_group, dist.get_process_group_ranks(whole.intra_group),
+            x[0].item())
+
+
+def test_world_subgroups_are_built_by_every_rank_after_a_subgroups_topology():
+    for rank, (distinct, intra, mean) in enumerate(
+            run_distributed(_half_then_whole_world, 8, nodes=4, timeout=180)):
+        assert distinct and intra == [rank - rank % 2, rank - rank % 2 + 1]
+        assert mean == pytest.approx(3.5)
+
+
 def _bad_override(rank, world):
     from ciuicflow.topology import Topology
 

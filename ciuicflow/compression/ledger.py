@@ -1,11 +1,15 @@
 """What a compressing glue (DDP hooks, FSDP) records for ``stats()``: bytes, steps, time, the guard.
 
-One ``Ledger`` per state. ``record`` takes each tensor's ``Traffic``; ``end_step`` closes a step;
-``note_guard`` keeps a tensor's relative error and warns past the compressor's threshold.
+One ``Ledger`` per state. ``start`` and ``record`` bracket each tensor's reduction and take its
+``Traffic``; ``end_step`` closes a step; ``note_guard`` keeps a tensor's relative error and warns
+past the compressor's threshold.
 """
 from __future__ import annotations
 
+import time
 import warnings
+
+import torch
 
 from ciuicflow.collectives.primitives import Traffic
 
@@ -22,19 +26,51 @@ class Ledger:
     def reset(self) -> None:
         self.traffic = Traffic()             # every step
         self.compressed_traffic = Traffic()  # steps past warm-up
-        self.time_s = 0.0
+        self._time_s = 0.0
+        self._pending: list = []  # (start, end) CUDA events not yet added to _time_s
         self.steps = 0
         self.compressed_steps = 0
         self.tensors = 0  # buckets (DDP) or parameter groups (FSDP) reduced
         self.relative_errors: dict = {}  # tensor index or name -> the guard's last measure
         self.guard_alerts = 0
 
-    def record(self, traffic: Traffic, compressed: bool, seconds: float) -> None:
+    @staticmethod
+    def start(device: torch.device):
+        """A mark for ``record``: the host clock on the CPU; on CUDA an event on the current
+        stream, as the host returns long before asynchronous (NCCL) work has run."""
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def record(self, traffic: Traffic, compressed: bool, started) -> None:
+        """One tensor reduced since ``started`` (from ``start``)."""
         self.traffic.merge(traffic)
         if compressed:
             self.compressed_traffic.merge(traffic)
         self.tensors += 1
-        self.time_s += seconds
+        if isinstance(started, float):
+            self._time_s += time.perf_counter() - started
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((started, end))
+            self._settle(wait=False)
+
+    def _settle(self, wait: bool) -> None:
+        """Add the device time of finished event pairs (all of them if ``wait``: a host sync,
+        only where stats are read)."""
+        while self._pending and (wait or self._pending[0][1].query()):
+            begin, end = self._pending.pop(0)
+            end.synchronize()
+            self._time_s += begin.elapsed_time(end) / 1000.0
+
+    @property
+    def time_s(self) -> float:
+        """Seconds spent compressing and communicating (device time on CUDA)."""
+        self._settle(wait=True)
+        return self._time_s
 
     def end_step(self, compressed: bool) -> None:
         self.steps += 1
@@ -66,8 +102,8 @@ class Ledger:
         ``exact_*`` figures are what exact all-reduces along the same path would send.
         ``compression_ratio`` = exact / actual inter-node bytes over the steps past warm-up
         (``overall_compression_ratio``: over all steps). ``time_s``: time spent compressing and
-        communicating."""
-        t, c, steps = self.traffic, self.compressed_traffic, self.steps
+        communicating (on CUDA, the stream's time between events around each reduction)."""
+        t, c, steps, time_s = self.traffic, self.compressed_traffic, self.steps, self.time_s
         return {
             "algorithm": algorithm,
             "topology": topology.describe() if topology is not None else None,
@@ -88,8 +124,8 @@ class Ledger:
             "relative_errors": dict(self.relative_errors),
             "guard_alerts": self.guard_alerts,
             "guard_exact_steps": t.guard_exact_steps,
-            "time_s": self.time_s,
-            "time_per_step_s": self.time_s / steps if steps else 0.0,
+            "time_s": time_s,
+            "time_per_step_s": time_s / steps if steps else 0.0,
         }
 
     def state_dict(self) -> dict:
@@ -101,7 +137,7 @@ class Ledger:
     def load_state_dict(self, stats: dict) -> None:
         self.traffic = Traffic(**stats.get("traffic", {}))
         self.compressed_traffic = Traffic(**stats.get("compressed_traffic", {}))
-        self.time_s = stats.get("time_s", 0.0)
+        self._time_s, self._pending = stats.get("time_s", 0.0), []
         self.steps = stats.get("steps", 0)
         self.compressed_steps = stats.get("compressed_steps", 0)
         self.tensors = stats.get("buckets", 0)

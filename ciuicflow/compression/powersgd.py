@@ -46,7 +46,8 @@ class PowerSGDMemory(GuardedMemory):
         self._spare: torch.Tensor | None = None  # M = gradient + error is built here, then swapped
         self._plans: dict = {}
         # the accuracy guard's measure, learnt one step late (in the next step's first all-reduce)
-        self._local_norms: tuple | None = None  # (||error||, ||input||) of this rank's last step
+        # (||error||, ||input||) of this rank's last step, a float32 tensor on the data's device
+        self._local_norms: torch.Tensor | None = None
 
     def state_dict(self) -> dict:
         """Copies: the buffers themselves are reused and overwritten by later steps."""
@@ -189,18 +190,22 @@ class PowerSGDCompressor(Compressor):
         # inf/NaN anywhere in a matrix reaches every entry of its row of P (NaN * 0 is NaN too), so
         # P and the exact values together tell whether the input held one, without reading it again.
         nonfinite = torch.maximum(nonfinite_flag(ps), nonfinite_flag(exact_values)).to(flat.dtype)
-        input_norm = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) if measure else 0.0
-        norms = flat.new_tensor(memory._local_norms or (0.0, 0.0))
-        first = torch.cat([ps.to(flat.dtype), exact_values, norms, nonfinite])
+        input_norm = torch.linalg.vector_norm(flat, dtype=torch.float32) if measure else None
+        norms = memory._local_norms if memory._local_norms is not None else \
+            flat.new_zeros(2, dtype=torch.float32)
+        first = torch.cat([ps.to(flat.dtype), exact_values, norms.to(flat.dtype), nonfinite])
         sum_over_ranks(first)
-        if bool(first[-1] > 0):  # a rank holds inf/NaN: exact this step, memory untouched
+        # The one host read of the exchange (a device sync on GPUs; with overlap=True it happens on
+        # the hooks' worker thread, not in backward): the flag picks the path, the norms the guard.
+        error_sum, input_sum, flag = first[-3:].tolist()
+        if flag > 0:  # a rank holds inf/NaN: exact this step, memory untouched
             if traffic is not None:
                 traffic.nonfinite_fallbacks += 1
             flat.div_(world)
             sum_over_ranks(flat)
             return
         if memory._local_norms is not None:  # the ranks' mean norms of the step before
-            update_guard(memory, float(first[-3]) / world, float(first[-2]) / world)
+            update_guard(memory, error_sum / world, input_sum / world)
         if measure and error_feedback and guard_due(memory, guard_threshold):
             # the guard's exact step: the input and everything the error held, averaged exactly
             work.div_(world)
@@ -238,7 +243,7 @@ class PowerSGDCompressor(Compressor):
             memory.error, memory._spare = work, memory.error
             # for the guard's measure: how far the memory (what is owed) is behind the gradient
             if measure:
-                memory._local_norms = (float(torch.linalg.vector_norm(work)), input_norm)
+                memory._local_norms = torch.stack([torch.linalg.vector_norm(work), input_norm])
         if warm_start:
             memory.q = q
         return

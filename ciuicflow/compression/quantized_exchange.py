@@ -240,15 +240,19 @@ class QuantizedStep:
             all_gather(received, send.view(-1), hop, traffic)
         r_packed, r_scales, r_flags, r_raw = _unrows(received, layout, with_flag=True)
 
-        if bool(r_flags[:, 0].sum() > 0):  # a rank holds inf/NaN: exact this step, errors untouched
+        # The one host read of the exchange (a device sync on GPUs; with overlap=True it happens on
+        # the hooks' worker thread, not in backward): the flags' sum picks the path, the largest
+        # norms (the same on every rank of the exchange) feed the guard.
+        flagged, largest_error, largest_input = torch.cat(
+            [r_flags[:, :1].sum(0), r_flags[:, 1:].max(0).values]).tolist()
+        if flagged > 0:  # a rank holds inf/NaN: exact this step, errors untouched
             if traffic is not None:
                 traffic.nonfinite_fallbacks += 1
             x.div_(world)
             return all_reduce(x, hop, traffic)
         errors.worker, errors._spare = worker_error, errors.worker
         if self.measure:
-            largest = r_flags[:, 1:].max(0).values.tolist()  # the same on every rank of the exchange
-            update_guard(errors, largest[0], largest[1])
+            update_guard(errors, largest_error, largest_input)
         if not self.server:
             return self._finish(x, layout, compressed_at, exact_at, r_packed, r_scales,
                                 r_raw.sum(0).div_(world), mean_of_rows=True)

@@ -7,7 +7,6 @@ compressor of the registry (``OneBitState``, ``PowerSGDState``, ...).
 """
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist
@@ -153,7 +152,7 @@ class AllReduceState:
         return future
 
     def _reduce_bucket(self, info: BucketView, step: int, route_name: str) -> torch.Tensor:
-        start = time.perf_counter()
+        start = self._ledger.start(info.buffer.device)
         route = self._route(route_name)
         traffic = Traffic()
         past_warmup = self.compressor.compresses and step >= self.warmup_steps
@@ -161,7 +160,7 @@ class AllReduceState:
             if not (past_warmup and self._reduce_compressed(info, route, step, traffic)):
                 route.add_exact(traffic, info.buffer)
                 route.reduce(info.buffer, EXACT, traffic)
-        self._ledger.record(traffic, past_warmup, time.perf_counter() - start)
+        self._ledger.record(traffic, past_warmup, start)
         if info.is_last:
             self._ledger.end_step(past_warmup)
             if past_warmup:

@@ -4,7 +4,9 @@ PyTorch's own ``powerSGD_hook`` issues its later collectives from future callbac
 interleave across buckets differently on different ranks. Here, every collective of a bucket is
 issued by one thread, in hook-call order: either inside the hook (``overlap=False``) or on this
 single worker thread (``overlap=True``: communication of early buckets overlaps the rest of
-backward).
+backward). On CUDA the worker's kernels run on a stream of its own, which waits for each bucket's
+gradients (an event recorded where the hook ran), so they overlap backward's kernels too; the
+future's devices make DDP's stream wait for that stream in turn.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 class OrderedWorker:
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict = {}  # device -> the worker's CUDA stream there
         self._thread = threading.Thread(target=self._loop, name="ciuicflow-comm", daemon=True)
         self._thread.start()
 
@@ -37,10 +40,17 @@ class OrderedWorker:
         while True:
             job, future, ready, device = self._jobs.get()
             try:
-                if ready is not None:
-                    torch.cuda.set_device(device)
-                    torch.cuda.current_stream(device).wait_event(ready)
-                future.set_result(job())
+                if ready is None:
+                    future.set_result(job())
+                    continue
+                torch.cuda.set_device(device)
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = torch.cuda.Stream(device)
+                stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    # set inside the stream's context: the future records its event here
+                    future.set_result(job())
             except BaseException as exc:  # the hook's caller sees it when it waits
                 future.set_exception(exc)
 

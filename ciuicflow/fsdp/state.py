@@ -16,7 +16,6 @@ continues exactly.
 from __future__ import annotations
 
 import io
-import time
 
 import torch
 import torch.distributed as dist
@@ -107,7 +106,7 @@ class FSDPState:
         return lambda reduce_output: self._reduce(group, reduce_output)
 
     def _reduce(self, group: _Group, reduce_output: torch.Tensor) -> None:
-        start = time.perf_counter()
+        start = self._ledger.start(reduce_output.device)
         step = group.steps
         group.steps += 1
         flat = reduce_output.view(-1)
@@ -125,7 +124,7 @@ class FSDPState:
             self.route.reduce(flat, EXACT, traffic)
         if step + 1 > self._ledger.steps:  # the first group of a new step
             self._ledger.end_step(compressed)
-        self._ledger.record(traffic, compressed, time.perf_counter() - start)
+        self._ledger.record(traffic, compressed, start)
 
     def _memory(self, group: _Group, flat: torch.Tensor):
         if group.memory is None:

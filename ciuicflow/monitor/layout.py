@@ -49,8 +49,10 @@ def detect_layout(group, topology, states) -> Layout:
     if world_size > 1:
         # the monitor's collectives run on a gloo group of their own: CPU objects, and no
         # interleaving with the hooks' collectives on the training group
-        own_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                   use_local_synchronization=True)
+        # (the whole world: every rank creates it, as a device-bound NCCL default group needs)
+        ranks = dist.get_process_group_ranks(group)
+        own_group = dist.new_group(ranks, backend="gloo",
+                                   use_local_synchronization=len(ranks) < dist.get_world_size())
         infos = [None] * world_size
         mine = {"host": host, "run_id": uuid.uuid4().hex if rank == 0 else None}
         dist.all_gather_object(infos, mine, group=own_group)

@@ -114,6 +114,77 @@ __global__ void gram_schmidt_kernel(float* __restrict__ rows, int64_t r, int64_t
   }
 }
 
+// Tall matrices: one block per matrix leaves most SMs idle (a 16M x 4 matrix would use 1 of an
+// H200's 132), so a large n is split over several blocks (grid.x: slices of the rows, grid.y: the
+// matrices) and the columns are processed in order, two launches each. Every reduction sums per-block partials
+// in a fixed order (no atomics), so the result is the same on every run and every rank.
+constexpr int64_t kRowsPerBlock = 16384;  // below this many rows one block per matrix is enough
+constexpr int64_t kMaxBlocksPerMatrix = 256;
+
+int64_t blocks_per_matrix(int64_t n) {
+  const int64_t blocks = n / kRowsPerBlock;
+  return blocks < 1 ? 1 : (blocks > kMaxBlocksPerMatrix ? kMaxBlocksPerMatrix : blocks);
+}
+
+// For column `done` (if >= 0): q = col * inv, then other -= coef[j] * q for every later column j
+// (coefs[b, j] from gram_schmidt_coefs_kernel). Then, for column `next` = done + 1 (if < r): this
+// block's partial dot products of it with itself and with every later column, into
+// partials[b, block, j] (j >= next).
+__global__ void gram_schmidt_update_kernel(float* __restrict__ rows, int64_t r, int64_t n,
+                                           int64_t done, const float* __restrict__ coefs,
+                                           float* __restrict__ partials) {
+  __shared__ float shared[kWarps];
+  float* m = rows + static_cast<int64_t>(blockIdx.y) * r * n;
+  const float* coef = coefs + static_cast<int64_t>(blockIdx.y) * r;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (done >= 0) {
+    const float inv = coef[done];
+    float* col = m + done * n;
+    for (int64_t k = first; k < n; k += stride) {
+      const float q = col[k] * inv;
+      col[k] = q;
+      for (int64_t j = done + 1; j < r; ++j) m[j * n + k] -= coef[j] * q;
+    }
+  }
+  const int64_t next = done + 1;
+  if (next >= r) return;
+  const float* col = m + next * n;
+  float* out = partials + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * r;
+  for (int64_t j = next; j < r; ++j) {
+    const float* other = m + j * n;
+    float dot = 0.0f;
+    // the same thread touched these elements above: its own writes are visible to it
+    for (int64_t k = first; k < n; k += stride) dot += col[k] * other[k];
+    dot = block_sum(dot, shared);
+    if (threadIdx.x == 0) out[j] = dot;
+  }
+}
+
+// One block per matrix: sums the partials of column i (fixed order, in double) and writes
+// coefs[b, i] = 1 / (||col|| + eps) (1 for a zero column, which stays zero) and, for later
+// columns j, coefs[b, j] = <q, other_j>, the amount of q to take out of column j.
+__global__ void gram_schmidt_coefs_kernel(const float* __restrict__ partials, int64_t blocks,
+                                          int64_t r, int64_t i, float eps,
+                                          float* __restrict__ coefs) {
+  const float* part = partials + static_cast<int64_t>(blockIdx.x) * blocks * r;
+  float* coef = coefs + static_cast<int64_t>(blockIdx.x) * r;
+  __shared__ float inv_shared;
+  if (threadIdx.x == 0) {
+    double sq = 0;
+    for (int64_t b = 0; b < blocks; ++b) sq += part[b * r + i];
+    const double denom = sqrt(sq) + eps;
+    inv_shared = denom != 0.0 ? static_cast<float>(1.0 / denom) : 1.0f;
+    coef[i] = inv_shared;
+  }
+  __syncthreads();
+  for (int64_t j = i + 1 + threadIdx.x; j < r; j += blockDim.x) {
+    double dot = 0;
+    for (int64_t b = 0; b < blocks; ++b) dot += part[b * r + j];
+    coef[j] = static_cast<float>(dot) * inv_shared;  // <col, other> / (||col|| + eps)
+  }
+}
+
 int grid_for(int64_t n) {
   const int64_t blocks = (n + kThreads - 1) / kThreads;
   return static_cast<int>(blocks < 65535 * 8 ? (blocks > 0 ? blocks : 1) : 65535 * 8);
@@ -157,10 +228,29 @@ cudaError_t onebit_unpack_mean(const uint8_t* packed, const float* scales, float
   return cudaGetLastError();
 }
 
+int64_t gram_schmidt_workspace_floats(int64_t batch, int64_t r, int64_t n) {
+  const int64_t blocks = blocks_per_matrix(n);
+  if (blocks == 1 || batch > 65535) return 0;  // one block per matrix: no workspace
+  return batch * blocks * r + batch * r;        // partials, then coefs
+}
+
 cudaError_t gram_schmidt_rows(float* rows, int64_t batch, int64_t r, int64_t n, float eps,
-                              cudaStream_t stream) {
+                              float* workspace, cudaStream_t stream) {
   if (batch == 0 || r == 0 || n == 0) return cudaSuccess;
-  gram_schmidt_kernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(rows, r, n, eps);
+  const int64_t blocks = blocks_per_matrix(n);
+  if (gram_schmidt_workspace_floats(batch, r, n) == 0) {
+    gram_schmidt_kernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(rows, r, n, eps);
+    return cudaGetLastError();
+  }
+  float* partials = workspace;
+  float* coefs = workspace + batch * blocks * r;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(batch));
+  gram_schmidt_update_kernel<<<grid, kThreads, 0, stream>>>(rows, r, n, -1, coefs, partials);
+  for (int64_t i = 0; i < r; ++i) {
+    gram_schmidt_coefs_kernel<<<static_cast<unsigned>(batch), 32, 0, stream>>>(
+        partials, blocks, r, i, eps, coefs);
+    gram_schmidt_update_kernel<<<grid, kThreads, 0, stream>>>(rows, r, n, i, coefs, partials);
+  }
   return cudaGetLastError();
 }
 

@@ -22,8 +22,10 @@ cudaError_t onebit_unpack_mean(const uint8_t* packed, const float* scales, float
                                int64_t world, int64_t n, int64_t chunk, cudaStream_t stream);
 
 // rows: [batch, r, n] float32, each row one column of the matrix; orthonormalised in place.
+// workspace: gram_schmidt_workspace_floats(batch, r, n) floats on the device (0: may be null).
+int64_t gram_schmidt_workspace_floats(int64_t batch, int64_t r, int64_t n);
 cudaError_t gram_schmidt_rows(float* rows, int64_t batch, int64_t r, int64_t n, float eps,
-                              cudaStream_t stream);
+                              float* workspace, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace ciuicflow

@@ -81,8 +81,11 @@ void orthogonalize_cuda(at::Tensor& m, double eps) {
   if (m.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(m.device());
   auto rows = columns_as_float_rows(m);
-  check_cuda(cuda::gram_schmidt_rows(rows.data_ptr<float>(), rows.size(0), rows.size(1),
-                                     rows.size(2), static_cast<float>(eps),
+  const int64_t batch = rows.size(0), r = rows.size(1), n = rows.size(2);
+  auto workspace = at::empty({cuda::gram_schmidt_workspace_floats(batch, r, n)},
+                             rows.options());
+  check_cuda(cuda::gram_schmidt_rows(rows.data_ptr<float>(), batch, r, n, static_cast<float>(eps),
+                                     workspace.numel() ? workspace.data_ptr<float>() : nullptr,
                                      c10::cuda::getCurrentCUDAStream()),
              "orthogonalize_");
   write_back_columns(m, rows);
