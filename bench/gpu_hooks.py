@@ -48,8 +48,10 @@ def _time_method(method, args, device):
     x = torch.randn(args.batch, args.width, generator=gen).to(device)
     y = torch.randint(0, 10, (args.batch,), generator=gen).to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
+    times, before = [], None
     for step in range(args.warmup + args.steps):
+        if step == args.warmup and state is not None:
+            before = state.stats()  # the timed steps only: set-up and warm-up left out
         sync()
         start = time.perf_counter()
         optimizer.zero_grad()
@@ -61,10 +63,12 @@ def _time_method(method, args, device):
     record = {"method": method, "step_s": statistics.median(times),
               "params": sum(p.numel() for p in model.parameters())}
     if state is not None:
-        stats = state.stats()
-        record.update(hook_s_per_step=stats["time_per_step_s"],
-                      inter_node_bytes_per_step=stats["inter_node_bytes_per_step"],
-                      exact_inter_node_bytes_per_step=stats["exact_inter_node_bytes"] / stats["steps"])
+        after = state.stats()
+        per_step = {key: (after[key] - before[key]) / args.steps
+                    for key in ("time_s", "inter_node_bytes", "exact_inter_node_bytes")}
+        record.update(hook_s_per_step=per_step["time_s"],
+                      inter_node_bytes_per_step=per_step["inter_node_bytes"],
+                      exact_inter_node_bytes_per_step=per_step["exact_inter_node_bytes"])
     return record
 
 

@@ -9,6 +9,7 @@ from ciuicflow.collectives.routes import FlatRoute, HierarchicalRoute
 from ciuicflow.compression.base import Compressor, Context
 from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, QuantizedStep, \
     native_ops
+from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
 from ciuicflow.topology import Topology
 
 __all__ = ["Codec", "QuantizedCompressor", "QuantizedErrors", "QuantizedStep", "native_ops",
@@ -65,6 +66,19 @@ class QuantizedCompressor(Compressor):
 
     def exchange(self, flat, memory, route, context: Context, traffic) -> None:
         route.reduce(flat, self.step(memory, route, context.exact_mask), traffic)
+
+    # -- the reduce-scatter form (FSDP sharded over every rank) ---------------------------------
+
+    def new_scatter_memory(self) -> ScatterErrors:
+        return ScatterErrors()
+
+    def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, memory: ScatterErrors,
+                       hop, traffic: Traffic | None, scale: float = 1.0) -> torch.Tensor:
+        """``output`` = ``scale`` x the sum over the hop of each rank's row for this rank
+        (``quantized_scatter``), with this compressor's codec, chunk size and error decay."""
+        return quantized_reduce_scatter(self.codec, memory, output, rows, hop,
+                                        chunk_size=self.chunk_size, error_decay=self.error_decay,
+                                        scale=scale, traffic=traffic)
 
 
 def quantized_all_reduce(compressor: QuantizedCompressor, tensor: torch.Tensor,

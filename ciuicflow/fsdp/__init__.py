@@ -8,7 +8,11 @@
 
 FSDP2 reduce-scatters each parameter group's gradients inside the node as usual; ciuicflow then
 averages each rank's shard over ``mesh["replicate"]`` with the method's compressor (the same
-compressors, options and defaults as the DDP hooks). See docs/fsdp.md.
+compressors, options and defaults as the DDP hooks).
+
+FSDP over every rank (a 1-D mesh, no HSDP): the reduce-scatter itself crosses nodes, and
+``register(model, "onebit", mesh=mesh)`` replaces it with a compressed one (1-bit or int8, error
+feedback per parameter group). See docs/fsdp.md.
 """
 from __future__ import annotations
 
@@ -19,14 +23,15 @@ __all__ = ["FSDPState", "register"]
 
 def register(model, method: str, *, mesh, **options) -> FSDPState:
     """Set the all-reduce hook of every ``fully_shard``-ed module of ``model`` (sharded over
-    ``mesh["shard"]``) to reduce its shard across nodes with ``method``; return the state.
+    ``mesh["shard"]``) to reduce its shard across nodes with ``method``; return the state. With a
+    1-D ``mesh`` (the model sharded over all of it), set each module's reduce-scatter instead.
 
     ``options``: ``warmup_steps``, ``exclude``, ``seed`` and the compressor's options, as for
     ``ciuicflow.register`` on a DDP model."""
     from torch.distributed.fsdp import FSDPModule
 
     state = FSDPState(method, mesh, **options)
-    shard_group = mesh["shard"].get_group()
+    shard_group = mesh.get_group() if state.scatter else mesh["shard"].get_group()
     names = {module: name for name, module in model.named_modules()}
     for module in model.modules():
         if not isinstance(module, FSDPModule):
@@ -38,6 +43,12 @@ def register(model, method: str, *, mesh, **options) -> FSDPState:
             raise ValueError(f"ciuicflow.fsdp: module {names[module]!r} has several parameter "
                              "groups (shard_placement_fn with several meshes): not supported")
         group = groups[0]
+        if state.scatter:
+            if group._is_hsdp or group.mesh_info.shard_process_group is not shard_group:
+                raise ValueError(f"ciuicflow.fsdp: module {names[module]!r} must be fully_shard-ed "
+                                 "over the 1-D mesh given to register")
+            module.set_custom_reduce_scatter(state.add_scatter_group(names[module], group))
+            continue
         if group._is_hsdp or group.mesh_info.shard_process_group is not shard_group:
             raise ValueError(f"ciuicflow.fsdp: module {names[module]!r} must be fully_shard-ed over "
                              "mesh['shard'] alone (not the 2-D mesh: that is FSDP's own HSDP, whose "
@@ -45,5 +56,6 @@ def register(model, method: str, *, mesh, **options) -> FSDPState:
         module.set_all_reduce_hook(state.add_group(names[module], group))
     if not state.groups:
         raise ValueError("ciuicflow.fsdp.register: no fully_shard-ed module with parameters in the "
-                         "model (call fully_shard(module, mesh=mesh['shard']) first)")
+                         "model (call fully_shard(module, mesh=mesh['shard']), or mesh=mesh for a "
+                         "1-D mesh, first)")
     return state

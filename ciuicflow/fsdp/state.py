@@ -7,6 +7,11 @@ to the all-reduce hook; here that hook averages the shard over ``mesh["replicate
 hold the same shard, one per node) with the method's compressor, on a flat route over that group:
 the hierarchical all-reduce with FSDP doing the intra-node half.
 
+FSDP2 sharded over every rank (a 1-D mesh) has no all-reduce to compress: its reduce-scatter is
+the collective that crosses nodes, so there the state is FSDP's custom reduce-scatter
+(``set_custom_reduce_scatter``) and reduces with the compressor's quantised reduce-scatter
+(``compression.quantized_scatter``), for the quantising flat methods ("onebit", "int8").
+
 Per parameter group: the compressor's memory (error feedback, warm start), its layout (each
 parameter's shard as an (offset, shape) pair, so PowerSGD sees matrices), the positions excluded
 from compression, and its count of synchronised steps. ``state_dict()`` holds this rank's memory
@@ -20,7 +25,7 @@ import io
 import torch
 import torch.distributed as dist
 
-from ciuicflow.collectives.primitives import Traffic
+from ciuicflow.collectives.primitives import Hop, Traffic, reduce_scatter
 from ciuicflow.collectives.routes import EXACT, FlatRoute
 from ciuicflow.compression import registry
 from ciuicflow.compression.base import Context, exclude_mask
@@ -63,9 +68,11 @@ class FSDPState:
     """Reduction of FSDP2 gradient shards across nodes with one method of the registry.
 
     Args (``register`` passes them):
-        method: a hierarchical method: "hierarchical_allreduce" (exact), "hierarchical_1bit",
-            "hierarchical_powersgd", "hierarchical_int8".
-        mesh: the 2-D DeviceMesh ("replicate", "shard") the model was sharded on (its "shard" dim).
+        method: with a 2-D mesh, a hierarchical method: "hierarchical_allreduce" (exact),
+            "hierarchical_1bit", "hierarchical_powersgd", "hierarchical_int8"; with a 1-D mesh, a
+            quantising flat one: "onebit", "int8".
+        mesh: the 2-D DeviceMesh ("replicate", "shard") the model was sharded on (its "shard"
+            dim), or the 1-D DeviceMesh of every rank it was sharded on (FSDP without HSDP).
         warmup_steps, exclude, seed: as for the DDP hooks' states.
         **options: the method's compressor's options, with the DDP hooks' defaults.
     """
@@ -73,23 +80,35 @@ class FSDPState:
     def __init__(self, method: str, mesh, *, warmup_steps: int = DEFAULT_WARMUP_STEPS,
                  exclude=(), seed: int = 0, **options):
         self.method = registry.method(method)
-        if not self.method.hierarchical:
-            hierarchical = [n for n, m in registry.METHODS.items() if m.hierarchical]
-            raise ValueError(f"ciuicflow.fsdp takes the hierarchical methods ({hierarchical}): FSDP "
-                             f"reduce-scatters inside the node, ciuicflow reduces across nodes; "
-                             f"got {method!r}")
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if getattr(mesh, "ndim", None) != 2 or set(names) != {"replicate", "shard"}:
+        self.scatter = getattr(mesh, "ndim", None) == 1  # FSDP over every rank: the reduce-scatter
+        if not self.scatter and (getattr(mesh, "ndim", None) != 2
+                                 or set(names) != {"replicate", "shard"}):
             raise ValueError("mesh must be a 2-D DeviceMesh with mesh_dim_names ('replicate', "
-                             f"'shard'), got {mesh!r}")
+                             f"'shard') or a 1-D DeviceMesh, got {mesh!r}")
+        if not self.scatter and not self.method.hierarchical:
+            hierarchical = [n for n, m in registry.METHODS.items() if m.hierarchical]
+            raise ValueError(f"with a 2-D mesh ciuicflow.fsdp takes the hierarchical methods "
+                             f"({hierarchical}): FSDP reduce-scatters inside the node, ciuicflow "
+                             f"reduces across nodes; got {method!r}")
         if int(warmup_steps) < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.compressor = self.method.entry.compressor_class()(**options)
+        if self.scatter and (self.method.hierarchical
+                             or not hasattr(self.compressor, "reduce_scatter")):
+            scatter = [n for n, m in registry.METHODS.items() if not m.hierarchical and hasattr(
+                m.entry.compressor_class(), "reduce_scatter")]
+            raise ValueError(f"with a 1-D mesh (FSDP over every rank) ciuicflow.fsdp compresses "
+                             f"FSDP's reduce-scatter, with {scatter}; got {method!r}")
+        self.exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+        if self.scatter and self.exclude:
+            raise ValueError("exclude is not supported with a 1-D mesh (the compressed "
+                             "reduce-scatter) yet; use HSDP (a 2-D mesh) to keep parameters exact")
         self.mesh = mesh
         self.warmup_steps = int(warmup_steps)
-        self.exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         self.seed = int(seed)
-        self.topology = Topology.detect(mesh["replicate"].get_group())  # collective, once
+        group = mesh.get_group() if self.scatter else mesh["replicate"].get_group()
+        self.topology = Topology.detect(group)  # collective, once
         self.route = FlatRoute(self.topology)
         self.groups: list[_Group] = []
         self._ledger = Ledger()
@@ -126,12 +145,39 @@ class FSDPState:
             self._ledger.end_step(compressed)
         self._ledger.record(traffic, compressed, start)
 
+    def add_scatter_group(self, name: str, param_group) -> "CompressedReduceScatter":
+        group = _Group(len(self.groups), name, param_group)
+        self.groups.append(group)
+        return CompressedReduceScatter(self, group)
+
+    def _reduce_scatter(self, group: _Group, output: torch.Tensor, rows: torch.Tensor,
+                        scale: float) -> None:
+        """``output`` = ``scale`` x the sum over every rank of its row for this rank."""
+        start = self._ledger.start(output.device)
+        step = group.steps
+        group.steps += 1
+        hop = Hop.flat(self.topology)
+        traffic = Traffic()
+        traffic.add_exact(hop, (hop.size - 1) / hop.size * rows.numel() * rows.element_size())
+        compressed = step >= self.warmup_steps
+        if compressed and output.numel():
+            memory = self._memory(group, output.view(-1))
+            self.compressor.reduce_scatter(output.view(-1), rows, memory, hop, traffic, scale)
+        else:
+            reduce_scatter(output, rows, hop, traffic)
+            if scale != 1.0:
+                output.mul_(scale)
+        if step + 1 > self._ledger.steps:
+            self._ledger.end_step(compressed)
+        self._ledger.record(traffic, compressed, start)
+
     def _memory(self, group: _Group, flat: torch.Tensor):
         if group.memory is None:
             segments, names = group.layout(flat.numel())
             if self.exclude:
                 group.mask = exclude_mask(self.exclude, names, segments, flat.numel(), flat.device)
-            group.memory = self.compressor.new_memory()
+            group.memory = self.compressor.new_scatter_memory() if self.scatter else \
+                self.compressor.new_memory()
             group.memory_layout = _layout(flat, segments)
             if group.pending is not None:
                 layout, tensors = group.pending
@@ -206,3 +252,35 @@ def _memory_state(group: _Group):
     tensors = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
                for k, v in group.memory.state_dict().items()}
     return group.memory_layout, tensors
+
+
+try:  # FSDP2's interface for a custom reduce-scatter (torch >= 2.9)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover - older torch: register() says so
+    _ReduceScatterBase = object
+
+
+class CompressedReduceScatter(_ReduceScatterBase):
+    """FSDP2's reduce-scatter of one parameter group, through ``FSDPState._reduce_scatter``.
+
+    FSDP calls it on its reduce-scatter stream with the group's gradients laid out as one row per
+    rank; ``op`` is SUM or AVG (FSDP divides before or after where the dtype needs it)."""
+
+    def __init__(self, state: FSDPState, group: _Group):
+        self.state, self.group = state, group
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        world = dist.get_world_size(group)
+        if op == dist.ReduceOp.SUM:
+            scale = 1.0
+        elif op == dist.ReduceOp.AVG:
+            scale = 1.0 / world
+        else:
+            raise ValueError(f"ciuicflow.fsdp: FSDP asked for a reduce-scatter with {op}; the "
+                             "compressed one does SUM and AVG (a gradient divide factor other than "
+                             "the world size asks for PREMUL_SUM: leave it unset)")
+        self.state._reduce_scatter(self.group, output_tensor, input_tensor, scale)
+        return None
