@@ -223,7 +223,9 @@ def main(argv=None):
     task = tasks.TASKS[args.task]
     if args.steps:
         from dataclasses import replace
-        task = replace(task, steps=args.steps, evals=min(task.evals, args.steps))
+        # a short run (the smoke) evaluates twice, not at every step: evaluations cost more
+        # than a dozen training steps
+        task = replace(task, steps=args.steps, evals=min(task.evals, max(1, args.steps // 6)))
     data = tasks.load_data(task)
     for method in args.methods.split(","):
         try:

@@ -6,6 +6,9 @@ Adam for --warmup unmeasured and --steps measured steps; rank 0 appends one JSON
   hsdp      FSDP2's own HSDP: every layer fully_shard-ed over the 2-D mesh (replicate x shard)
   <method>  a hierarchical method of ciuicflow's registry: sharded over mesh["shard"] (inside the node),
             the shards reduced across nodes by ciuicflow.fsdp.register(model, method, mesh=mesh)
+  fsdp      FSDP2 over every rank (a 1-D mesh), its own reduce-scatter (crossing nodes)
+  fsdp:<m>  the same with ciuicflow's compressed reduce-scatter, m a quantising flat method of the
+            registry (onebit, int8): ciuicflow.fsdp.register(model, m, mesh=mesh_1d)
   no_comm   the model alone, no FSDP and no communication: the compute floor
 Measured: step_seconds (forward + backward + Adam, mean over measured steps, slowest rank),
 ciuicflow_seconds (time in ciuicflow's reduction per step, from state.stats()), inter_node_bytes_per_step
@@ -31,16 +34,28 @@ from ciuicflow.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
 from ciuicflow.compression import registry  # noqa: E402
 
 OURS = tuple(name for name, m in registry.METHODS.items() if m.hierarchical)
-METHODS = ("hsdp",) + OURS + ("no_comm",)
+SCATTER = tuple(f"fsdp:{name}" for name, m in registry.METHODS.items()
+                if not m.hierarchical and hasattr(m.entry.compressor_class(), "reduce_scatter"))
+METHODS = ("hsdp",) + OURS + ("fsdp",) + SCATTER + ("no_comm",)
 
 
 def shard(model, method, mesh, warmup_steps):
-    """FSDP2 over the layers and the root; ciuicflow's state (or None)."""
+    """FSDP2 over the layers and the root; ciuicflow's state (or None). ``mesh``: (2-D, 1-D)."""
     import ciuicflow.fsdp
     from torch.distributed.fsdp import fully_shard
 
+    mesh, mesh_1d = mesh
     if method == "no_comm":
         return None
+    if method == "fsdp" or method.startswith("fsdp:"):
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh_1d)
+        fully_shard(model, mesh=mesh_1d)
+        if method == "fsdp":
+            return None
+        return ciuicflow.fsdp.register(model, method.split(":", 1)[1], mesh=mesh_1d,
+                                       warmup_steps=warmup_steps)
     on = mesh if method == "hsdp" else mesh["shard"]
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -118,7 +133,8 @@ def main(argv=None):
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+    mesh = (init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard")),
+            init_device_mesh("cpu", (world,)))
     width = mlp_width(int(args.params), args.layers)
     data = make_batch(width, args.batch, args.seed, rank)
     for method in methods:
