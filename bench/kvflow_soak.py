@@ -62,6 +62,7 @@ class Soak:
         self.ports = {n: {"api": free_port(), "listen": free_port(), "metrics": free_port()}
                       for n in PREFILLS + DECODES}
         self.sidecars, self.starts, self.workers = {}, {}, {}
+        self.stopped: set[str] = set()  # workers the drain has finished with (not crashes)
         self.stop_files = {role: os.path.join(workdir, f"stop-{role}") for role in ("sender", "consumer", "garbage")}
 
     # ------------------------------------------------------------------ processes
@@ -132,6 +133,8 @@ class Soak:
                 print(f"  sidecar {name} exited by itself ({sc.proc.returncode}); restarting", flush=True)
                 self.start_sidecar(name)
         for name, (role, proc, log) in list(self.workers.items()):
+            if name in self.stopped:
+                continue
             if proc.poll() not in (None, 0):        # a client that failed by itself: the Client let it down
                 self.chaos.write("worker_crash", who=name, code=proc.returncode)
                 print(f"  {role} {name} exited by itself ({proc.returncode}); restarting", flush=True)
@@ -169,8 +172,11 @@ class Soak:
             if role in ("sender", "garbage"):
                 try:
                     proc.wait(max(deadline - time.monotonic(), 1.0))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                except subprocess.TimeoutExpired:  # recorded; its open transfers were never acknowledged
+                    self.chaos.write("drain_timeout", who=name)
+                    print(f"  {role} {name} did not finish within the drain; killed", flush=True)
+                    self.kill(name, proc)
+                self.stopped.add(name)
             self._check_crashes()
         while time.monotonic() < deadline:
             events = read_all(self.ledger_dir)

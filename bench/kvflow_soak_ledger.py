@@ -99,6 +99,9 @@ def verdict(events: List[dict], memory_receivers=()) -> Dict:
         "kills": len(kills),
         "crashes": sorted({e["who"] for e in events if e["ev"] == "crash"}),
         "worker_crashes": sorted({e["who"] for e in events if e["ev"] == "worker_crash"}),
+        # senders still busy when the drain ended (killed then; not a failure: what they had
+        # not been told OK is not counted as acknowledged)
+        "drain_timeouts": sorted({e["who"] for e in events if e["ev"] == "drain_timeout"}),
         "bytes_acknowledged": sum(ok["size"] for ok in oks.values()),
     }
 

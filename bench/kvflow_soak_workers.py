@@ -43,8 +43,11 @@ def sender(a) -> None:
     from ciuicflow.kvflow import Client, KVFlowError
     client = Client(a.api)
     ledger = Ledger(os.path.join(a.ledger, f"sender-{a.name}.jsonl"))
-    mine = [e for e in read_all(a.ledger) if e.get("worker") == a.name]
-    done = {e["key"] for e in mine if e["ev"] in ("ok", "gave_up")}
+    events = read_all(a.ledger)
+    mine = [e for e in events if e.get("worker") == a.name]  # intents (only they name the worker)
+    # outcomes carry no worker name: look them up by key (keys are unique to their worker), or a
+    # restarted sender would send every earlier transfer again
+    done = {e["key"] for e in events if e["ev"] in ("ok", "gave_up")}
     pending = [e for e in mine if e["ev"] == "intent" and e["key"] not in done]
     rng = random.Random(f"{a.seed}-{a.name}-{os.getpid()}")
     n = len({e["key"] for e in mine if e["ev"] == "intent"})

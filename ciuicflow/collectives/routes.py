@@ -195,6 +195,8 @@ def node_sum_method(tensor: torch.Tensor, topology) -> str:
         raise ValueError(f"{NODE_SUM_ENV} must be auto or one of {_NODE_SUMS}, got {choice!r}")
     if choice == "auto":
         choice = "shared_memory" if tensor.device.type == "cpu" else "reduce_scatter"
+        if choice == "reduce_scatter" and dist.get_backend(topology.intra_group) == "gloo":
+            choice = "all_reduce"  # CUDA tensors on gloo (one GPU shared by several processes)
     if choice == "shared_memory" and (tensor.device.type != "cpu"
                                       or node_shm.node_segment(topology) is None):
         choice = "all_reduce"
