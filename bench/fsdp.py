@@ -3,7 +3,9 @@
 The same MLP (bench/comm.py's), same data, same steps per method, on N simulated nodes whose inter-node
 link is rate limited with tc (ciuicflow/cluster.py, docs/cluster.md): `hsdp` (FSDP2 over the 2-D mesh),
 every hierarchical method of ciuicflow's registry through `ciuicflow.fsdp.register` (FSDP2 inside the
-node), and `no_comm` (FSDP2 inside the node, nothing across nodes: the floor). Bytes on the wire come
+node), `fsdp` (FSDP2 over every rank, its own reduce-scatter) and `fsdp:<method>` (the same with
+ciuicflow's compressed reduce-scatter), and `no_comm` (the model alone, no FSDP and no
+communication: the compute floor). Bytes on the wire come
 from the links' counters. Writes JSON (one record per method), a markdown table and a PNG.
 
     python bench/fsdp.py                 # 25M-param MLP, 2 nodes x 2 ranks, 1 Gbit/s
