@@ -235,9 +235,14 @@ def test_resume_bf16_accumulation_exclude_and_nonfinite():
 def test_bad_arguments_are_refused():
     import ciuicflow.fsdp
 
-    with pytest.raises(ValueError, match="hierarchical methods"):
-        ciuicflow.fsdp.FSDPState("onebit", None)
+    from types import SimpleNamespace
+
+    two_d = SimpleNamespace(ndim=2, mesh_dim_names=("replicate", "shard"))  # checked before use
+    with pytest.raises(ValueError, match="2-D mesh ciuicflow.fsdp takes the hierarchical methods"):
+        ciuicflow.fsdp.FSDPState("onebit", two_d)
     with pytest.raises(ValueError, match="unknown method"):
         ciuicflow.fsdp.FSDPState("nope", None)
     with pytest.raises(ValueError, match="2-D DeviceMesh"):
         ciuicflow.fsdp.FSDPState("hierarchical_1bit", object())
+    with pytest.raises(ValueError, match="2-D DeviceMesh"):
+        ciuicflow.fsdp.FSDPState("hierarchical_1bit", None)

@@ -242,6 +242,14 @@ def test_prefill_process_killed_mid_transfer(pair, tmp_path):
                              text=True)
     try:
         assert child.stdout.readline().strip() == "saved"
+        # Kill it once the receiver holds the transfer open: killed before its first bytes left, it
+        # is one the receiver never hears of, which fails at the load timeout instead (seen once
+        # under CI load).
+        from ciuicflow.kvflow import Client
+        receiver, deadline = Client(d.api), time.monotonic() + 20.0
+        while "k-child" not in str(receiver.stats()["store"]["keys"]):
+            assert time.monotonic() < deadline, "the transfer never reached the decode sidecar"
+            time.sleep(0.02)
         child.kill()
         child.wait(10)
         dst = caches("deepseek_mla", torch.float32, seed=11)
