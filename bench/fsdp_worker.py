@@ -32,10 +32,10 @@ from comm_worker import build_model, make_batch, mlp_width, node_link_delta, red
 
 from ciuicflow.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
 from ciuicflow.compression import registry  # noqa: E402
+from ciuicflow.fsdp.state import scatter_methods  # noqa: E402
 
 OURS = tuple(name for name, m in registry.METHODS.items() if m.hierarchical)
-SCATTER = tuple(f"fsdp:{name}" for name, m in registry.METHODS.items()
-                if not m.hierarchical and hasattr(m.entry.compressor_class(), "reduce_scatter"))
+SCATTER = tuple(f"fsdp:{name}" for name in scatter_methods())
 METHODS = ("hsdp",) + OURS + ("fsdp",) + SCATTER + ("no_comm",)
 
 
@@ -47,22 +47,17 @@ def shard(model, method, mesh, warmup_steps):
     mesh, mesh_1d = mesh
     if method == "no_comm":
         return None
-    if method == "fsdp" or method.startswith("fsdp:"):
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh_1d)
-        fully_shard(model, mesh=mesh_1d)
-        if method == "fsdp":
-            return None
-        return ciuicflow.fsdp.register(model, method.split(":", 1)[1], mesh=mesh_1d,
-                                       warmup_steps=warmup_steps)
-    on = mesh if method == "hsdp" else mesh["shard"]
+    every_rank = method == "fsdp" or method.startswith("fsdp:")
+    on = mesh_1d if every_rank else mesh if method == "hsdp" else mesh["shard"]
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=on)
     fully_shard(model, mesh=on)
-    if method == "hsdp":
+    if method in ("hsdp", "fsdp"):
         return None
+    if every_rank:  # the compressed reduce-scatter
+        return ciuicflow.fsdp.register(model, method.split(":", 1)[1], mesh=mesh_1d,
+                                       warmup_steps=warmup_steps)
     return ciuicflow.fsdp.register(model, method, mesh=mesh, warmup_steps=warmup_steps)
 
 

@@ -83,6 +83,44 @@ def _local(model):
     return torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
 
 
+def resume_check(build, directory):
+    """Train 4 steps, save to DCP, 4 more; then resume from the checkpoint twice, with and
+    without ciuicflow's state. ``build()`` -> (model, optimizer, state). Returns (the run resumed
+    with the state equals the straight one, the one without equals it, the resumed state's steps)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optimizer, state = build()
+    for s in range(4):
+        _step(model, optimizer, s)
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd, "ciuicflow": state}, checkpoint_id=directory)
+    for s in range(4, 8):
+        _step(model, optimizer, s)
+    straight = _local(model)
+    equal, steps = [], None
+    for with_state in (True, False):
+        model, optimizer, state = build()
+        msd, osd = get_state_dict(model, optimizer)
+        loaded = {"model": msd, "optim": osd, **({"ciuicflow": state} if with_state else {})}
+        dcp.load(loaded, checkpoint_id=directory)
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])
+        for s in range(4, 8):
+            _step(model, optimizer, s)
+        equal.append(torch.equal(_local(model), straight))
+        steps = state.stats()["steps"] if with_state else steps
+    return equal[0], equal[1], steps
+
+
+def inf_backward(model, batch, rank) -> bool:
+    """Backward of a loss that is inf on rank 0 only; whether a gradient came out non-finite."""
+    tokens, target = batch
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
+    (loss * (float("inf") if rank == 0 else 1.0)).backward()
+    return not all(torch.isfinite(p.grad.to_local()).all() for p in model.parameters())
+
+
 def _same_across_nodes(tensor):
     """True when this rank's shard equals the shard of the same local rank on the other node."""
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
@@ -132,39 +170,14 @@ def test_every_method_against_fsdp2_hsdp():
 
 
 def _modes(rank, world, directory):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = _mesh()
     out = {}
-    # resume from a DCP checkpoint: the resumed run continues exactly
-    model, optimizer, state = _build("hierarchical_1bit", mesh, warmup_steps=1)
-    for s in range(4):
-        _step(model, optimizer, s)
-    msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd, "ciuicflow": state}, checkpoint_id=directory)
-    for s in range(4, 8):
-        _step(model, optimizer, s)
-    straight = _local(model)
-    def resumed(with_state: bool):
-        """Steps 4-8 after loading the checkpoint, with or without ciuicflow's state."""
-        model, optimizer, state = _build("hierarchical_1bit", mesh, warmup_steps=1)
-        msd, osd = get_state_dict(model, optimizer)
-        loaded = {"model": msd, "optim": osd, **({"ciuicflow": state} if with_state else {})}
-        dcp.load(loaded, checkpoint_id=directory)
-        set_state_dict(model, optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optim"])
-        for s in range(4, 8):
-            _step(model, optimizer, s)
-        return _local(model), state
-
-    params, state = resumed(True)
-    out["resumed_equal"] = torch.equal(params, straight)
-    out["resumed_steps"] = state.stats()["steps"]
-    # a fresh state (memory from zero) does not continue exactly: the test above can fail
-    params, _ = resumed(False)
-    out["fresh_equal"] = torch.equal(params, straight)
+    # resume from a DCP checkpoint: the resumed run continues exactly; a fresh state (memory from
+    # zero) does not, so the check can fail
+    out["resumed_equal"], out["fresh_equal"], out["resumed_steps"] = resume_check(
+        lambda: _build("hierarchical_1bit", mesh, warmup_steps=1), directory)
 
     # bf16 gradients reduced in bf16, and gradient accumulation, against HSDP doing the same
     for name, kw, accumulate in (("bf16", {"mp": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}, 1),
@@ -203,11 +216,8 @@ def _modes(rank, world, directory):
     out["compressed_differs"] = max((grads[n] - ref_grads[n]).abs().max().item()
                                     for n in grads if "weight" in n and "norm" not in n)
     optimizer.zero_grad()
-    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
-    (loss * (float("inf") if rank == 0 else 1.0)).backward()
+    out["nonfinite_grad"] = inf_backward(model, (tokens, target), rank)
     out["nonfinite_fallbacks"] = state.stats()["nonfinite_fallbacks"]
-    out["nonfinite_grad"] = not all(torch.isfinite(p.grad.to_local()).all()
-                                    for p in model.parameters())
     return out
 
 

@@ -119,6 +119,15 @@ class QuantizedErrors(GuardedMemory):
             self.server.zero_()
 
 
+def even_chunks(codec: Codec, numel: int, chunk_size: int) -> tuple[int, int]:
+    """(chunk, padded length) for ``numel`` > 0 values: as many chunks as ``chunk_size`` asks for,
+    but evened out, so padding stays under a granule per chunk."""
+    nchunks = -(-numel // chunk_size)
+    chunk = -(-numel // nchunks)
+    chunk = -(-chunk // codec.granule) * codec.granule
+    return chunk, nchunks * chunk
+
+
 @dataclass(frozen=True)
 class _Layout:
     """How ``numel`` compressed and ``exact`` exact elements are cut over ``world`` ranks."""
@@ -142,12 +151,7 @@ class _Layout:
         raw = -(-exact // parts)
         if per_rank == 0:
             return _Layout(numel, exact, world, 0, chunk_size, raw, server, 0)
-        # As many chunks as chunk_size asks for, but evened out: padding stays under a granule
-        # per chunk.
-        nchunks = -(-per_rank // chunk_size)
-        chunk = -(-per_rank // nchunks)
-        chunk = -(-chunk // codec.granule) * codec.granule
-        segment = nchunks * chunk
+        chunk, segment = even_chunks(codec, per_rank, chunk_size)
         return _Layout(numel, exact, world, segment, chunk, raw, server,
                        codec.payload_bytes(segment))
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ciuicflow.collectives.primitives import Hop, Traffic, all_to_all, nonfinite_flag, \
     reduce_scatter
 from ciuicflow.compression.base import GuardedMemory, snapshot
-from ciuicflow.compression.quantized_exchange import Codec
+from ciuicflow.compression.quantized_exchange import Codec, even_chunks
 
 
 class ScatterErrors(GuardedMemory):
@@ -58,16 +58,6 @@ class ScatterErrors(GuardedMemory):
             self.error.zero_()
 
 
-def _row_chunking(codec: Codec, numel: int, chunk_size: int) -> tuple[int, int]:
-    """(chunk, padded row length): as many chunks as ``chunk_size`` asks for, evened out."""
-    if numel == 0:
-        return chunk_size, 0
-    nchunks = -(-numel // chunk_size)
-    chunk = -(-numel // nchunks)
-    chunk = -(-chunk // codec.granule) * codec.granule
-    return chunk, nchunks * chunk
-
-
 def quantized_reduce_scatter(codec: Codec, errors: ScatterErrors, output: torch.Tensor,
                              rows: torch.Tensor, hop: Hop, *, chunk_size: int,
                              error_decay: float = 1.0, scale: float = 1.0,
@@ -83,7 +73,7 @@ def quantized_reduce_scatter(codec: Codec, errors: ScatterErrors, output: torch.
         output.copy_(rows[0] * scale)
         return output
     me = dist.get_rank(hop.group)
-    chunk, padded = _row_chunking(codec, numel, chunk_size)
+    chunk, padded = even_chunks(codec, numel, chunk_size)
     errors.ensure(world, padded, rows.device)
     work = errors._work
     work[:, :numel].copy_(rows)

@@ -7,7 +7,6 @@ compressor of the registry (``OneBitState``, ``PowerSGDState``, ...).
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 

@@ -36,6 +36,13 @@ from ciuicflow.topology import Topology
 _STATE_VERSION = 1
 
 
+def scatter_methods() -> list[str]:
+    """The methods that compress FSDP's own reduce-scatter (a 1-D mesh): the flat ones whose
+    compressor has a reduce-scatter form."""
+    return [name for name, m in registry.METHODS.items()
+            if not m.hierarchical and hasattr(m.entry.compressor_class(), "reduce_scatter")]
+
+
 class _Group:
     """One FSDP parameter group (one ``fully_shard``-ed module)."""
 
@@ -93,13 +100,10 @@ class FSDPState:
                              f"reduces across nodes; got {method!r}")
         if int(warmup_steps) < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        self.compressor = self.method.entry.compressor_class()(**options)
-        if self.scatter and (self.method.hierarchical
-                             or not hasattr(self.compressor, "reduce_scatter")):
-            scatter = [n for n, m in registry.METHODS.items() if not m.hierarchical and hasattr(
-                m.entry.compressor_class(), "reduce_scatter")]
+        if self.scatter and self.method.name not in scatter_methods():
             raise ValueError(f"with a 1-D mesh (FSDP over every rank) ciuicflow.fsdp compresses "
-                             f"FSDP's reduce-scatter, with {scatter}; got {method!r}")
+                             f"FSDP's reduce-scatter, with {scatter_methods()}; got {method!r}")
+        self.compressor = self.method.entry.compressor_class()(**options)
         self.exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         if self.scatter and self.exclude:
             raise ValueError("exclude is not supported with a 1-D mesh (the compressed "
@@ -119,9 +123,18 @@ class FSDPState:
 
     # -- the hook ----------------------------------------------------------------------------
 
-    def add_group(self, name: str, param_group) -> "callable":
+    def _new_group(self, name: str, param_group) -> _Group:
         group = _Group(len(self.groups), name, param_group)
         self.groups.append(group)
+        return group
+
+    def _record(self, step: int, compressed: bool, traffic: Traffic, start) -> None:
+        if step + 1 > self._ledger.steps:  # the first group of a new step
+            self._ledger.end_step(compressed)
+        self._ledger.record(traffic, compressed, start)
+
+    def add_group(self, name: str, param_group) -> "callable":
+        group = self._new_group(name, param_group)
         return lambda reduce_output: self._reduce(group, reduce_output)
 
     def _reduce(self, group: _Group, reduce_output: torch.Tensor) -> None:
@@ -141,14 +154,10 @@ class FSDPState:
                                     memory.relative_error)
         else:
             self.route.reduce(flat, EXACT, traffic)
-        if step + 1 > self._ledger.steps:  # the first group of a new step
-            self._ledger.end_step(compressed)
-        self._ledger.record(traffic, compressed, start)
+        self._record(step, compressed, traffic, start)
 
     def add_scatter_group(self, name: str, param_group) -> "CompressedReduceScatter":
-        group = _Group(len(self.groups), name, param_group)
-        self.groups.append(group)
-        return CompressedReduceScatter(self, group)
+        return CompressedReduceScatter(self, self._new_group(name, param_group))
 
     def _reduce_scatter(self, group: _Group, output: torch.Tensor, rows: torch.Tensor,
                         scale: float) -> None:
@@ -167,9 +176,7 @@ class FSDPState:
             reduce_scatter(output, rows, hop, traffic)
             if scale != 1.0:
                 output.mul_(scale)
-        if step + 1 > self._ledger.steps:
-            self._ledger.end_step(compressed)
-        self._ledger.record(traffic, compressed, start)
+        self._record(step, compressed, traffic, start)
 
     def _memory(self, group: _Group, flat: torch.Tensor):
         if group.memory is None:
