@@ -47,6 +47,15 @@ class GuardedMemory:
         self._guard_stale = False  # relative_error was measured before the guard's last exact step
         self._grad_norm_ema: float | None = None
 
+    def sent_by_guard(self, traffic) -> None:
+        """The guard's exact step sent what the memory held: it starts again from zero (the
+        subclass's ``flush``), and the last measure (taken before) is stale until the next
+        compressed step."""
+        self.flush()
+        self._guard_stale = True
+        if traffic is not None:
+            traffic.guard_exact_steps += 1
+
 
 def update_guard(memory: GuardedMemory, error_norm: float, grad_norm: float) -> None:
     """The guard's measure: ||memory|| over the running mean of ||gradient||. The running mean,

@@ -73,12 +73,16 @@ class QuantizedCompressor(Compressor):
         return ScatterErrors()
 
     def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, memory: ScatterErrors,
-                       hop, traffic: Traffic | None, scale: float = 1.0) -> torch.Tensor:
+                       hop, traffic: Traffic | None, scale: float = 1.0,
+                       exact_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``output`` = ``scale`` x the sum over the hop of each rank's row for this rank
-        (``quantized_scatter``), with this compressor's codec, chunk size and error decay."""
+        (``quantized_scatter``), with this compressor's codec, chunk size, error decay and guard;
+        ``exact_mask`` (a row's positions) marks those reduced exactly."""
         return quantized_reduce_scatter(self.codec, memory, output, rows, hop,
                                         chunk_size=self.chunk_size, error_decay=self.error_decay,
-                                        scale=scale, traffic=traffic)
+                                        scale=scale, traffic=traffic, exact_mask=exact_mask,
+                                        guard_threshold=self.exact_step_threshold,
+                                        measure=self.measure)
 
 
 def quantized_all_reduce(compressor: QuantizedCompressor, tensor: torch.Tensor,

@@ -10,7 +10,9 @@ the hierarchical all-reduce with FSDP doing the intra-node half.
 FSDP2 sharded over every rank (a 1-D mesh) has no all-reduce to compress: its reduce-scatter is
 the collective that crosses nodes, so there the state is FSDP's custom reduce-scatter
 (``set_custom_reduce_scatter``) and reduces with the compressor's quantised reduce-scatter
-(``compression.quantized_scatter``), for the quantising flat methods ("onebit", "int8").
+(``compression.quantized_scatter``), for the quantising flat methods ("onebit", "int8"): the
+excluded parameters' positions of every row travel exact beside the packed ones, and the accuracy
+guard measures and acts as on the all-reduce paths.
 
 Per parameter group: the compressor's memory (error feedback, warm start), its layout (each
 parameter's shard as an (offset, shape) pair, so PowerSGD sees matrices), the positions excluded
@@ -52,6 +54,7 @@ class _Group:
         self.memory = None
         self.segments: tuple | None = None  # known at the first call (FSDP's lazy init names params)
         self.names: list | None = None
+        self.padded: tuple | None = None  # (offset, padded shard shape): a reduce-scatter row
         self.mask = None
         self.memory_layout: dict | None = None  # what the memory was made for
         self.pending = None  # a checkpoint's (layout, memory state), loaded at the first call
@@ -59,15 +62,16 @@ class _Group:
     def layout(self, numel: int) -> tuple:
         """((offset, shard shape) per parameter in the reduce output, their names), once."""
         if self.segments is None:
-            segments, names, offset = [], [], 0
+            segments, names, padded, offset = [], [], [], 0
             for fsdp_param in self._param_group.fsdp_params:
                 segments.append((offset, tuple(fsdp_param.sharded_size)))
+                padded.append((offset, tuple(fsdp_param.padded_sharded_param_size)))
                 names.append(fsdp_param._param_fqn)
                 offset += fsdp_param.padded_sharded_param_size.numel()
             if offset != numel:
                 raise RuntimeError(f"ciuicflow.fsdp: FSDP's reduce output of {self.name or 'root'} "
                                    f"holds {numel} elements, its parameters' padded shards {offset}")
-            self.segments, self.names = tuple(segments), names
+            self.segments, self.names, self.padded = tuple(segments), names, tuple(padded)
         return self.segments, self.names
 
 
@@ -105,9 +109,6 @@ class FSDPState:
                              f"FSDP's reduce-scatter, with {scatter_methods()}; got {method!r}")
         self.compressor = self.method.entry.compressor_class()(**options)
         self.exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
-        if self.scatter and self.exclude:
-            raise ValueError("exclude is not supported with a 1-D mesh (the compressed "
-                             "reduce-scatter) yet; use HSDP (a 2-D mesh) to keep parameters exact")
         self.mesh = mesh
         self.warmup_steps = int(warmup_steps)
         self.seed = int(seed)
@@ -149,9 +150,7 @@ class FSDPState:
             memory = self._memory(group, flat)
             context = Context(group.segments, group.mask, step, group.index, self.seed)
             self.compressor.exchange(flat, memory, self.route, context, traffic)
-            self._ledger.note_guard(self.compressor, self.algorithm, group.name,
-                                    f"parameter group {group.name or '(root)'}",
-                                    memory.relative_error)
+            self._note_guard(group, memory)
         else:
             self.route.reduce(flat, EXACT, traffic)
         self._record(step, compressed, traffic, start)
@@ -171,18 +170,25 @@ class FSDPState:
         compressed = step >= self.warmup_steps
         if compressed and output.numel():
             memory = self._memory(group, output.view(-1))
-            self.compressor.reduce_scatter(output.view(-1), rows, memory, hop, traffic, scale)
+            self.compressor.reduce_scatter(output.view(-1), rows, memory, hop, traffic, scale,
+                                           exact_mask=group.mask)
+            self._note_guard(group, memory)
         else:
             reduce_scatter(output, rows, hop, traffic)
             if scale != 1.0:
                 output.mul_(scale)
         self._record(step, compressed, traffic, start)
 
+    def _note_guard(self, group: _Group, memory) -> None:
+        self._ledger.note_guard(self.compressor, self.algorithm, group.name,
+                                f"parameter group {group.name or '(root)'}", memory.relative_error)
+
     def _memory(self, group: _Group, flat: torch.Tensor):
         if group.memory is None:
             segments, names = group.layout(flat.numel())
-            if self.exclude:
-                group.mask = exclude_mask(self.exclude, names, segments, flat.numel(), flat.device)
+            if self.exclude:  # a reduce-scatter row holds every rank's padded shard: one mask
+                group.mask = exclude_mask(self.exclude, names, group.padded if self.scatter
+                                          else segments, flat.numel(), flat.device)
             group.memory = self.compressor.new_scatter_memory() if self.scatter else \
                 self.compressor.new_memory()
             group.memory_layout = _layout(flat, segments)
