@@ -70,8 +70,8 @@ def test_bytes_per_link_follow_the_algorithms():
 def test_fsdp_strategies_follow_fsdp2_and_the_registry():
     from ciuicflow.compression import registry
 
-    assert pl.FSDP_STRATEGIES[0] == "fsdp_hsdp"
-    assert {s.removeprefix("fsdp_") for s in pl.FSDP_STRATEGIES[1:]} == {
+    assert pl.HSDP_STRATEGIES[0] == "fsdp_hsdp" and set(pl.HSDP_STRATEGIES) <= set(pl.FSDP_STRATEGIES)
+    assert {s.removeprefix("fsdp_") for s in pl.HSDP_STRATEGIES[1:]} == {
         n for n in registry.compressed_methods() if registry.method(n).hierarchical}
     w = pl.Workload(params=1e6)
     d = 4e6
@@ -88,7 +88,60 @@ def test_fsdp_strategies_follow_fsdp2_and_the_registry():
     # a shard is a 500 x 1000 matrix: per rank P 500x4 and Q 1000x4, all-reduced over 2 nodes
     assert ps.inter_node_bytes_per_node == pytest.approx(2 * (500 + 1000) * 4 * 4)
     with pytest.raises(ValueError, match="unknown strategy"):
-        pl.estimate("fsdp_onebit", _cluster(), w)
+        pl.estimate("fsdp_powersgd", _cluster(), w)  # its factors do not reduce-scatter
+
+
+def test_fsdp_over_every_rank():
+    from ciuicflow.fsdp.state import scatter_methods
+
+    # the methods ciuicflow.fsdp takes with a 1-D mesh, found without importing the compressors
+    assert pl.ONE_DIM_STRATEGIES == ("fsdp",) + tuple("fsdp_" + m for m in scatter_methods())
+    assert set(pl.ONE_DIM_STRATEGIES) <= set(pl.FSDP_STRATEGIES) and "fsdp" in pl.EXACT_STRATEGIES
+    w = pl.Workload(params=1e6)
+    d = 4e6
+    # two parameter all-gathers and a gradient reduce-scatter, each a ring over the 4 ranks in node
+    # order: (p-1)/p of the tensor over each node's link
+    exact = pl.estimate("fsdp", _cluster(), w)
+    assert exact.inter_node_bytes_per_node == pytest.approx(3 * 3 / 4 * d)
+    assert exact.parts["grad_reduce_scatter"] == pytest.approx(exact.parts["param_all_gather"] / 2)
+    gloo = pl.ClusterSpec(2, 2, 10e9, 1e9, 0.0, 0.0, backend="gloo")  # its reduce-scatter: an all-reduce
+    assert pl.estimate("fsdp", gloo, w).inter_node_bytes_per_node == pytest.approx(4 * 3 / 4 * d)
+    for method, bits in (("onebit", 1), ("int8", 8)):
+        packed = 1e6 * (bits / 8 + 4 / 256)
+        e = pl.estimate("fsdp_" + method, gloo, w)  # the same whatever the backend
+        # the all-gathers, and one all-to-all of packed rows: G ranks x (p-G)/p of them per node
+        assert e.inter_node_bytes_per_node == pytest.approx(2 * 3 / 4 * d + 2 * 2 / 4 * packed)
+        assert e.compress_seconds == pytest.approx(1e6 * w.local_seconds_per_element)
+        assert e.inter_node_bytes_per_node < exact.inter_node_bytes_per_node
+    # one node: nothing crosses
+    assert pl.estimate("fsdp_onebit", _cluster(nodes=1, gpus=4), w).inter_node_bytes_per_node == 0
+    with pytest.raises(ValueError, match="backend"):
+        pl.ClusterSpec(2, 2, 1e9, 1e9, backend="mpi")
+
+
+# bench/fsdp.py --smoke (2026-12-02; MLP 4 x Linear(224), 201600 parameters, 2 nodes x 2 ranks, gloo,
+# 1 Gbit/s): inter-node bytes per step, all nodes, from the node links' counters (TCP/IP headers
+# included), and ciuicflow's own count of its compressed reduce-scatter's (state.stats())
+SMOKE_LINK_BYTES = {"hsdp": 1641216, "fsdp": 4921562, "fsdp:onebit": 2533557, "fsdp:int8": 2884264}
+SMOKE_CIUICFLOW_BYTES = {"fsdp:onebit": 57984, "fsdp:int8": 409984}
+
+
+def test_fsdp_bytes_match_the_bench():
+    shape = {"params": 201600, "width": 224, "layers": 4}
+    records = [{"method": m, "step_seconds": 1.0, "inter_node_bytes_per_step": b, **shape}
+               for m, b in SMOKE_LINK_BYTES.items()]
+    records.append({"method": "no_comm", "step_seconds": 0.004, "shaped": True, "rate_bps": 1e9, **shape})
+    machine = {"nodes": 2, "ranks_per_node": 2, "alpha": 3e-4}  # bytes do not depend on the probe
+    rows = {r["method"]: r for r in pl.calibrate_fsdp(records, machine)}
+    assert set(rows) == set(SMOKE_LINK_BYTES)
+    for method, row in rows.items():  # the links also carry headers and the barriers' bytes
+        assert -0.03 < row["bytes_error"] <= 0, (method, row)
+    # gloo: two all-gathers of 3/4 of the parameters per node, and the exact reduce-scatter as many
+    gathers = 2 * 2 * 3 / 4 * 201600 * 4
+    assert rows["fsdp"]["predicted_inter_node_bytes"] == pytest.approx(2 * gathers)
+    for method, nbytes in SMOKE_CIUICFLOW_BYTES.items():  # the all-to-all alone (rows padded to
+        # whole chunks and three float32 of flags each: 2% more than the model's bytes per element)
+        assert rows[method]["predicted_inter_node_bytes"] - gathers == pytest.approx(nbytes, rel=0.03)
 
 
 def test_time_model_and_recommendation():
@@ -126,6 +179,10 @@ def test_cli(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["recommended"] in {e["name"] for e in data["estimates"]}
     assert data["cluster"]["inter_bw"] == 25e9
+    rc = pl.run(parser.parse_args(["--model", "7B", "--nodes", "16", "--fsdp", "--backend", "gloo"]))
+    text = capsys.readouterr().out
+    assert rc == 0 and "vs fsdp_hsdp" in text  # FSDP over every rank beside HSDP
+    assert all(f"| {s} |" in text for s in pl.FSDP_STRATEGIES if s not in pl.RANKED)
     rc = pl.run(parser.parse_args(["--model", "lots", "--nodes", "2"]))
     assert rc == 2 and "cannot parse" in capsys.readouterr().err
 

@@ -3,7 +3,9 @@
 For a model size and a cluster (nodes x GPUs per node, intra-node and inter-node bandwidth and latency)
 it predicts, per optimizer step, the communication time, the step time and the bytes on each kind of link
 for: a flat ring all-reduce, the hierarchical all-reduce, hierarchical + 1-bit, hierarchical + PowerSGD
-rank r, and the flat 1-bit and flat PowerSGD variants; then recommends one.
+rank r, and the flat 1-bit and flat PowerSGD variants; with ``--fsdp``, for FSDP2 sharded inside the node
+(HSDP, and ciuicflow.fsdp's hierarchical methods) and over every rank (FSDP2's reduce-scatter, and
+ciuicflow.fsdp's compressed one); then recommends one.
 
 The model (per collective over k members, D bytes, per-member bandwidth b, latency a):
   all-reduce (ring)            2(k-1) a + 2(k-1)/k D / b
@@ -24,7 +26,7 @@ Step time = accum * compute + communication not hidden (``overlap`` = share of t
     ciuicflow plan --params 25e6 --nodes 2 --gpus-per-node 2 --inter-bw 1gbit --compute-seconds 0.4 --json p.json
 
 Python: ``plan(ClusterSpec(...), Workload(...))`` returns ``Estimate`` objects; ``calibrate(records)`` puts
-the model next to what bench/comm.py measured.
+the model next to what bench/comm.py measured, ``calibrate_fsdp(records)`` next to bench/fsdp.py.
 
 Modules: ``methods`` (the strategies and the hooks' parameters), ``units`` (parsing and
 formatting), ``inputs`` (``ClusterSpec``, ``Workload``), ``cost_model`` (``estimate``, ``plan``,
@@ -35,12 +37,12 @@ from ciuicflow.plan.calibration import (TCP_EFFICIENCY, calibrate, calibrate_fsd
 from ciuicflow.plan.cli import add_arguments, run, table
 from ciuicflow.plan.cost_model import Estimate, estimate, plan, recommend
 from ciuicflow.plan.inputs import ClusterSpec, Workload, compute_seconds_from_flops, powersgd_elements
-from ciuicflow.plan.methods import (BENCH_METHODS, EXACT_STRATEGIES, FSDP_STRATEGIES,
-                                    POWERSGD_RANK, RANKED, STRATEGIES)
+from ciuicflow.plan.methods import (BENCH_METHODS, EXACT_STRATEGIES, FSDP_STRATEGIES, HSDP_STRATEGIES,
+                                    ONE_DIM_STRATEGIES, POWERSGD_RANK, RANKED, STRATEGIES)
 from ciuicflow.plan.units import parse_bandwidth, parse_count, parse_seconds
 
 __all__ = [
-    "STRATEGIES", "EXACT_STRATEGIES", "FSDP_STRATEGIES", "RANKED", "BENCH_METHODS", "POWERSGD_RANK",
+    "STRATEGIES", "EXACT_STRATEGIES", "FSDP_STRATEGIES", "HSDP_STRATEGIES", "ONE_DIM_STRATEGIES", "RANKED", "BENCH_METHODS", "POWERSGD_RANK",
     "parse_count", "parse_bandwidth", "parse_seconds", "ClusterSpec", "Workload",
     "compute_seconds_from_flops", "powersgd_elements", "Estimate", "estimate", "plan", "recommend",
     "TCP_EFFICIENCY", "machine_cluster", "fit_local_seconds_per_element", "calibrate", "calibrate_fsdp",

@@ -12,9 +12,11 @@ TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at MTU 1500 (with
 
 def machine_cluster(machine: dict, rate_bps: float, inter_efficiency: float = TCP_EFFICIENCY) -> ClusterSpec:
     """The ClusterSpec of a simulated cluster: the rate its link was shaped to, the rest as probed
-    (``probe_machine`` in bench/comm_worker.py: latency, intra-node bandwidth and latency)."""
+    (``probe_machine`` in bench/comm_worker.py: latency, intra-node bandwidth and latency); its
+    benchmarks run gloo."""
     return ClusterSpec(machine["nodes"], machine["ranks_per_node"], machine.get("intra_bw", 1e12), rate_bps / 8,
-                       machine.get("intra_alpha", machine["alpha"]), machine["alpha"], inter_efficiency)
+                       machine.get("intra_alpha", machine["alpha"]), machine["alpha"], inter_efficiency,
+                       backend="gloo")
 
 
 def fit_local_seconds_per_element(measured_seconds: float, strategy: str, cluster: ClusterSpec,
@@ -50,7 +52,8 @@ def calibrate(records, machine: dict) -> list:
 
 def calibrate_fsdp(records, machine: dict) -> list:
     """The model's FSDP strategies next to bench/fsdp.py's measurements (its records and machine
-    probe): as ``calibrate``, with FSDP2's parameter groups (one per layer) for the buckets."""
+    probe), HSDP and over every rank (``fsdp``, ``fsdp:<method>``): as ``calibrate``, with FSDP2's
+    parameter groups (one per layer) for the buckets."""
     ran, floor, cluster = _floor_and_cluster(records, machine)
     local = _probed_local_seconds(machine, cluster)
     out = []

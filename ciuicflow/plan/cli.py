@@ -6,7 +6,7 @@ import sys
 from dataclasses import asdict
 
 from ciuicflow.plan.cost_model import plan, recommend
-from ciuicflow.plan.inputs import ClusterSpec, Workload, compute_seconds_from_flops
+from ciuicflow.plan.inputs import BACKENDS, ClusterSpec, Workload, compute_seconds_from_flops
 from ciuicflow.plan.methods import ALL_STRATEGIES, FSDP_STRATEGIES
 from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, parse_count, parse_seconds
 
@@ -39,8 +39,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="share of the backward pass communication can hide (0..1, default 0)")
     parser.add_argument("--fsdp", action="store_true",
-                        help="model FSDP2 sharded inside each node (HSDP, and ciuicflow.fsdp's methods) "
-                             "instead of DDP")
+                        help="model FSDP2 instead of DDP: sharded inside each node (HSDP, and ciuicflow.fsdp's "
+                             "hierarchical methods) and over every rank (FSDP2's reduce-scatter, and "
+                             "ciuicflow.fsdp's compressed one)")
+    parser.add_argument("--backend", choices=BACKENDS, default="nccl",
+                        help="the collectives' library (default nccl); gloo's reduce-scatter is a whole "
+                             "all-reduce, which matters for FSDP over every rank")
     parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(ALL_STRATEGIES)}")
     parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
 
@@ -49,7 +53,7 @@ def _build(args):
     params = parse_count(args.model if args.model is not None else args.params)
     cluster = ClusterSpec(args.nodes, args.gpus_per_node, parse_bandwidth(args.intra_bw),
                           parse_bandwidth(args.inter_bw), parse_seconds(args.intra_latency),
-                          parse_seconds(args.inter_latency))
+                          parse_seconds(args.inter_latency), backend=args.backend)
     if args.compute_seconds is not None:
         compute, source = args.compute_seconds, "given"
     else:

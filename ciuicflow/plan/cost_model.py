@@ -107,12 +107,16 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
                     parts, buckets)
 
 
+def _packed_bytes_per_element(method_cost, w: Workload) -> float:
+    """A quantising method's bytes per element: the values and one float32 scale per chunk."""
+    return method_cost.payload_bits / 8 + 4 / (w.chunk_size or method_cost.chunk_size)
+
+
 def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, parts: dict) -> tuple:
     """A quantising method (1-bit, int8): the two-phase exchange of compression.quantized."""
     g, n, p = c.gpus_per_node, c.nodes, c.world
     elems = w.params
-    chunk = w.chunk_size or method_cost.chunk_size
-    per_elem = method_cost.payload_bits / 8 + 4 / chunk  # the values + one float32 scale per chunk
+    per_elem = _packed_bytes_per_element(method_cost, w)
     if hierarchical and n > 1 and g > 1:
         nbytes = elems * w.grad_bytes
         rs = _scatter_or_gather(g, nbytes, c.intra_bw, c.intra_latency)
@@ -129,19 +133,27 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
         comm, inter, intra = _flat_ring(c, elems * w.grad_bytes)
         parts["ring"] = comm
         return comm, inter, intra, 0.0
-    # flat over all p ranks. Phase 1, pairwise all-to-all: each rank sends (p-1)/p of the compressed tensor,
-    # the off-node share (p-G)/(p-1) of it over its node's link (G ranks' worth per node), the rest over NVLink.
+    # flat over all p ranks. Phase 1, pairwise all-to-all of the compressed tensor
     dc = elems * per_elem
-    a2a_inter = g * (p - g) / p * dc
-    lat = (p - 1) * (c.inter_latency if n > 1 else c.intra_latency)
-    a2a = lat + max(a2a_inter / c.inter_goodput if n > 1 else 0.0, (g - 1) / p * dc / c.intra_bw)
+    a2a, a2a_inter, a2a_intra = _flat_all_to_all(c, dc)
     # phase 2, ring all-gather of the served segments (as gloo and NCCL run it): one edge per node crosses
     ag = _scatter_or_gather(p, dc, min(c.inter_goodput, c.intra_bw) if n > 1 else c.intra_bw,
                             c.inter_latency if n > 1 else c.intra_latency)
     compress = elems * w.local_seconds_per_element
     parts.update(all_to_all=a2a, all_gather=ag, compress=compress)
     ag_inter = (p - 1) / p * dc if n > 1 else 0.0
-    return a2a + ag, a2a_inter + ag_inter, (g - 1) / p * dc + (p - 1) / p * dc * (g - 1) / g, compress
+    return a2a + ag, a2a_inter + ag_inter, a2a_intra + (p - 1) / p * dc * (g - 1) / g, compress
+
+
+def _flat_all_to_all(c: ClusterSpec, nbytes: float) -> tuple:
+    """(seconds, inter bytes per node, intra bytes per GPU) of a pairwise all-to-all over all p ranks of
+    ``nbytes`` per rank: each rank sends (p-1)/p of it, the off-node share (p-G)/(p-1) of that over its
+    node's link (G ranks' worth per node), the rest inside the node."""
+    g, n, p = c.gpus_per_node, c.nodes, c.world
+    inter = g * (p - g) / p * nbytes
+    lat = (p - 1) * (c.inter_latency if n > 1 else c.intra_latency)
+    seconds = lat + max(inter / c.inter_goodput if n > 1 else 0.0, (g - 1) / p * nbytes / c.intra_bw)
+    return seconds, inter, (g - 1) / p * nbytes
 
 
 def _powersgd(c: ClusterSpec, w: Workload, rank: int, elements, hierarchical: bool, parts: dict) -> tuple:

@@ -1,4 +1,5 @@
-"""FSDP2 sharded inside each node (G ranks), replicated across N nodes: what a step sends.
+"""FSDP2 sharded inside each node (G ranks), replicated across N nodes (HSDP), or sharded over all
+p = N G ranks (a 1-D mesh): what a step sends.
 
 Per parameter group of B bytes of parameters and gradients: two all-gathers of the parameters inside
 the node (forward, and again in backward: FSDP2 reshards after forward), a reduce-scatter of the
@@ -6,19 +7,28 @@ gradients inside the node, then each rank's shard (B/G) reduced with the ranks h
 on the other nodes: FSDP2's own all-reduce (``fsdp_hsdp``) or a method of the registry
 (``fsdp_hierarchical_1bit``, ...). The G inter-node groups run at once and share each node's link.
 Compression works on the shard only, so its local work is 1/G of DDP's.
+
+Over every rank (``fsdp``, ``fsdp_onebit``, ``fsdp_int8``): the two all-gathers and the reduce-scatter
+span all p ranks, each a ring in node order (half of the flat ring all-reduce's time and bytes; gloo's
+reduce-scatter is a whole all-reduce of its input), or, compressed, the reduce-scatter is one pairwise
+all-to-all of the packed rows, each rank's own row kept (compression/quantized_scatter.py); each rank
+packs its whole gradient.
 """
 from __future__ import annotations
 
 from dataclasses import asdict
 
 from ciuicflow.plan.alpha_beta import _ring_allreduce, _scatter_or_gather
+from ciuicflow.plan.cost_model import _flat_all_to_all, _flat_ring, _packed_bytes_per_element
 from ciuicflow.plan.inputs import Workload, powersgd_elements
-from ciuicflow.plan.methods import cost
+from ciuicflow.plan.methods import ONE_DIM_STRATEGIES, cost
 
 
 def fsdp_terms(strategy, c, w, workload, rank, buckets, parts) -> tuple:
     """(seconds, inter bytes per node, intra bytes per GPU, local compression seconds) of one
     parameter group of ``w.params`` parameters (the planner's bucket)."""
+    if strategy in ONE_DIM_STRATEGIES:
+        return _one_dim_terms(strategy, c, w, parts)
     g, n = c.gpus_per_node, c.nodes
     nbytes = w.params * w.grad_bytes
     gather = _scatter_or_gather(g, nbytes, c.intra_bw, c.intra_latency)
@@ -32,8 +42,7 @@ def fsdp_terms(strategy, c, w, workload, rank, buckets, parts) -> tuple:
         return 3 * gather + seconds, 2 * (n - 1) / n * nbytes, intra, 0.0
     method = cost(strategy)
     if method.kind == "quantized":
-        chunk = w.chunk_size or method.chunk_size
-        per_elem = method.payload_bits / 8 + 4 / chunk
+        per_elem = _packed_bytes_per_element(method, w)
         phase = _scatter_or_gather(n, shard * per_elem, inter_bw, c.inter_latency)
         compress = shard * w.local_seconds_per_element
         parts.update(inter_all_to_all=phase, inter_all_gather=phase, compress=compress)
@@ -49,3 +58,17 @@ def fsdp_terms(strategy, c, w, workload, rank, buckets, parts) -> tuple:
     parts.update(P_inter_allreduce=t1, Q_inter_allreduce=t2, compress=compress)
     inter = 2 * (n - 1) / n * (p_elems + exact + q_elems) * w.grad_bytes * g
     return 3 * gather + t1 + t2, inter, intra, compress
+
+
+def _one_dim_terms(strategy, c, w, parts) -> tuple:
+    """The terms of ``fsdp_terms`` for FSDP2 over all p ranks."""
+    ring, ring_inter, ring_intra = _flat_ring(c, w.params * w.grad_bytes)  # = two all-gathers
+    parts["param_all_gather"] = ring
+    if strategy == ONE_DIM_STRATEGIES[0]:  # FSDP2's own reduce-scatter
+        share = 1.0 if c.backend == "gloo" else 0.5  # of the ring all-reduce
+        parts["grad_reduce_scatter"] = share * ring
+        return (1 + share) * ring, (1 + share) * ring_inter, (1 + share) * ring_intra, 0.0
+    a2a, inter, intra = _flat_all_to_all(c, w.params * _packed_bytes_per_element(cost(strategy), w))
+    compress = w.params * w.local_seconds_per_element
+    parts.update(grad_all_to_all=a2a, compress=compress)
+    return ring + a2a, ring_inter + inter, ring_intra + intra, compress

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+BACKENDS = ("nccl", "gloo")
+
 
 @dataclass
 class ClusterSpec:
@@ -15,8 +17,13 @@ class ClusterSpec:
     intra_latency: float = 5e-6
     inter_latency: float = 15e-6
     inter_efficiency: float = 1.0  # payload bytes per byte of link rate
+    # the collectives' library: gloo's reduce-scatter is an all-reduce of the whole input (twice a
+    # ring reduce-scatter's bytes); it matters where the reduce-scatter crosses nodes (FSDP over every rank)
+    backend: str = "nccl"
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(f"need at least 1 node and 1 GPU per node, got {self.nodes} x {self.gpus_per_node}")
         if not (self.intra_bw > 0 and self.inter_bw > 0):

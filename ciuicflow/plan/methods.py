@@ -1,5 +1,6 @@
 """The strategies the planner models: the exact all-reduces and every compressing method of the
-compression registry, for DDP and for FSDP2 sharded inside the node, with the registry's defaults."""
+compression registry, for DDP and for FSDP2 (sharded inside the node with HSDP, or over every rank),
+with the registry's defaults."""
 from ciuicflow.compression import registry
 
 
@@ -12,11 +13,21 @@ def hierarchical(strategy: str) -> bool:
     return registry.method(strategy.removeprefix("fsdp_")).hierarchical
 
 
-EXACT_STRATEGIES = ("flat_ring", "hierarchical", "fsdp_hsdp")
+# FSDP2 over every rank compresses its reduce-scatter with the flat quantising methods: one
+# all-to-all of packed rows (compression/quantized_scatter.py; ciuicflow.fsdp.state.scatter_methods()
+# names the same ones from the compressors themselves, which the planner does not import)
+SCATTER_METHODS = tuple(name for name in registry.compressed_methods()
+                        if not registry.method(name).hierarchical
+                        and registry.method(name).entry.cost.kind == "quantized")
+
+EXACT_STRATEGIES = ("flat_ring", "hierarchical", "fsdp_hsdp", "fsdp")
 STRATEGIES = EXACT_STRATEGIES[:2] + tuple(registry.compressed_methods())  # DDP's: the default set
 # FSDP2 sharded inside the node: its own HSDP, or a hierarchical method of the registry (ciuicflow.fsdp)
-FSDP_STRATEGIES = ("fsdp_hsdp",) + tuple(
+HSDP_STRATEGIES = ("fsdp_hsdp",) + tuple(
     "fsdp_" + name for name in registry.compressed_methods() if registry.method(name).hierarchical)
+# FSDP2 over every rank (a 1-D mesh): its own reduce-scatter, or ciuicflow's compressed one
+ONE_DIM_STRATEGIES = ("fsdp",) + tuple("fsdp_" + name for name in SCATTER_METHODS)
+FSDP_STRATEGIES = HSDP_STRATEGIES + ONE_DIM_STRATEGIES
 ALL_STRATEGIES = STRATEGIES + FSDP_STRATEGIES
 RANKED = tuple(name for name in ALL_STRATEGIES
                if name not in EXACT_STRATEGIES and cost(name).kind == "lowrank")
@@ -28,9 +39,10 @@ BENCH_METHODS = {
     registry.FAMILIES["allreduce"].methods["hierarchical"]: ("hierarchical", 4),
     **{name: (name, 4) for name in STRATEGIES[2:]},
 }
-# bench/fsdp.py method -> strategy
+# bench/fsdp.py method -> strategy (its 1-D methods: "fsdp" and "fsdp:<method>")
 FSDP_BENCH_METHODS = {"hsdp": "fsdp_hsdp",
                       registry.FAMILIES["allreduce"].methods["hierarchical"]: "fsdp_hsdp",
-                      **{s.removeprefix("fsdp_"): s for s in FSDP_STRATEGIES[1:]}}
+                      **{s.removeprefix("fsdp_"): s for s in HSDP_STRATEGIES[1:]},
+                      "fsdp": "fsdp", **{f"fsdp:{name}": f"fsdp_{name}" for name in SCATTER_METHODS}}
 
 POWERSGD_RANK = registry.FAMILIES["powersgd"].cost.rank  # the rank when none is given
