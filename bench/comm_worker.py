@@ -169,12 +169,21 @@ def register(ddp, name, rank, clock):
         options["warmup_steps"] = 2  # compress from step 2, like powerSGD_hook above (default: 10)
     if rank is not None:
         options["rank"] = rank
+    options.update(as_named(name))
     try:
         state = ciuicflow.register(ddp, name, **options)
     finally:
         del ddp.register_comm_hook
     shown = "".join(f", {k}={v!r}" for k, v in options.items())
     return state, f"ciuicflow.register(model, {name!r}{shown})"
+
+
+def as_named(method: str) -> dict:
+    """Options that make a method send what its name says under this bench's Adam: a 1-bit
+    state's default sends an adaptive optimizer's buckets as int8 (docs/hooks.md), which the
+    int8 methods' rows measure; this bench measures each codec's communication."""
+    options = registry.method(method).entry.compressor_class().option_names
+    return {"adaptive_optimizer": "same"} if "adaptive_optimizer" in options else {}
 
 
 def ciuicflow_unavailable(name):

@@ -28,7 +28,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from comm_worker import build_model, make_batch, mlp_width, node_link_delta, reduce_scalar, say  # noqa: E402
+from comm_worker import as_named, build_model, make_batch, mlp_width, node_link_delta, reduce_scalar, \
+    say  # noqa: E402
 
 from ciuicflow.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
 from ciuicflow.compression import registry  # noqa: E402
@@ -56,9 +57,11 @@ def shard(model, method, mesh, warmup_steps):
     if method in ("hsdp", "fsdp"):
         return None
     if every_rank:  # the compressed reduce-scatter
-        return ciuicflow.fsdp.register(model, method.split(":", 1)[1], mesh=mesh_1d,
-                                       warmup_steps=warmup_steps)
-    return ciuicflow.fsdp.register(model, method, mesh=mesh, warmup_steps=warmup_steps)
+        name = method.split(":", 1)[1]
+        return ciuicflow.fsdp.register(model, name, mesh=mesh_1d, warmup_steps=warmup_steps,
+                                       **as_named(name))
+    return ciuicflow.fsdp.register(model, method, mesh=mesh, warmup_steps=warmup_steps,
+                                   **as_named(method))
 
 
 def run_method(method, args, width, data, mesh):

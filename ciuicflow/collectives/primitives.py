@@ -53,6 +53,7 @@ class Traffic:
     exact_inter_bytes: float = 0.0
     nonfinite_fallbacks: int = 0
     guard_exact_steps: int = 0  # exact steps the accuracy guard asked for
+    adaptive_codec_reductions: int = 0  # tensors sent with the codec for adaptive optimizers
 
     def add(self, hop: Hop, nbytes: float) -> None:
         self.inter_bytes += nbytes * hop.inter_share

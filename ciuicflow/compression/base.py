@@ -30,13 +30,16 @@ class Context:
 
     ``segments``: (offset, shape) of each parameter laid out in it (PowerSGD's matrices);
     ``exact_mask``: bool, True where positions must be averaged exactly (or None); ``step`` and
-    ``key`` (the bucket's index) with ``seed`` seed anything random, the same on every rank."""
+    ``key`` (the bucket's index) with ``seed`` seed anything random, the same on every rank;
+    ``adaptive``: an adaptive optimizer (Adam, ...) steps these parameters
+    (``compression.optimizer_watch``), which a compressor may answer with a more precise codec."""
 
     segments: tuple = ()
     exact_mask: torch.Tensor | None = None
     step: int = 0
     key: int = 0
     seed: int = 0
+    adaptive: bool = False
 
 
 class GuardedMemory:

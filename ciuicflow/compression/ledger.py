@@ -92,6 +92,19 @@ class Ledger:
                 f"{relative_error:.1f}x its gradient (threshold {compressor.guard_threshold}): "
                 f"compression is falling behind and may cost accuracy; {action}"))
 
+    def note_adaptive(self, compressor, algorithm: str, adaptive: bool) -> None:
+        """Say once that an adaptive optimizer's tensors go with another codec than the
+        compressor's own (``QuantizedCompressor.codec_for``)."""
+        codec_for = getattr(compressor, "codec_for", None)
+        if not adaptive or codec_for is None or codec_for(True) is compressor.codec:
+            return
+        self.warn_once("adaptive", (
+            f"ciuicflow {algorithm}: an adaptive optimizer (Adam, AdamW, ...: anything but SGD) "
+            f"steps these parameters, and {compressor.codec.name} error feedback under it trains "
+            f"as if at a smaller learning rate, so they are sent as {codec_for(True).name} "
+            "(docs/hooks.md, \"Adaptive optimizers\"); ciuicflow.OneBitAdam compresses Adam to "
+            "1 bit without that loss; adaptive_optimizer='same' keeps the codec"))
+
     def warn_once(self, tag: str, message: str) -> None:
         if tag not in self._warned:
             self._warned.add(tag)
@@ -124,6 +137,8 @@ class Ledger:
             "relative_errors": dict(self.relative_errors),
             "guard_alerts": self.guard_alerts,
             "guard_exact_steps": t.guard_exact_steps,
+            # reductions sent with the codec for adaptive optimizers' tensors (int8 for 1-bit)
+            "adaptive_codec_reductions": t.adaptive_codec_reductions,
             "time_s": time_s,
             "time_per_step_s": time_s / steps if steps else 0.0,
         }

@@ -30,17 +30,25 @@ class QuantizedCompressor(Compressor):
         guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
             tensor's next step is exact and sends what the memory held) or "off".
+        adaptive_optimizer: how to send tensors whose parameters an adaptive optimizer (Adam,
+            AdamW, RMSprop, ...: anything but SGD) steps. "int8": with the int8 codec (a compressor
+            whose own codec is too coarse for them sets ``adaptive_codec``; docs/hooks.md), "same":
+            with this compressor's own codec. Ignored where ``adaptive_codec`` is None.
     """
 
     codec: Codec
-    option_names = ("chunk_size", "error_decay", "phases", "guard", "guard_threshold")
+    adaptive_codec: Codec | None = None  # the codec for adaptive optimizers' tensors, if another
+    adaptive_error_decay = 1.0           # ... and its error decay (int8's: all of it carried)
+    option_names = ("chunk_size", "error_decay", "phases", "guard", "guard_threshold",
+                    "adaptive_optimizer")
     layout_options = ("chunk_size", "phases")
     default_chunk_size: int
     default_error_decay: float
     default_guard_threshold: float
 
     def __init__(self, *, chunk_size: int | None = None, error_decay: float | None = None,
-                 phases="auto", guard: str = "warn", guard_threshold: float | None = None):
+                 phases="auto", guard: str = "warn", guard_threshold: float | None = None,
+                 adaptive_optimizer: str = "int8"):
         chunk_size = self.default_chunk_size if chunk_size is None else chunk_size
         error_decay = self.default_error_decay if error_decay is None else error_decay
         granule = self.codec.granule
@@ -51,21 +59,40 @@ class QuantizedCompressor(Compressor):
             raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
         if phases not in ("auto", 1, 2):
             raise ValueError(f"phases must be 1, 2 or 'auto', got {phases!r}")
+        if adaptive_optimizer not in ("int8", "same"):
+            raise ValueError(f"adaptive_optimizer must be 'int8' or 'same', got "
+                             f"{adaptive_optimizer!r}")
         self.chunk_size, self.error_decay, self.phases = int(chunk_size), float(error_decay), phases
+        self.adaptive_optimizer = adaptive_optimizer
         self._set_guard(guard, self.default_guard_threshold if guard_threshold is None
                         else guard_threshold)
 
     def new_memory(self) -> QuantizedErrors:
         return QuantizedErrors()
 
-    def step(self, errors: QuantizedErrors, route, exact_mask=None) -> QuantizedStep:
+    def codec_for(self, adaptive: bool) -> Codec:
+        """The codec a tensor is sent with: ``adaptive_codec`` for an adaptive optimizer's
+        parameters (unless ``adaptive_optimizer="same"``), else this compressor's own."""
+        if adaptive and self.adaptive_codec is not None and self.adaptive_optimizer == "int8":
+            return self.adaptive_codec
+        return self.codec
+
+    def _decay_for(self, codec: Codec) -> float:
+        return self.error_decay if codec is self.codec else self.adaptive_error_decay
+
+    def step(self, errors: QuantizedErrors, route, exact_mask=None,
+             adaptive: bool = False) -> QuantizedStep:
         server = self.phases == 2 or (self.phases == "auto" and route.exchange_ranks > 2)
-        return QuantizedStep(self.codec, errors, self.chunk_size, exact_mask,
-                             error_decay=self.error_decay, server=server,
+        codec = self.codec_for(adaptive)
+        return QuantizedStep(codec, errors, self.chunk_size, exact_mask,
+                             error_decay=self._decay_for(codec), server=server,
                              guard_threshold=self.exact_step_threshold, measure=self.measure)
 
     def exchange(self, flat, memory, route, context: Context, traffic) -> None:
-        route.reduce(flat, self.step(memory, route, context.exact_mask), traffic)
+        step = self.step(memory, route, context.exact_mask, context.adaptive)
+        if traffic is not None and step.codec is not self.codec:
+            traffic.adaptive_codec_reductions += 1
+        route.reduce(flat, step, traffic)
 
     # -- the reduce-scatter form (FSDP sharded over every rank) ---------------------------------
 
@@ -74,12 +101,18 @@ class QuantizedCompressor(Compressor):
 
     def reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, memory: ScatterErrors,
                        hop, traffic: Traffic | None, scale: float = 1.0,
-                       exact_mask: torch.Tensor | None = None) -> torch.Tensor:
+                       exact_mask: torch.Tensor | None = None,
+                       adaptive: bool = False) -> torch.Tensor:
         """``output`` = ``scale`` x the sum over the hop of each rank's row for this rank
-        (``quantized_scatter``), with this compressor's codec, chunk size, error decay and guard;
-        ``exact_mask`` (a row's positions) marks those reduced exactly."""
-        return quantized_reduce_scatter(self.codec, memory, output, rows, hop,
-                                        chunk_size=self.chunk_size, error_decay=self.error_decay,
+        (``quantized_scatter``), with this compressor's codec (``codec_for(adaptive)``), chunk
+        size, error decay and guard; ``exact_mask`` (a row's positions) marks those reduced
+        exactly."""
+        codec = self.codec_for(adaptive)
+        if traffic is not None and codec is not self.codec:
+            traffic.adaptive_codec_reductions += 1
+        return quantized_reduce_scatter(codec, memory, output, rows, hop,
+                                        chunk_size=self.chunk_size,
+                                        error_decay=self._decay_for(codec),
                                         scale=scale, traffic=traffic, exact_mask=exact_mask,
                                         guard_threshold=self.exact_step_threshold,
                                         measure=self.measure)

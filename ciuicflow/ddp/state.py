@@ -14,6 +14,7 @@ from ciuicflow.collectives.primitives import Traffic
 from ciuicflow.collectives.routes import EXACT, ROUTES
 from ciuicflow.compression.base import Compressor, Context, ExactCompressor, exclude_mask
 from ciuicflow.compression.ledger import Ledger
+from ciuicflow.compression.optimizer_watch import stepped_adaptively, watch
 from ciuicflow.ddp.bucket import BucketMemories, BucketView
 from ciuicflow.ddp.worker import completed, ordered_worker
 from ciuicflow.topology import Topology
@@ -202,8 +203,10 @@ class AllReduceState:
         return None if None in names else names
 
     def _compress(self, info: BucketView, memory, route, step: int, traffic: Traffic) -> None:
+        adaptive = stepped_adaptively(info.parameters)
         context = Context(tuple(info.segments), self._exact_mask(info, route.name == "hierarchical"),
-                          step, info.index, self.seed)
+                          step, info.index, self.seed, adaptive)
+        self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive)
         route.add_exact(traffic, info.buffer)
         self.compressor.exchange(info.buffer, memory, route, context, traffic)
         self._check_guard(info, memory.relative_error)
@@ -256,3 +259,4 @@ class CompressingState(AllReduceState):
         self.warmup_steps = int(warmup_steps)
         self.exclude = tuple(exclude)
         self.seed = int(seed)
+        watch()  # which parameters an adaptive optimizer steps (compression.optimizer_watch)

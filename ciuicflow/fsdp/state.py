@@ -32,6 +32,7 @@ from ciuicflow.collectives.routes import EXACT, FlatRoute
 from ciuicflow.compression import registry
 from ciuicflow.compression.base import Context, exclude_mask
 from ciuicflow.compression.ledger import Ledger
+from ciuicflow.compression.optimizer_watch import stepped_adaptively, watch
 from ciuicflow.ddp.state import DEFAULT_WARMUP_STEPS
 from ciuicflow.topology import Topology
 
@@ -58,6 +59,10 @@ class _Group:
         self.mask = None
         self.memory_layout: dict | None = None  # what the memory was made for
         self.pending = None  # a checkpoint's (layout, memory state), loaded at the first call
+
+    def parameters(self) -> list:
+        """The sharded parameters (what the optimizer steps)."""
+        return [fsdp_param.sharded_param for fsdp_param in self._param_group.fsdp_params]
 
     def layout(self, numel: int) -> tuple:
         """((offset, shard shape) per parameter in the reduce output, their names), once."""
@@ -117,6 +122,7 @@ class FSDPState:
         self.route = FlatRoute(self.topology)
         self.groups: list[_Group] = []
         self._ledger = Ledger()
+        watch()  # which parameters an adaptive optimizer steps (compression.optimizer_watch)
 
     @property
     def algorithm(self) -> str:
@@ -148,7 +154,9 @@ class FSDPState:
         self.route.add_exact(traffic, flat)
         if compressed and flat.numel():
             memory = self._memory(group, flat)
-            context = Context(group.segments, group.mask, step, group.index, self.seed)
+            adaptive = stepped_adaptively(group.parameters())
+            context = Context(group.segments, group.mask, step, group.index, self.seed, adaptive)
+            self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive)
             self.compressor.exchange(flat, memory, self.route, context, traffic)
             self._note_guard(group, memory)
         else:
@@ -170,8 +178,10 @@ class FSDPState:
         compressed = step >= self.warmup_steps
         if compressed and output.numel():
             memory = self._memory(group, output.view(-1))
+            adaptive = stepped_adaptively(group.parameters())
+            self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive)
             self.compressor.reduce_scatter(output.view(-1), rows, memory, hop, traffic, scale,
-                                           exact_mask=group.mask)
+                                           exact_mask=group.mask, adaptive=adaptive)
             self._note_guard(group, memory)
         else:
             reduce_scatter(output, rows, hop, traffic)

@@ -1,0 +1,64 @@
+"""Which parameters an adaptive optimizer (Adam, AdamW, RMSprop, ...) steps, learnt by watching.
+
+1-bit error feedback is sound for optimizers whose update is linear in the gradient (SGD, with or
+without momentum): what a step does not send is sent later, and the sum over steps is kept. An
+adaptive optimizer divides every element by a running RMS of its own gradient, and the sign's
+per-step noise enters that RMS while the late part of the signal arrives diluted: measured on
+``bench/convergence.py``'s language models, Adam on 1-bit gradients moved 0.8 of the way exact
+Adam did (the update direction's projection), which cost as much as training at 0.65x the
+learning rate (docs/convergence.md). This is the reason 1-bit Adam compresses the momentum after a
+frozen variance instead (``ciuicflow.OneBitAdam``).
+
+A DDP hook sees gradients, not the optimizer, so the glue asks this watch: it registers torch's
+global optimizer step pre-hook once per process and records the parameters that any optimizer
+other than a linear one (``torch.optim.SGD``) steps. Every rank runs the same optimizer, so every
+rank of an exchange reaches the same answer at the same step.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+# Optimizers whose update is linear in the gradient: error feedback keeps their sum of updates.
+LINEAR_OPTIMIZERS: tuple[type, ...] = (torch.optim.SGD,)
+
+_lock = threading.Lock()
+_adaptive: set[int] = set()  # ids of parameters; a parameter's id leaves when it is freed
+_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> params counted
+_handle = None
+
+
+def is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
+    """True unless the optimizer is one whose update is linear in the gradient (SGD); an unknown
+    optimizer counts as adaptive (the safe answer: it gets the more precise codec)."""
+    return not isinstance(optimizer, LINEAR_OPTIMIZERS)
+
+
+def _on_step(optimizer, args, kwargs) -> None:
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _seen.get(optimizer) == count:  # groups unchanged since last seen: nothing to learn
+        return
+    with _lock:
+        _seen[optimizer] = count
+        if is_adaptive(optimizer):
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if id(param) not in _adaptive:
+                        _adaptive.add(id(param))
+                        weakref.finalize(param, _adaptive.discard, id(param))
+
+
+def watch() -> None:
+    """Start watching optimizer steps (idempotent; the states call it when they are built)."""
+    global _handle
+    with _lock:
+        if _handle is None:
+            _handle = register_optimizer_step_pre_hook(_on_step)
+
+
+def stepped_adaptively(params) -> bool:
+    """Whether an adaptive optimizer has stepped any of ``params`` (so far in this process)."""
+    return any(id(p) in _adaptive for p in params)
