@@ -1,7 +1,7 @@
-"""One request's KV blocks through the sidecar: the transfer format, the prefill side's ``OutgoingKV``
-(a layer's blocks appended as soon as that layer has run) and the decode side's ``IncomingKV`` (received
-layer by layer in a thread and written into this instance's own blocks). No vLLM import, so the tests
-drive these against real sidecars with paged caches of vLLM's shapes.
+"""One request's KV blocks through the sidecar: the transfer format and the decode side's ``IncomingKV``
+(received layer by layer in a thread and written into this instance's own blocks); the prefill side's
+``OutgoingKV`` (a layer's blocks sent as soon as that layer has run) is in outgoing.py. No vLLM import, so
+the tests drive these against real sidecars with paged caches of vLLM's shapes.
 
 Transfer ``key`` (a "tensors" transfer of the sidecar), parts in order:
 
@@ -91,105 +91,6 @@ def block_shape(cache, dim: int = 0) -> List[int]:
     return shape
 
 
-class OutgoingKV:
-    """Prefill side, one request: ``open`` at its first saved layer, ``add_layer`` per layer (appended to
-    the sidecar at once: layer-wise pipelining), ``close`` once every layer is in; ``handle`` completes when
-    the destination sidecar holds all of it. Errors are kept (``error``), never raised into vLLM's forward."""
-
-    def __init__(self, client, req_id: str, key: str, dest: str, block_ids: Sequence[int], num_tokens: int,
-                 token_sha: str, layer_names: Sequence[str], priority: str = "normal",
-                 deadline_s: Optional[float] = None, flow: bool = True, checksum: bool = True,
-                 corrupt_layer: int = -1):
-        self.client = client
-        self.req_id = req_id
-        self.key = key
-        self.dest = dest
-        self.block_ids = list(block_ids)
-        self.num_tokens = int(num_tokens)
-        self.token_sha = token_sha
-        self.layer_names = list(layer_names)
-        self.priority = priority
-        self.deadline_s = deadline_s
-        self.flow = flow
-        self.checksum = checksum
-        self.corrupt_layer = corrupt_layer
-        self.stream = None
-        self.handle = None
-        self.error: Optional[BaseException] = None
-        self._added: set = set()
-        self.started = time.monotonic()
-
-    def _open(self, first_layer) -> None:
-        self.stream = self.client.open(self.dest, self.key, priority=self.priority, deadline_s=self.deadline_s,
-                                       flow=self.flow)
-        header = {"format": FORMAT, "layers": self.layer_names, "num_blocks": len(self.block_ids),
-                  "num_tokens": self.num_tokens, "tokens_sha": self.token_sha,
-                  "block_shape": list(first_layer.shape[1:]), "dtype": str(first_layer.dtype).removeprefix("torch."),
-                  "checksum": self.checksum}
-        self.stream.append(json.dumps(header, sort_keys=True).encode(), name=HEADER)
-
-    def add_layer(self, index: int, blocks) -> None:
-        """Append layer ``index``'s gathered blocks (any order; each layer once)."""
-        if self.error is not None:
-            return
-        try:
-            if index in self._added or not 0 <= index < len(self.layer_names):
-                raise TransferFormatError(f"layer {index} saved twice or unknown")
-            if self.stream is None:
-                self._open(blocks)
-            tag = crc(blocks) if self.checksum else "-"
-            if index == self.corrupt_layer:       # test only: enough to change tokens; the receiver must notice
-                blocks[0].add_(1.0)
-            self.stream.append(blocks, name=f"L{index}:{tag}")
-            self._added.add(index)
-        except BaseException as exc:  # noqa: BLE001 - a failed transfer must not stop the forward pass
-            self.fail(exc)
-
-    @property
-    def layers_added(self) -> int:
-        return len(self._added)
-
-    @property
-    def complete(self) -> bool:
-        return self.layers_added == len(self.layer_names)
-
-    def close(self) -> None:
-        """After the step: every layer appended -> end the stream; else the transfer is incomplete: cancel it
-        so the receiver fails at once instead of at its timeout."""
-        if self.error is not None or self.handle is not None:
-            return
-        if not self.complete:
-            self.fail(TransferFormatError(f"only {self.layers_added} of {len(self.layer_names)} layers saved"))
-            return
-        try:
-            self.handle = self.stream.close()
-        except BaseException as exc:  # noqa: BLE001
-            self.fail(exc)
-
-    def fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-            log.warning("KV transfer of request %s (key %s) to %s failed: %s", self.req_id, self.key, self.dest, exc)
-        if self.stream is not None:
-            try:
-                self.stream.cancel()
-            except Exception:  # noqa: BLE001
-                pass
-
-    def done(self) -> bool:
-        """Nothing more will happen: failed, or the destination sidecar acknowledged every chunk (or refused)."""
-        if self.error is not None:
-            return True
-        if self.handle is None or not self.handle.done():
-            return False
-        try:
-            self.handle.wait(0)
-        except BaseException as exc:  # noqa: BLE001
-            self.error = exc
-            log.warning("KV transfer of request %s (key %s) to %s failed: %s", self.req_id, self.key, self.dest, exc)
-        return True
-
-
 class IncomingKV:
     """Decode side, one request: a thread receives the transfer from this instance's sidecar layer by layer
     and writes each layer's blocks into ``caches`` (this instance's paged KV, by layer name) at
@@ -226,6 +127,8 @@ class IncomingKV:
         self._stream = None
         self.started = time.monotonic()
         self.finished_at: Optional[float] = None
+        self.t_start = time.time()            # wall clock, for the benchmark's phases (phases.py)
+        self.t_first: Optional[float] = None  # the first layer's blocks arrived
         self._thread = threading.Thread(target=self._run, name=f"ciuicflow-load-{req_id}", daemon=True)
 
     def start(self) -> "IncomingKV":
@@ -322,6 +225,8 @@ class IncomingKV:
                     if blocks[0].numel() != math.prod(shape):
                         raise TransferFormatError(f"layer {i}: blocks {tuple(blocks.shape[1:])} do not fit {shape}")
                     blocks = blocks.reshape([blocks.shape[0], *shape])      # e.g. MLA's 3-D view vs 4-D cache
+                if self.t_first is None:
+                    self.t_first = time.time()
                 if check and crc(blocks) != want:
                     raise TransferFormatError(f"layer {i} ({name}) arrived corrupted (crc32c {crc(blocks)} != {want})")
                 with self._cond:

@@ -22,7 +22,9 @@ import time
 from typing import Dict, List, Optional, Set
 
 from . import config as C
-from .transfer import IncomingKV, OutgoingKV, block_dim, block_shape, gather
+from .phases import log_phase
+from .outgoing import OutgoingKV
+from .transfer import IncomingKV, block_dim, block_shape, gather
 
 log = logging.getLogger("ciuicflow.vllm")
 
@@ -183,6 +185,9 @@ class WorkerSide:
 
     def _account(self, inc: IncomingKV) -> None:
         self.recent.append((inc.req_id, inc.error is None, inc.priority))
+        if not inc.drain:
+            log_phase("load", inc.key, ok=inc.error is None, priority=inc.priority, t_start=inc.t_start,
+                      t_first=inc.t_first, t_end=inc.t_start + ((inc.finished_at or time.monotonic()) - inc.started))
         if inc.error is None:
             self.stats["loaded"] += 1
             log.info("loaded KV of request %s (%d blocks, priority %s) in %.3fs", inc.req_id,
@@ -210,6 +215,9 @@ class WorkerSide:
                 self._finished.discard(req_id)
                 del self._sending[req_id]
                 self.stats["send_failed" if out.error is not None else "sent"] += 1
+                log_phase("send", out.key, ok=out.error is None, priority=out.priority, flow=out.flow,
+                          bytes=out.nbytes, t_open=out.t_open, t_close=out.t_close, t_done=out.t_done,
+                          append_s=out.append_s)
                 if out.error is not None:
                     self._maybe_reconnect(out.error)
         recved = set()

@@ -52,6 +52,10 @@ class SendHandle:
     def done(self) -> bool:
         return self._future.done()
 
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(future)`` once the transfer has ended (at once if it has)."""
+        self._future.add_done_callback(fn)
+
     def cancel(self) -> bool:
         return self._future.cancel()
 
