@@ -12,18 +12,24 @@ from ..proto.messages import check_part_info
 from .transfer import OutChunk, TransferFailed
 
 PACK_S = 0.02                   # a chunk takes at most this long on the path (see chunk_bytes)
+SLOW_CHUNK_S = 0.05             # on a slow path, chunks are halved until one takes at most this long ...
+MIN_CHUNK = 32 << 10            # ... but not below this (nor below --chunk-size)
 
 
 def chunk_bytes(btl_bw: float, chunk_size: int, limit: int) -> int:
     """Chunk size on a path of bandwidth ``btl_bw`` (bytes/s, 0: not measured yet): ``chunk_size`` doubled
     while the path carries the result in PACK_S, so a high-priority chunk never waits longer than that
-    behind one, and at most ``limit``. On a slow path chunks keep ``chunk_size``, so priority preempts
-    finely; on a fast one the per-chunk work of both sidecars and both clients (a checksum, a frame, an
-    ack, a scheduling decision, the handles) falls with each doubling. Doubling keeps chunk boundaries on
-    the pieces a client writes into its shared-memory window."""
+    behind one, and at most ``limit``; on a fast path the per-chunk work of both sidecars and both clients
+    (a checksum, a frame, an ack, a scheduling decision, the handles) falls with each doubling. On a slow
+    path chunks are halved while one holds the path longer than SLOW_CHUNK_S (down to MIN_CHUNK): a
+    256 KiB chunk is 105 ms of a 20 Mbit/s link, 420 ms of a 5 Mbit/s one, which a high-priority chunk
+    would wait behind, and the window (two chunks at least) grows with it. Doubling and halving keep chunk
+    boundaries on the pieces a client writes into its shared-memory window."""
     size = chunk_size
     while btl_bw > 0 and size * 2 <= min(limit, btl_bw * PACK_S):
         size *= 2
+    while btl_bw > 0 and size > btl_bw * SLOW_CHUNK_S and size // 2 >= MIN_CHUNK:
+        size //= 2
     return size
 
 
@@ -32,6 +38,7 @@ class Cutter:
     checking that parts come in order and match their description."""
 
     def __init__(self, chunk_size: int, whole_part_bytes: int = 0):
+        self.configured_chunk = chunk_size
         self.base_chunk = chunk_size  # the peer's chunk size now (set_peer_chunk), for parts that start from now on
         self.chunk_size = chunk_size  # the current part's
         # A part no larger than this goes as one chunk (no short tail chunk with its own ack): KV layers
@@ -48,9 +55,10 @@ class Cutter:
 
     def set_peer_chunk(self, size: int) -> None:
         """The chunk size to the peer now (``chunk_bytes``): parts that start from now on are cut at it, and
-        whole parts may be as large."""
+        whole parts may be as large. On a slow path (chunks below --chunk-size) parts are cut at the chunk
+        size: a whole 1 MiB layer would hold a 20 Mbit/s link for 420 ms, high-priority chunks behind it."""
         self.base_chunk = size
-        self.whole_part_bytes = max(self.min_whole_bytes, size)
+        self.whole_part_bytes = max(self.min_whole_bytes, size) if size >= self.configured_chunk else size
 
     def feed(self, d: pb.SendData) -> List[OutChunk]:
         self.check(d.part, d.offset, d.info if d.HasField("info") else None, len(d.data))

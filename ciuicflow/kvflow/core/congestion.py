@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, Optional, Tuple
 
+from .chunking import chunk_bytes
+
 STARTUP, DRAIN, PROBE_BW, PROBE_RTT = "startup", "drain", "probe_bw", "probe_rtt"
 HIGH_GAIN = 2.0 / math.log(2.0)          # 2.885
 PROBE_BW_GAINS = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
@@ -65,6 +67,7 @@ class CongestionController:
         probe_rtt_s: float = 0.2,
         pacing_slack_s: float = 0.0005,
         ack_aggregation_max_s: float = 0.1,
+        min_cwnd_s: float = 0.0,
     ):
         self.clock = clock
         self.chunk_bytes = int(chunk_bytes)
@@ -76,6 +79,7 @@ class CongestionController:
         self.probe_rtt_s = float(probe_rtt_s)
         self.pacing_slack_s = float(pacing_slack_s)
         self.extra_acked_max_s = float(ack_aggregation_max_s)   # aggregation term <= btl_bw x this; 0 = off
+        self.min_cwnd_s = float(min_cwnd_s)        # > 0: the floor is at most this long of the path (floor)
         self.reset(full=True)
 
     # ------------------------------------------------------------------ state
@@ -121,15 +125,26 @@ class CongestionController:
         return self.btl_bw * self.min_rtt
 
     @property
+    def floor(self) -> int:
+        """The smallest window: ``min_cwnd``; with ``min_cwnd_s``, once the bandwidth is measured, no more
+        than that long of the path (and at least two of its chunks). A floor sized for a fast link (2 MiB
+        is 170 ms of 100 Mbit/s) is 840 ms of a 20 Mbit/s link: bulk bytes in flight, in socket buffers
+        and the link's queue, that a high-priority chunk picked next still waits behind."""
+        if self.min_cwnd_s <= 0 or self.btl_bw <= 0:
+            return self.min_cwnd
+        two_chunks = 2 * chunk_bytes(self.btl_bw, self.chunk_bytes, self.min_cwnd)
+        return int(max(two_chunks, min(self.min_cwnd, self.btl_bw * self.min_cwnd_s)))
+
+    @property
     def cwnd(self) -> int:
         if self.mode == PROBE_RTT:
-            return self.min_cwnd
+            return self.floor
         if self.btl_bw <= 0 or not math.isfinite(self.min_rtt):
             return max(self.initial_cwnd, self.min_cwnd)
         target = self.cwnd_gain * self.bdp + self.aggregation
         if self.mode == STARTUP:
             target = max(target, self.initial_cwnd)
-        return int(max(target, self.min_cwnd))
+        return int(max(target, self.floor))
 
     @property
     def aggregation(self) -> float:
@@ -292,7 +307,7 @@ class CongestionController:
             self.probe_rtt_done_stamp = None
             self.min_rtt = math.inf          # re-measure from the samples taken now
         if self.mode == PROBE_RTT:
-            if self.probe_rtt_done_stamp is None and self.inflight <= self.min_cwnd:
+            if self.probe_rtt_done_stamp is None and self.inflight <= self.floor:
                 self.probe_rtt_done_stamp = now + self.probe_rtt_s
                 self.probe_rtt_round_done = False
                 self._probe_rtt_round = self.round_count

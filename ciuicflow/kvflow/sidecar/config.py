@@ -118,7 +118,13 @@ class SidecarConfig:
     def sender_settings(self) -> "SenderSettings":
         return SenderSettings(self.chunk_size, self.min_cwnd or default_min_cwnd(self.chunk_size),
                               self.quantum_normal, self.quantum_low, self.max_wait_s,
-                              Limits(self.max_retransmits, self.stall_timeout_s, self.resume_timeout_s))
+                              Limits(self.max_retransmits, self.stall_timeout_s, self.resume_timeout_s),
+                              0.0 if self.min_cwnd else DEFAULT_MIN_CWND_S)
+
+
+# The default floor is also at most this long of the measured path (CongestionController.floor): on a
+# slow link 2 MiB is most of a second of queue in front of every high-priority chunk.
+DEFAULT_MIN_CWND_S = 0.2
 
 
 def default_min_cwnd(chunk_size: int) -> int:
@@ -138,6 +144,7 @@ class SenderSettings:
     quantum_low: int
     max_wait_s: float
     limits: Limits
+    min_cwnd_s: float = 0.0         # > 0: the floor at most this long of the measured path (default --min-cwnd)
 
 
 _SIZE_FIELDS = {"chunk_size", "max_chunk_size", "ingest_readahead", "whole_part_bytes", "min_cwnd", "quantum_normal",

@@ -46,7 +46,7 @@ class PeerSender:
         self.transports = list(transports)
         self.outbox = Outbox(name, settings, budget, metrics)
         self.cc = CongestionController(time.monotonic, chunk_bytes=settings.chunk_size,
-                                       min_cwnd_bytes=settings.min_cwnd)
+                                       min_cwnd_bytes=settings.min_cwnd, min_cwnd_s=settings.min_cwnd_s)
         self.inflight: Dict[int, tuple] = {}    # sn -> (tid, seq)
         self.connected = False
         self.durable: Optional[bool] = None     # does the peer spool to disk (then acked chunks are freed)
