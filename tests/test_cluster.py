@@ -153,3 +153,39 @@ def test_loopback_fallback_says_so(monkeypatch):
 
 if __name__ == "__main__":
     _worker()
+
+
+_SLOW_SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 47001)); s.listen(1); print("listening", flush=True)
+c, _ = s.accept(); got, first = 0, None
+while got < int(sys.argv[1]):
+    b = c.recv(65536)
+    if not b:
+        break
+    first = first or time.monotonic()
+    got += len(b)
+print("RESULT", got, time.monotonic() - first, flush=True)
+"""
+_SLOW_CLIENT = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 47001)); time.sleep(1.0)   # an idle link: a full bucket
+c.sendall(b"x" * int(sys.argv[2])); time.sleep(0.5)
+"""
+
+
+@need_netns
+def test_a_slow_link_lets_no_burst_through_after_a_pause():
+    """5 Mbit/s: 96 KB sent after a pause take ~0.13 s to arrive (a bucket of 16 KB of MTU packets), not
+    a few ms (a 128 KiB bucket: a policer, whose bursts a delivery-rate sender took for an 8 MB/s path)."""
+    nbytes = 96_000
+    with cl.SimCluster(nodes=2, ranks_per_node=1, rate="5mbit", require_netns=True) as cluster:
+        server = cluster.popen(1, [sys.executable, "-c", _SLOW_SERVER, str(nbytes)], stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().startswith("listening")
+        client = cluster.popen(0, [sys.executable, "-c", _SLOW_CLIENT, cluster.node_addr(1), str(nbytes)])
+        out, _ = server.communicate(timeout=30)
+        client.wait(30)
+    got, seconds = out.split("RESULT")[1].split()
+    assert int(got) == nbytes
+    assert float(seconds) >= 0.6 * nbytes * 8 / 5e6, f"{nbytes} bytes in {float(seconds):.3f}s on 5 Mbit/s"

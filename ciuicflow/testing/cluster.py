@@ -43,6 +43,7 @@ from ciuicflow.testing.cluster_netns import (NETNS_ETC, NETNS_PREFIX, cleanup_st
                                              remove_netns, run_command, stop_processes)
 
 MASTER_PORT = 29500
+SMALL_BURST = 16 * 1024     # tbf burst below ~33 Mbit/s, with packets of one MTU (see SimCluster._shape)
 
 
 @dataclass
@@ -186,6 +187,12 @@ class SimCluster:
         rate_bytes = self.rate_bps / 8
         # burst must hold a GSO packet (64 KiB); keep it to a few ms of traffic so the average rate holds
         burst = int(max(rate_bytes / 250, 128 * 1024))
+        if rate_bytes / 250 < SMALL_BURST:
+            # A slow link: 128 KiB would be 210 ms of 5 Mbit/s let through at once after every pause, a
+            # policer rather than a link (a delivery-rate sender measured 8 MB/s on 5 Mbit/s). Packets of
+            # one MTU (no GSO) let the bucket hold a few packets only.
+            run_command(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", "1514", "gso_max_segs", "1"])
+            burst = int(max(rate_bytes / 250, SMALL_BURST))
         run_command(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(self.rate_bps)}bit",
               "burst", str(burst), "latency", "100ms"])
 
