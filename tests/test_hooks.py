@@ -268,32 +268,47 @@ def _dtypes(rank, world):
             options = {} if hook == "hierarchical_allreduce" else {"warmup_steps": 1}
             if "powersgd" in hook:
                 options["rank"] = 2  # the default (16) leaves this small model's matrices exact
-            model, state = _train(hook, steps=4, dtype=dtype, **options)
+            model, state = _train(hook, steps=12, dtype=dtype, **options)
             params = _flat_params(model)
             out[(str(dtype), hook)] = (_replicas_equal(params), bool(torch.isfinite(params).all()),
                                        state.stats()["steps"])
             # against DDP's exact all-reduce in the same dtype: the gap, in units of how far
-            # exact training moved the parameters
-            reference = _flat_params(_train(None, steps=4, dtype=dtype)[0])
-            moved = (reference - _flat_params(Net(dtype))).abs().max().item()
-            out[("gap", str(dtype), hook)] = (params - reference).abs().max().item() / moved
+            # exact training moved the parameters, and the direction of the move
+            reference = _flat_params(_train(None, steps=12, dtype=dtype)[0])
+            out[("gap", str(dtype), hook)] = _gap_and_direction(params, reference, Net(dtype))
     return out
+
+
+def _gap_and_direction(params, reference, start):
+    """(max |params - reference| / max |reference - start|, cosine between the two moves)."""
+    start = _flat_params(start)
+    moved = (reference - start).abs().max().item()
+    cosine = torch.nn.functional.cosine_similarity(params - start, reference - start, dim=0)
+    return (params - reference).abs().max().item() / moved, float(cosine)
+
+
+# Measured over 12 steps (warm-up 1), 2026-12-02: exact in half precision gap <= 0.035; 1-bit gap
+# 0.36-0.47 and cosine 0.83-0.95; PowerSGD (rank 2) gap 0.14-0.17, cosine 0.94-0.95. A hook that
+# sends zeros after warm-up: gap 0.54-0.60, cosine 0.55-0.57 (fails the cosine bound).
+GAP_BOUND = {"hierarchical_allreduce": 0.06, "hierarchical_powersgd": 0.3, "powersgd": 0.3}
+MIN_COSINE = 0.75
+
+
+def _check_gap(hook, gap, cosine):
+    assert gap < GAP_BOUND.get(hook, 0.55), (hook, gap)
+    if hook != "hierarchical_allreduce":
+        assert gap > 0.0, hook  # compression did change something
+        assert cosine > MIN_COSINE, (hook, cosine)
 
 
 def test_half_precision_buckets():
     for r in run_distributed(_dtypes, 4, nodes=2, timeout=240):
         for key, value in r.items():
             if key[0] == "gap":
-                print(key, value)
-                # measured: exact 0.004-0.035 (rounding of the half-precision sums), 1-bit
-                # 0.25-0.35, PowerSGD (rank 2) 0.05-0.15
-                bound = {"hierarchical_allreduce": 0.06}.get(key[2], 0.5)
-                assert value < bound, (key, value)
-                if key[2] != "hierarchical_allreduce":
-                    assert value > 0.0, key  # compression did change something
+                _check_gap(key[2], *value)
                 continue
             equal, finite, steps = value
-            assert equal and finite and steps == 4, key
+            assert equal and finite and steps == 12, key
 
 
 def _overflow(rank, world, hook):
@@ -374,11 +389,12 @@ def _small_worlds(rank, world):
         options = {} if hook == "hierarchical_allreduce" else {"warmup_steps": 1}
         if "powersgd" in hook:
             options["rank"] = 2  # the default (16) leaves this small model's matrices exact
-        model, state = _train(hook, steps=3, **options)
-        exact, _ = _train(None, steps=3)
+        model, state = _train(hook, steps=12, **options)
+        exact, _ = _train(None, steps=12)
         stats = state.stats()
+        gap, cosine = _gap_and_direction(_flat_params(model), _flat_params(exact), Net())
         out[hook] = {"gap": (_flat_params(model) - _flat_params(exact)).abs().max().item(),
-                     "moved": (_flat_params(exact) - _flat_params(Net())).abs().max().item(),
+                     "relative_gap": gap, "cosine": cosine,
                      "equal": _replicas_equal(_flat_params(model)),
                      "inter": stats["inter_node_bytes"], "exact_inter": stats["exact_inter_node_bytes"],
                      "steps": stats["steps"]}
@@ -387,7 +403,7 @@ def _small_worlds(rank, world):
 
 def test_world_size_one():
     for hook, r in run_distributed(_small_worlds, 1, nodes=1)[0].items():
-        assert r["gap"] == 0 and r["inter"] == 0 and r["steps"] == 3, hook
+        assert r["gap"] == 0 and r["inter"] == 0 and r["steps"] == 12, hook
 
 
 def test_single_node_hierarchical_hooks_are_exact():
@@ -403,12 +419,13 @@ def test_uneven_nodes_fall_back_to_flat_hooks():
         warnings.simplefilter("ignore")
         results = run_distributed(_small_worlds, 3, node_sizes=[2, 1])
     assert results[0]["hierarchical_allreduce"]["gap"] < 1e-6
-    assert all(r["steps"] == 3 for r in results[0].values())
+    assert all(r["steps"] == 12 for r in results[0].values())
     for hook, r in results[0].items():  # the compressed hooks run flat, compressed and in step
         assert all(rank[hook]["equal"] for rank in results), hook
         if hook != "hierarchical_allreduce":
             assert r["inter"] < r["exact_inter"], hook
-            assert 0 < r["gap"] < 0.7 * r["moved"], (hook, r["gap"], r["moved"])
+            # measured: 1-bit gap 0.36, cosine 0.84; PowerSGD 0.17, 0.95; zeros 0.54, 0.55
+            _check_gap(hook, r["relative_gap"], r["cosine"])
 
 
 # -- state objects ------------------------------------------------------------------------------
