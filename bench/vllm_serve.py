@@ -25,12 +25,19 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.vllm_serve_phases import attach as attach_phases, table as phase_table  # noqa: E402
 from bench.vllm_serve_report import summarize, write_outputs  # noqa: E402
 from ciuicflow.integrations.vllm.demo import Deployment, build_model  # noqa: E402
 from ciuicflow.integrations.vllm.model import VOCAB  # noqa: E402
 from ciuicflow.integrations.vllm.servers import stream_complete  # noqa: E402
 
 MODES = {"flow": "enabled", "fifo": "disabled"}
+# link-bound: the scenario flow control exists for. At 5 Mbit/s a long prompt's KV (640 tokens of the tiny
+# DeepSeek: 4.4 MB) needs ~7 s of link, a short one's (24 tokens: 0.22 MB) 0.35 s; the mix needs ~3.7 s of
+# link per request on average (capacity ~0.27 req/s) against ~2 s of the 2 shared cores' compute, so the
+# link saturates first (with each vLLM worker on a core of its own). The load is 0.8 of the capacity
+# measured closed-loop; SLOs: --slo-factor x each class's unloaded TTFT.
+PRESETS = {"link-bound": dict(tc_rate="5mbit", pin_cores=True, duration=120.0, load=0.8, slo_factor=3.0)}
 
 
 def default_python() -> str:
@@ -57,13 +64,22 @@ def parse_args(argv=None):
     p.add_argument("--link-rate", default="100Mbit", help="emulated link into each sidecar ('' = loopback)")
     p.add_argument("--tc-rate", default="", help="instead: a tc-shaped link (e.g. 100mbit) between two network "
                    "namespaces (ciuicflow/cluster.py; needs root, ip, tc)")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--pin-cores", action="store_true", help="with --tc-rate: the prefill vLLM worker on core 0, "
+                   "the decode one on core 1 (one OpenMP thread each)")
+    p.add_argument("--slo-factor", type=float, default=3.0, help="TTFT SLO of each class: this many times its "
+                   "unloaded TTFT p50 (measured first: one request at a time)")
+    p.add_argument("--slo-ttft-ms", type=float, default=0.0, help="instead: the high class's TTFT SLO")
+    p.add_argument("--slo-ttft-low-ms", type=float, default=0.0, help="instead: the low class's TTFT SLO")
     p.add_argument("--slo-tpot-ms", type=float, default=500.0)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration (defaults; flags still win)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/vllm_serve", help="directory for JSON, table and PNG")
     p.add_argument("--json", metavar="PATH", help="also write the JSON result here (as the other benchmarks)")
     p.add_argument("--timeout", type=float, default=900.0)
     a = p.parse_args(argv)
+    if a.preset:
+        p.set_defaults(**PRESETS[a.preset])
+        a = p.parse_args(argv)
     if a.smoke:
         a.requests = a.requests or 6
         a.rate = a.rate or 1.0
@@ -112,6 +128,26 @@ def run_open_loop(url: str, reqs, new_tokens: int, flow: str, timeout: float):
     return results
 
 
+def unloaded(url: str, args, rng, per_class: int = 3) -> dict:
+    """Each class's TTFT p50 with nothing else running (one request at a time, flow control on): what
+    the SLOs are set from, before any loaded run is seen."""
+    out = {}
+    for cls in ("high", "low"):
+        length = args.short_len if cls == "high" else args.long_len
+        ttfts = []
+        for _ in range(1 if args.smoke else per_class):
+            prompt = [rng.randrange(3, VOCAB) for _ in range(length)]
+            r = stream_complete(url, prompt, args.new_tokens, headers={"x-ciuic-priority": cls}, timeout=args.timeout)
+            if r.get("ok"):
+                ttfts.append(r["ttft_s"])
+        out[cls] = sorted(ttfts)[len(ttfts) // 2] if ttfts else float("nan")
+    return out
+
+
+def _fmt(d: dict) -> str:
+    return ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in d.items())
+
+
 def capacity(url: str, args, rng) -> float:
     """Closed loop, 4 at a time, flow control on: completed requests per second."""
     reqs = workload(args, 8, 0.0, rng)
@@ -136,11 +172,16 @@ def measure(url: str, args) -> dict:
     """Warm-up, capacity (unless --rate), then the same open-loop requests with flow control on and off."""
     rng = random.Random(args.seed)
     run_open_loop(url, workload(args, 2, 0.0, rng), args.new_tokens, "enabled", args.timeout)   # one-time costs
+    idle = unloaded(url, args, rng)
+    slo = {cls: (explicit or args.slo_factor * idle[cls] * 1e3) / 1e3 for cls, explicit in
+           (("high", args.slo_ttft_ms), ("low", args.slo_ttft_low_ms))}
     rate = args.rate or args.load * capacity(url, args, rng)
     n = args.requests or max(4, int(rate * args.duration))
-    print(f"[vllm-serve] {n} requests per mode at {rate:.2f} req/s", flush=True)
+    print(f"[vllm-serve] unloaded TTFT p50 {_fmt(idle)}; TTFT SLO {_fmt(slo)}; {n} requests per mode at "
+          f"{rate:.3f} req/s", flush=True)
     reqs = workload(args, n, rate, random.Random(args.seed + 1))    # the same requests in both modes
-    out = {"rate_rps": rate, "requests_per_mode": n, "order": [], "modes": {}}
+    out = {"rate_rps": rate, "requests_per_mode": n, "order": [], "modes": {}, "unloaded_ttft_s": idle,
+           "slo_ttft_s": slo, "slo_tpot_s": args.slo_tpot_ms / 1e3}
     # ABBA: each mode runs twice (halves of the requests), so neither always runs first or on a warmer host
     half = max(1, n // 2)
     runs = {mode: [] for mode in MODES}
@@ -153,7 +194,7 @@ def measure(url: str, args) -> dict:
         out["order"].append(mode)
         runs[mode] += run_open_loop(url, shifted, args.new_tokens, MODES[mode], args.timeout)
     for mode, rs in runs.items():
-        out["modes"][mode] = {"requests": rs, **summarize(rs, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)}
+        out["modes"][mode] = {"requests": rs, **summarize(rs, slo, args.slo_tpot_ms / 1e3)}
     return out
 
 
@@ -165,6 +206,14 @@ def client_main(spec_path: str) -> int:
     with open(spec["out"], "w") as fh:
         json.dump(out, fh)
     return 0
+
+
+def _bps(rate: str):
+    from ciuicflow.cluster import parse_rate
+    try:
+        return parse_rate(rate) if rate else None
+    except ValueError:      # e.g. a sidecar --link-rate in bytes ("100MB"): no link phase
+        return None
 
 
 def main(argv=None) -> int:
@@ -186,7 +235,7 @@ def main(argv=None) -> int:
         from bench.vllm_serve_netns import NetnsDeployment
         from ciuicflow.cluster import SimCluster
         with SimCluster(nodes=2, ranks_per_node=1, rate=args.tc_rate, require_netns=True) as cluster:
-            dep = NetnsDeployment(cluster, args.python, model, args.model, work)
+            dep = NetnsDeployment(cluster, args.python, model, args.model, work, pin_cores=args.pin_cores)
             try:
                 dep.start(args.timeout)
                 result.update(dep.run_client(vars(args), args.timeout * 4))
@@ -199,7 +248,12 @@ def main(argv=None) -> int:
             result.update(measure(dep.proxy_url, args))
         finally:
             dep.stop()
+    attach_phases(result, work, _bps(args.tc_rate or link_rate))
     write_outputs(result, args.out)
+    phases = phase_table(result)
+    print(phases)
+    with open(os.path.join(args.out, "vllm_serve.md"), "a") as fh:
+        fh.write("\n" + phases + "\n")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -20,9 +20,15 @@ from ciuicflow.kvflow.sidecar.process import REPO_ROOT, SidecarProcess, log_tail
 API_P, API_D, LISTEN, VLLM_P, VLLM_D, PROXY = 50151, 50151, 50152, 8100, 8200, 8000   # per namespace
 
 
+def _pin(core: int, pin: bool) -> dict:
+    """vLLM's CPU worker on one core of its own (one OpenMP thread): by default both servers bind their
+    OpenMP threads to every core, and on a small host the two workers' spinning threads slow each other."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(core)} if pin and (os.cpu_count() or 1) > core else {}
+
+
 class NetnsDeployment:
     def __init__(self, cluster: SimCluster, python: str, model_dir: str, kind: str, workdir: str,
-                 sidecar_args=()):
+                 sidecar_args=(), pin_cores: bool = False):
         self.c, self.workdir = cluster, workdir
         a0, a1 = cluster.node_addr(0), cluster.node_addr(1)
         self.sc_p = SidecarProcess("prefill0", f"{a0}:{LISTEN}", {"decode0": f"{a1}:{LISTEN}"},
@@ -33,10 +39,11 @@ class NetnsDeployment:
                                    api=f"127.0.0.1:{API_D}", launch=partial(cluster.popen, 1))
         self.prefill = VllmServer("prefill", python, model_dir, kind, os.path.join(workdir, "vllm-prefill.log"),
                                   kv_transfer_config("kv_producer", f"127.0.0.1:{API_P}", peer="decode0",
-                                                     name="prefill0"), port=VLLM_P, launch=partial(cluster.popen, 0))
+                                                     name="prefill0"), port=VLLM_P, launch=partial(cluster.popen, 0),
+                                  env=_pin(0, pin_cores))
         self.decode = VllmServer("decode", python, model_dir, kind, os.path.join(workdir, "vllm-decode.log"),
                                  kv_transfer_config("kv_consumer", f"127.0.0.1:{API_D}", name="decode0"),
-                                 port=VLLM_D, host="0.0.0.0", launch=partial(cluster.popen, 1))
+                                 port=VLLM_D, host="0.0.0.0", launch=partial(cluster.popen, 1), env=_pin(1, pin_cores))
         self.proxy_log = os.path.join(workdir, "proxy.log")
         self.proxy = None
         self.proxy_url = f"http://127.0.0.1:{PROXY}"

@@ -16,11 +16,14 @@ def pct(values: List[float], q: float):
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def summarize(rs: List[dict], slo_ttft_s: float, slo_tpot_s: float) -> Dict:
+def summarize(rs: List[dict], slo_ttft_s: Dict[str, float], slo_tpot_s: float) -> Dict:
+    """``slo_ttft_s``: the TTFT SLO per class (a float: the same for every class)."""
     ok = [r for r in rs if r.get("ok")]
     # runs of one mode (ABBA halves) each start at 0: their spans add up
     span = sum(max(r["done_s"] for r in run) - min(r["arrival_s"] for r in run) for run in _runs(rs))
-    good = [r for r in ok if r["ttft_s"] <= slo_ttft_s and r["tpot_s"] <= slo_tpot_s]
+    if not isinstance(slo_ttft_s, dict):
+        slo_ttft_s = {r["cls"]: slo_ttft_s for r in rs}
+    good = [r for r in ok if r["ttft_s"] <= slo_ttft_s[r["cls"]] and r["tpot_s"] <= slo_tpot_s]
     out = {"completed": len(ok), "failed": len(rs) - len(ok), "span_s": span,
            "throughput_rps": len(ok) / span if span > 0 else 0.0,
            "goodput_rps": len(good) / span if span > 0 else 0.0, "classes": {}}
@@ -59,11 +62,29 @@ def table(result: Dict) -> str:
     rows.append("| --- | --- | --- | --- | --- |")
     for mode, m in result["modes"].items():
         rows.append(f"| {mode} | {m['completed']} | {m['failed']} | {m['throughput_rps']:.3f} | {m['goodput_rps']:.3f} |")
+    r = ratios(result)
+    if r:
+        rows.append("")
+        rows.append(f"flow/fifo: high TTFT p99 {r['high_ttft_p99']:.2f}x (target <= 0.5), goodput "
+                    f"{r['goodput']:.2f}x (target >= 1.5); TTFT SLO {result.get('slo_ttft_s')}, "
+                    f"TPOT SLO {result.get('slo_tpot_s')} s, {result.get('rate_rps', 0):.3f} req/s")
     return "\n".join(rows)
+
+
+def ratios(result: Dict) -> Dict[str, float]:
+    """Issue #16's two figures: flow control's high-priority TTFT p99 and goodput over FIFO's."""
+    m = result.get("modes", {})
+    try:
+        hi = m["flow"]["classes"]["high"]["ttft_p99_ms"] / m["fifo"]["classes"]["high"]["ttft_p99_ms"]
+        good = m["flow"]["goodput_rps"] / m["fifo"]["goodput_rps"] if m["fifo"]["goodput_rps"] else float("inf")
+    except (KeyError, TypeError, ZeroDivisionError):
+        return {}
+    return {"high_ttft_p99": hi, "goodput": good}
 
 
 def write_outputs(result: Dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
+    result["ratios"] = ratios(result)
     with open(os.path.join(out_dir, "vllm_serve.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     text = table(result)

@@ -136,6 +136,7 @@ class Handler(BaseHTTPRequestHandler):
             router.stats["prefill_failed"] += 1
             params, extra = None, {"x-ciuic-prefill": "failed"}
         extra["x-ciuic-prefill-s"] = f"{time.monotonic() - t0:.4f}"
+        extra["x-ciuic-key"] = key          # names this request's transfer in the servers' logs (phases.py)
         dec = dict(body)
         if params:
             dec["kv_transfer_params"] = params

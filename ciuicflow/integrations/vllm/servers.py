@@ -158,13 +158,16 @@ def complete(base: str, prompt: List[int], max_tokens: int, timeout: float = 300
 
 def stream_complete(base: str, prompt: List[int], max_tokens: int, headers=None, timeout: float = 300.0) -> dict:
     """Streaming greedy /v1/completions; returns {ok, ttft_s, tpot_s, tokens, error} measured here (the
-    time to the first generated token, and the mean time per later token)."""
+    time to the first generated token, and the mean time per later token); ``t_start`` (wall clock),
+    ``prefill_s`` and ``key`` (the proxy's ``x-ciuic-prefill-s`` and ``x-ciuic-key``) place the request
+    among the servers' phase records (phases.py)."""
     host, port = base.split("//", 1)[1].split(":")
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "return_token_ids": True, "ignore_eos": True}
-    t0 = time.monotonic()
+    t0, wall = time.monotonic(), time.time()
     first = last = None
     tokens: List[int] = []
+    meta = {"t_start": wall}
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
@@ -172,6 +175,9 @@ def stream_complete(base: str, prompt: List[int], max_tokens: int, headers=None,
         r = conn.getresponse()
         if r.status != 200:
             return {"ok": False, "error": f"{r.status}: {r.read()[:200]!r}", "tokens": []}
+        meta["key"] = r.getheader("x-ciuic-key")
+        prefill_s = r.getheader("x-ciuic-prefill-s")
+        meta["prefill_s"] = float(prefill_s) if prefill_s else None
         for raw in r:
             line = raw.strip()
             if not line.startswith(b"data:"):
@@ -193,4 +199,4 @@ def stream_complete(base: str, prompt: List[int], max_tokens: int, headers=None,
     if first is None:
         return {"ok": False, "error": "no tokens", "tokens": []}
     tpot = (last - first) / (len(tokens) - 1) if len(tokens) > 1 else 0.0
-    return {"ok": True, "ttft_s": first - t0, "tpot_s": tpot, "tokens": tokens, "error": None}
+    return {"ok": True, "ttft_s": first - t0, "tpot_s": tpot, "tokens": tokens, "error": None, **meta}
