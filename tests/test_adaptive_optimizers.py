@@ -44,6 +44,16 @@ def test_watch_tells_adaptive_optimizers_from_linear_ones(make, adaptive):
     assert key not in optimizer_watch._adaptive
 
 
+def test_a_wrapper_is_judged_by_the_optimizer_it_builds():
+    """ZeroRedundancyOptimizer(params, optimizer_class=SGD) steps linearly; with Adam, not."""
+    class Wrapper:  # what the watch reads of ZeroRedundancyOptimizer
+        def __init__(self, cls):
+            self._optim_constructor = cls
+
+    assert not optimizer_watch.is_adaptive(Wrapper(torch.optim.SGD))
+    assert optimizer_watch.is_adaptive(Wrapper(torch.optim.Adam))
+
+
 def _train(hook, optimizer, steps=12, **options):
     import ciuicflow
 

@@ -33,7 +33,11 @@ _handle = None
 
 def is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
     """True unless the optimizer is one whose update is linear in the gradient (SGD); an unknown
-    optimizer counts as adaptive (the safe answer: it gets the more precise codec)."""
+    optimizer counts as adaptive (the safe answer: it gets the more precise codec). A wrapper that
+    builds its inner optimizer from a class (``ZeroRedundancyOptimizer``) is judged by that class."""
+    inner = getattr(optimizer, "_optim_constructor", None)
+    if isinstance(inner, type):
+        return not issubclass(inner, LINEAR_OPTIMIZERS)
     return not isinstance(optimizer, LINEAR_OPTIMIZERS)
 
 
