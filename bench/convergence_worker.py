@@ -57,8 +57,10 @@ def fsdp_setup(model, method, options):
     mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
     on = mesh if method == "fsdp_hsdp" else mesh["shard"]
     for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=on)
+        # a ModuleList has no forward of its own: FSDP2 shards its members instead
+        for unit in (child if isinstance(child, torch.nn.ModuleList) else [child]):
+            if any(True for _ in unit.parameters()):
+                fully_shard(unit, mesh=on)
     fully_shard(model, mesh=on)
     if method == "fsdp_hsdp":
         return model, None
