@@ -62,7 +62,7 @@ def test_save_never_waits_for_the_link_and_high_overtakes_bulk(slow_pair):
     bulk_save = step(w, kv, [bulk])
     high_save = step(w, kv, [high])
     # Before: the bulk transfer's appends blocked the forward pass until all but ~12 MiB had crossed the
-    # link (3.3 s here); the high-priority request's step could not even start meanwhile.
+    # link (2.7 s here); the high-priority request's step could not even start meanwhile.
     assert bulk_save < 1.5, f"the forward pass waited {bulk_save:.2f}s for the link (bulk)"
     assert high_save < 1.0, f"the forward pass waited {high_save:.2f}s for the link (high)"
     done = {}
