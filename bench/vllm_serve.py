@@ -1,10 +1,11 @@
 """Serving benchmark of disaggregated vLLM over the sidecars: open-loop OpenAI requests against the proxy,
 a mix of short high-priority and long low-priority prompts, flow control on (``x-ciuic-flow: enabled``)
 and off (FIFO), on one deployment (the switch is per request). Reports TTFT and TPOT p50/p99 per class,
-request throughput and goodput under an SLO: JSON, a table (stdout and .md) and a PNG.
+request throughput and goodput under per-class TTFT SLOs (--slo-factor x each class's unloaded TTFT), and
+where each request's TTFT went (bench/vllm_serve_phases.py): JSON, a table (stdout and .md) and a PNG.
 
     python bench/vllm_serve.py --smoke                          # CI: a few requests per mode, seconds of load
-    python bench/vllm_serve.py --duration 60 --tc-rate 100mbit --out out/vllm_serve
+    python bench/vllm_serve.py --preset link-bound --out out/vllm_serve     # issue #16's scenario (docs/vllm.md)
 
 The link between the two sides: ``--tc-rate 100mbit`` puts each side in a network namespace joined by a
 tbf-shaped link (ciuicflow/cluster.py, bench/vllm_serve_netns.py); otherwise the sidecars' emulated slow
