@@ -77,22 +77,27 @@ class QuantizedCompressor(Compressor):
             return self.adaptive_codec
         return self.codec
 
-    def _decay_for(self, codec: Codec) -> float:
-        return self.error_decay if codec is self.codec else self.adaptive_error_decay
-
-    def step(self, errors: QuantizedErrors, route, exact_mask=None,
-             adaptive: bool = False) -> QuantizedStep:
-        server = self.phases == 2 or (self.phases == "auto" and route.exchange_ranks > 2)
+    def _pick(self, adaptive: bool, traffic: Traffic | None) -> tuple[Codec, float]:
+        """(codec, error decay) for one reduction; a reduction sent with the adaptive codec is
+        counted in ``traffic``."""
         codec = self.codec_for(adaptive)
-        return QuantizedStep(codec, errors, self.chunk_size, exact_mask,
-                             error_decay=self._decay_for(codec), server=server,
-                             guard_threshold=self.exact_step_threshold, measure=self.measure)
+        if codec is self.codec:
+            return codec, self.error_decay
+        if traffic is not None:
+            traffic.adaptive_codec_reductions += 1
+        return codec, self.adaptive_error_decay
+
+    def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
+             traffic: Traffic | None = None) -> QuantizedStep:
+        server = self.phases == 2 or (self.phases == "auto" and route.exchange_ranks > 2)
+        codec, decay = self._pick(adaptive, traffic)
+        return QuantizedStep(codec, errors, self.chunk_size, exact_mask, error_decay=decay,
+                             server=server, guard_threshold=self.exact_step_threshold,
+                             measure=self.measure)
 
     def exchange(self, flat, memory, route, context: Context, traffic) -> None:
-        step = self.step(memory, route, context.exact_mask, context.adaptive)
-        if traffic is not None and step.codec is not self.codec:
-            traffic.adaptive_codec_reductions += 1
-        route.reduce(flat, step, traffic)
+        route.reduce(flat, self.step(memory, route, context.exact_mask, context.adaptive, traffic),
+                     traffic)
 
     # -- the reduce-scatter form (FSDP sharded over every rank) ---------------------------------
 
@@ -107,12 +112,9 @@ class QuantizedCompressor(Compressor):
         (``quantized_scatter``), with this compressor's codec (``codec_for(adaptive)``), chunk
         size, error decay and guard; ``exact_mask`` (a row's positions) marks those reduced
         exactly."""
-        codec = self.codec_for(adaptive)
-        if traffic is not None and codec is not self.codec:
-            traffic.adaptive_codec_reductions += 1
+        codec, decay = self._pick(adaptive, traffic)
         return quantized_reduce_scatter(codec, memory, output, rows, hop,
-                                        chunk_size=self.chunk_size,
-                                        error_decay=self._decay_for(codec),
+                                        chunk_size=self.chunk_size, error_decay=decay,
                                         scale=scale, traffic=traffic, exact_mask=exact_mask,
                                         guard_threshold=self.exact_step_threshold,
                                         measure=self.measure)
