@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -46,9 +45,8 @@ def default_methods(task, fsdp: bool = False) -> list[str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from ciuicflow.kvflow.sidecar.process import free_port
+    return free_port()
 
 
 def run_task(task, methods, nodes, ranks_per_node, out_path, steps=None, timeout=1800):

@@ -7,9 +7,10 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
+
+from ciuicflow.kvflow.sidecar.process import free_port  # noqa: F401  (re-exported: one port allocator)
 
 NETNS_PREFIX = "cfsim"
 NETNS_ETC = "/etc/netns"  # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc/*
@@ -115,11 +116,6 @@ def netns_available() -> tuple:
     run_command(["ip", "netns", "delete", probe], check=False)
     return True, ""
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 

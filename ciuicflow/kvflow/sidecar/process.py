@@ -25,10 +25,21 @@ def log_tail(path: str, n: Optional[int] = 3000) -> str:
     return text if n is None else text[-n:]
 
 
+_handed_out: set = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now and never returned before by this process: the kernel may hand the same
+    ephemeral port to two ``bind(0)`` calls in a row once the first socket is closed, and two sidecars told
+    to listen on one port make one of them fail to start."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no fresh free port on 127.0.0.1 after 1000 tries")
 
 
 def child_env(extra: Optional[dict] = None) -> dict:
