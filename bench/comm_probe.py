@@ -39,7 +39,30 @@ def _intra_fit(seconds: dict, local: int) -> dict:
     return {"intra_bw": 1 / per_byte, "intra_alpha": fixed / (2 * (local - 1))}
 
 
-def probe_machine(numels, repeat=5, intra_path="auto"):
+def _cross_node_tasks(tasks, numel, local, shard_cols, powersgd_rank):
+    """The FSDP path's own inter-node reduction (ciuicflow/fsdp/state.py): each rank's shard reduced
+    flat with the ranks of the same local index on the other nodes, every group at once (they share
+    the node's link), by the 1-bit and the PowerSGD compressors; ``numel`` elements viewed as rows
+    of ``shard_cols`` (PowerSGD's matrix)."""
+    import ciuicflow
+    from ciuicflow.compression.powersgd import PowerSGDMemory, powersgd_all_reduce
+    from ciuicflow.compression.quantized import QuantizedErrors
+
+    world = dist.get_world_size()
+    groups = [dist.new_group(list(range(i, world, local))) for i in range(local)]  # every rank, in order
+    cross = ciuicflow.Topology.detect(groups[dist.get_rank() % local])
+    rows = max(1, numel // shard_cols)
+    y = torch.randn(rows, shard_cols)
+    errors, memory = QuantizedErrors(), PowerSGDMemory()
+    onebit = lambda: ciuicflow.onebit_all_reduce(y.view(-1), errors, cross, hierarchical=False)  # noqa: E731
+    powersgd = lambda: powersgd_all_reduce(y, memory, cross, hierarchical=False,  # noqa: E731
+                                           rank=powersgd_rank)
+    onebit(), powersgd()  # buffers, plans, the warm-start Q
+    tasks[(y.numel(), "cross_node_1bit")] = onebit
+    tasks[(y.numel(), "cross_node_powersgd")] = powersgd
+
+
+def probe_machine(numels, repeat=5, intra_path="auto", shard_cols=None, powersgd_rank=16):
     """What the planner needs to know about this machine, measured with every rank busy at once:
     latency (a one-element all-reduce), intra-node bandwidth and latency (the node's reduce and gather at two
     sizes, inside each node at the same time),
@@ -47,7 +70,10 @@ def probe_machine(numels, repeat=5, intra_path="auto"):
     all-reduce of each size in ``numels`` (the last two need ciuicflow). The measurements take turns, round
     after round, and each is the median of its rounds, so a change of load on a shared machine affects all of
     them alike. ``intra_path="gloo"`` measures the node with gloo's reduce-scatter and all-gather, the pair
-    FSDP2 runs, even where ciuicflow would use shared memory. Collective; returns a dict."""
+    FSDP2 runs, even where ciuicflow would use shared memory. ``shard_cols``: also time the FSDP path's
+    inter-node reductions of a ``max(numels)``-element shard (1-bit and PowerSGD at ``powersgd_rank``,
+    the shard a matrix of that many columns), keys ``cross_node_1bit`` and ``cross_node_powersgd``, and
+    record ``shard_cols`` and ``powersgd_rank``. Collective; returns a dict."""
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes = world // local
@@ -102,6 +128,9 @@ def probe_machine(numels, repeat=5, intra_path="auto"):
             tasks[(n, "hierarchical")] = lambda y=y: ciuicflow.hierarchical_all_reduce(y, topology)
             tasks[(n, "hierarchical_1bit")] = lambda y=y, e=errors: ciuicflow.onebit_all_reduce(
                 y, e, topology, hierarchical=True)
+    if shard_cols and topology is not None and nodes > 1:
+        _cross_node_tasks(tasks, max(numels), local, shard_cols, powersgd_rank)
+        out.update(shard_cols=shard_cols, powersgd_rank=powersgd_rank)
     times = {name: [] for name in tasks}
     for _ in range(repeat):
         for name, fn in tasks.items():

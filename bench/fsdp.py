@@ -209,6 +209,10 @@ def main(argv=None) -> int:
     with open(stem + ".md", "w") as f:
         f.write(table)
     outputs = [json_path, stem + ".md"]
+    if machine:  # what the planner's rows were computed from: plan.calibrate_fsdp(records, probe) again
+        with open(stem + ".probe.json", "w") as f:
+            json.dump(machine, f, indent=1)
+        outputs.append(stem + ".probe.json")
     if not args.no_png and chart(records, stem + ".png", f"{cluster_line}\n{config_line}"):
         outputs.append(stem + ".png")
     print(table)

@@ -155,7 +155,7 @@ def main(argv=None):
                 f.write(json.dumps(record) + "\n")
     if args.probe_numel:
         from comm_probe import probe_machine
-        machine = probe_machine([args.probe_numel], intra_path="gloo")
+        machine = probe_machine([args.probe_numel], intra_path="gloo", shard_cols=width)
         if rank == 0:
             with open(args.out, "a") as f:
                 f.write(json.dumps({"probe": machine}) + "\n")

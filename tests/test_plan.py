@@ -144,6 +144,40 @@ def test_fsdp_bytes_match_the_bench():
         assert rows[method]["predicted_inter_node_bytes"] - gathers == pytest.approx(nbytes, rel=0.03)
 
 
+def test_fsdp_compute_is_fitted_on_the_probed_shard_reductions():
+    """The FSDP calibration reads the 1-bit cost per element and PowerSGD's rate off the probe's own
+    inter-node reductions of a shard: timings made by the model from known values give those values back,
+    and the predictions use them."""
+    machine = {"nodes": 2, "ranks_per_node": 2, "alpha": 2e-4, "intra_bw": 3e8, "intra_alpha": 2e-3,
+               "matmul_flops": 3e9, "shard_cols": 500, "powersgd_rank": 8}
+    cluster = pl.machine_cluster(machine, 1e9)
+    numel, local, flops = 300 * 500, 6e-9, 2e10
+    bare = pl.Workload(params=numel * 2, matrix_shapes=[(600, 500)], local_seconds_per_element=0.0,
+                       matmul_flops=float("inf"), bucket_bytes=float("inf"))
+
+    def inter(strategy):
+        return sum(v for k, v in pl.estimate(strategy, cluster, bare, 8).parts.items() if "inter" in k)
+
+    machine["sizes"] = {str(numel): {
+        "cross_node_1bit": inter("fsdp_hierarchical_1bit") + numel * local,
+        "cross_node_powersgd": inter("fsdp_hierarchical_powersgd") + numel * local + 6 * 8 * numel / flops}}
+    shape = {"params": 4 * (1000 * 1000 + 1000), "width": 1000, "layers": 4}
+    records = [{"method": m, "step_seconds": 1.0, "inter_node_bytes_per_step": 1, **shape}
+               for m in ("hierarchical_1bit", "hierarchical_powersgd")]
+    records.append({"method": "no_comm", "step_seconds": 0.2, "shaped": True, "rate_bps": 1e9, **shape})
+    rows = {r["method"]: r for r in pl.calibrate_fsdp(records, machine)}
+    for row in rows.values():
+        assert row["local_seconds_per_element"] == pytest.approx(local, rel=1e-6)
+        assert row["matmul_flops"] == pytest.approx(flops, rel=1e-6)
+    w = pl.Workload(params=shape["params"], compute_seconds=0.2, matrix_shapes=[(1000, 1000)] * 4,
+                    local_seconds_per_element=local, matmul_flops=flops, bucket_bytes=shape["params"])
+    expected = pl.estimate("fsdp_hierarchical_powersgd", cluster, w).step_seconds
+    assert rows["hierarchical_powersgd"]["predicted_step_seconds"] == pytest.approx(expected)
+    # without the shard probe: the probed matmul rate, as before
+    del machine["shard_cols"]
+    assert pl.calibrate_fsdp(records, machine)[0]["matmul_flops"] == 3e9
+
+
 def test_time_model_and_recommendation():
     w = pl.Workload(params=25e6, compute_seconds=0.4)
     c = _cluster(inter=125e6)

@@ -1,10 +1,11 @@
 """The model next to what bench/comm.py measured on the simulated cluster."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 
 from ciuicflow.plan.cost_model import estimate
-from ciuicflow.plan.inputs import ClusterSpec, Workload
+from ciuicflow.plan.inputs import ClusterSpec, Workload, powersgd_elements
 from ciuicflow.plan.methods import BENCH_METHODS, FSDP_BENCH_METHODS
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at MTU 1500 (with timestamps)
@@ -55,7 +56,7 @@ def calibrate_fsdp(records, machine: dict) -> list:
     probe), HSDP and over every rank (``fsdp``, ``fsdp:<method>``): as ``calibrate``, with FSDP2's
     parameter groups (one per layer) for the buckets."""
     ran, floor, cluster = _floor_and_cluster(records, machine)
-    local = _probed_local_seconds(machine, cluster)
+    local, matmul_flops = _probed_fsdp_compute(machine, cluster)
     out = []
     for r in ran:
         strategy = FSDP_BENCH_METHODS.get(r["method"])
@@ -63,11 +64,37 @@ def calibrate_fsdp(records, machine: dict) -> list:
             continue
         workload = Workload(params=r["params"], compute_seconds=floor["step_seconds"],
                             matrix_shapes=[(r["width"], r["width"])] * r["layers"],
-                            local_seconds_per_element=local,
-                            matmul_flops=machine.get("matmul_flops", 5e9),
+                            local_seconds_per_element=local, matmul_flops=matmul_flops,
                             bucket_bytes=r["params"] * 4 / r["layers"])
-        out.append(_row(r, estimate(strategy, cluster, workload, r.get("rank")), local))
+        row = _row(r, estimate(strategy, cluster, workload, r.get("rank")), local)
+        row["matmul_flops"] = matmul_flops
+        out.append(row)
     return out
+
+
+def _probed_fsdp_compute(machine: dict, cluster: ClusterSpec) -> tuple:
+    """(the compressors' local seconds per element, PowerSGD's matmul rate) of the FSDP path, fitted on
+    the probe's own inter-node reductions of a shard (``cross_node_1bit`` and ``cross_node_powersgd``,
+    bench/comm_probe.py): what each measured beyond the modelled inter-node exchange. The matmul rate so
+    fitted also carries PowerSGD's element-wise work (error feedback, P Q^T), which a bare matmul probe
+    misses. Without those keys: the DDP fit and the probed matmul rate."""
+    probed = next(((int(n), t) for n, t in machine.get("sizes", {}).items() if "cross_node_powersgd" in t), None)
+    if probed is None or "shard_cols" not in machine:
+        return _probed_local_seconds(machine, cluster), machine.get("matmul_flops", 5e9)
+    numel, timings = probed
+    g, cols, rank = cluster.gpus_per_node, machine["shard_cols"], machine["powersgd_rank"]
+    # a workload whose shard is the probed one (FSDP shards each matrix's rows over the node's G ranks)
+    bare = Workload(params=numel * g, matrix_shapes=[(numel // cols * g, cols)], local_seconds_per_element=0.0,
+                    matmul_flops=math.inf, bucket_bytes=math.inf)
+
+    def inter_seconds(strategy):
+        return sum(v for k, v in estimate(strategy, cluster, bare, rank).parts.items() if "inter" in k)
+
+    local = max(0.0, timings["cross_node_1bit"] - inter_seconds("fsdp_hierarchical_1bit")) / numel
+    matmul = timings["cross_node_powersgd"] - inter_seconds("fsdp_hierarchical_powersgd") - numel * local
+    compressed = powersgd_elements(Workload(params=numel, matrix_shapes=[(numel // cols, cols)]), rank)[3]
+    # a residual lost in the noise: the matmuls cost nothing measurable (a floor of 0.1 ms keeps it finite)
+    return local, 6 * rank * compressed / max(matmul, 1e-4)
 
 
 def _probed_local_seconds(machine: dict, cluster: ClusterSpec) -> float:
