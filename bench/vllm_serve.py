@@ -3,15 +3,19 @@ a mix of short high-priority and long low-priority prompts, flow control on (``x
 and off (FIFO), on one deployment (the switch is per request). Reports TTFT and TPOT p50/p99 per class,
 request throughput and goodput under per-class TTFT SLOs (--slo-factor x each class's unloaded TTFT), and
 where each request's TTFT went (bench/vllm_serve_phases.py): JSON, a table (stdout and .md) and a PNG.
+With ``--loads`` it sweeps the request rate (fractions of the measured capacity) and reports each mode's
+goodput rate: the highest rate at which --slo-attainment (0.9) of the requests meet their SLOs (DistServe).
 
     python bench/vllm_serve.py --smoke                          # CI: a few requests per mode, seconds of load
-    python bench/vllm_serve.py --preset link-bound --out out/vllm_serve     # issue #16's scenario (docs/vllm.md)
+    python bench/vllm_serve.py --preset link-bound --out out/vllm_serve_sweep   # issue #16's scenario: a sweep
+    python bench/vllm_serve.py --preset link-bound --loads '' --out out/vllm_serve   # one rate (0.8)
 
 The link between the two sides: ``--tc-rate 100mbit`` puts each side in a network namespace joined by a
 tbf-shaped link (ciuicflow/cluster.py, bench/vllm_serve_netns.py); otherwise the sidecars' emulated slow
-link (``--link-rate``: the receiving sidecar reads peer traffic at that rate; docs/kvflow.md). The request rate is ``--load`` (0.8)
-times the capacity measured first with closed-loop requests, unless ``--rate`` is given. vLLM runs in its
-own environment (``--python``; ``bash scripts/vllm_demo.sh --setup-only`` makes it).
+link (``--link-rate``: the receiving sidecar reads peer traffic at that rate; docs/kvflow.md). The request
+rate is ``--load`` (0.8) times the capacity measured first with closed-loop requests, unless ``--rate`` is
+given; a sweep's rates are each of ``--loads`` times that capacity (or ``--rate``). vLLM runs in its own
+environment (``--python``; ``bash scripts/vllm_demo.sh --setup-only`` makes it).
 """
 from __future__ import annotations
 
@@ -36,9 +40,12 @@ MODES = {"flow": "enabled", "fifo": "disabled"}
 # link-bound: the scenario flow control exists for. At 5 Mbit/s a long prompt's KV (640 tokens of the tiny
 # DeepSeek: 4.4 MB) needs ~7 s of link, a short one's (24 tokens: 0.22 MB) 0.35 s; the mix needs ~3.7 s of
 # link per request on average (capacity ~0.27 req/s) against ~2 s of the 2 shared cores' compute, so the
-# link saturates first (with each vLLM worker on a core of its own). The load is 0.8 of the capacity
-# measured closed-loop; SLOs: --slo-factor x each class's unloaded TTFT.
-PRESETS = {"link-bound": dict(tc_rate="5mbit", pin_cores=True, duration=120.0, load=0.8, slo_factor=3.0)}
+# link saturates first (with each vLLM worker on a core of its own). SLOs: --slo-factor x each class's
+# unloaded TTFT. By default a sweep of 0.3-0.9 of the capacity measured closed-loop, 90 s of arrivals per
+# mode and level (~22 min in all: 4 levels x 2 modes x 90 s, plus start-up, the SLO and capacity
+# measurements and each run's drain); ``--loads ''`` runs the single rate instead (0.8, 120 s per mode).
+PRESETS = {"link-bound": dict(tc_rate="5mbit", pin_cores=True, duration=120.0, load=0.8, slo_factor=3.0,
+                              loads="0.3,0.5,0.7,0.9", sweep_duration=90.0)}
 
 
 def default_python() -> str:
@@ -58,6 +65,12 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=0, help="requests per mode instead of --duration")
     p.add_argument("--rate", type=float, default=0.0, help="requests/s (default: --load x measured capacity)")
     p.add_argument("--load", type=float, default=0.8)
+    p.add_argument("--loads", default="", help="a sweep instead of one rate: comma-separated fractions of the "
+                   "measured capacity (of --rate when given), e.g. 0.3,0.5,0.7,0.9; '' = one rate (--load)")
+    p.add_argument("--sweep-duration", type=float, default=0.0, help="seconds of arrivals per mode at each "
+                   "level of a sweep (default: --duration)")
+    p.add_argument("--slo-attainment", type=float, default=0.9, help="a sweep's goal: the goodput rate is the "
+                   "highest rate at which this share of the requests meets its SLOs")
     p.add_argument("--high-frac", type=float, default=0.5, help="share of short high-priority requests")
     p.add_argument("--short-len", type=int, default=24)
     p.add_argument("--long-len", type=int, default=640)
@@ -81,11 +94,25 @@ def parse_args(argv=None):
     if a.preset:
         p.set_defaults(**PRESETS[a.preset])
         a = p.parse_args(argv)
-    if a.smoke:
+    if a.smoke:     # with --loads, the levels scale this fixed rate (no capacity measurement), 6 requests each
         a.requests = a.requests or 6
         a.rate = a.rate or 1.0
         a.short_len, a.long_len, a.new_tokens = 8, 96, 4
+    try:
+        loads = parse_loads(a.loads)
+    except ValueError:
+        p.error(f"--loads: comma-separated positive numbers, not {a.loads!r}")
+    if loads and not 0 < a.slo_attainment <= 1:
+        p.error("--slo-attainment: a share in (0, 1]")
     return a
+
+
+def parse_loads(text: str):
+    """'0.3,0.5' -> [0.3, 0.5]; '' -> [] (no sweep)."""
+    loads = [float(x) for x in text.split(",") if x.strip()]
+    if any(x <= 0 for x in loads):
+        raise ValueError(text)
+    return loads
 
 
 def workload(args, n: int, rate: float, rng: random.Random, exact_mix: bool = False):
@@ -108,29 +135,32 @@ _RUN = iter(range(1 << 30))
 
 
 def run_open_loop(url: str, reqs, new_tokens: int, flow: str, timeout: float):
+    """One result per request sent, in arrival order: a request still unanswered after the joins is a
+    failure (dropping it would raise the SLO attainment)."""
     run_id = next(_RUN)
-    results, threads = [], []
-    lock = threading.Lock()
+    slots, threads = [None] * len(reqs), []
     t0 = time.monotonic()
 
-    def one(offset, cls, prompt):
+    def one(i, offset, cls, prompt):
         r = stream_complete(url, prompt, new_tokens, timeout=timeout,
                             headers={"x-ciuic-priority": cls, "x-ciuic-flow": flow})
         r.update(cls=cls, prompt_len=len(prompt), arrival_s=offset, done_s=time.monotonic() - t0, run=run_id)
         r.pop("tokens", None)
-        with lock:
-            results.append(r)
+        slots[i] = r
 
-    for offset, cls, prompt in reqs:
+    for i, (offset, cls, prompt) in enumerate(reqs):
         delay = t0 + offset - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        th = threading.Thread(target=one, args=(offset, cls, prompt), daemon=True)
+        th = threading.Thread(target=one, args=(i, offset, cls, prompt), daemon=True)
         th.start()
         threads.append(th)
     for th in threads:
         th.join(timeout)
-    return results
+    # a copy: a thread answering late writes into ``slots``, not into what is being summarized
+    return [r or {"ok": False, "error": "no answer before the load generator's timeout", "cls": cls,
+                  "prompt_len": len(prompt), "arrival_s": offset, "done_s": time.monotonic() - t0, "run": run_id}
+            for r, (offset, cls, prompt) in zip(slots, reqs)]
 
 
 def unloaded(url: str, args, rng, per_class: int = 3) -> dict:
@@ -175,20 +205,28 @@ def capacity(url: str, args, rng) -> float:
     return len(reqs) / (time.monotonic() - t0)
 
 
-def measure(url: str, args) -> dict:
-    """Warm-up, capacity (unless --rate), then the same open-loop requests with flow control on and off."""
+def prepare(url: str, args) -> dict:
+    """Once per deployment: warm-up, each class's unloaded TTFT (hence the SLOs), the capacity (unless
+    --rate). Every rate measured afterwards is judged against these same SLOs."""
     rng = random.Random(args.seed)
     run_open_loop(url, workload(args, 2, 0.0, rng), args.new_tokens, "enabled", args.timeout)   # one-time costs
     idle = unloaded(url, args, rng)
     slo = {cls: (explicit or args.slo_factor * idle[cls] * 1e3) / 1e3 for cls, explicit in
            (("high", args.slo_ttft_ms), ("low", args.slo_ttft_low_ms))}
-    rate = args.rate or args.load * capacity(url, args, rng)
-    n = args.requests or max(4, int(rate * args.duration))
-    print(f"[vllm-serve] unloaded TTFT p50 {_fmt(idle)}; TTFT SLO {_fmt(slo)}; {n} requests per mode at "
-          f"{rate:.3f} req/s", flush=True)
-    reqs = workload(args, n, rate, random.Random(args.seed + 1))    # the same requests in both modes
-    out = {"rate_rps": rate, "requests_per_mode": n, "order": [], "modes": {}, "unloaded_ttft_s": idle,
-           "slo_ttft_s": slo, "slo_tpot_s": args.slo_tpot_ms / 1e3}
+    cap = None if args.rate else capacity(url, args, rng)
+    print(f"[vllm-serve] unloaded TTFT p50 {_fmt(idle)}; TTFT SLO {_fmt(slo)}; capacity "
+          f"{'not measured (--rate)' if cap is None else f'{cap:.3f} req/s'}", flush=True)
+    return {"unloaded_ttft_s": idle, "slo_ttft_s": slo, "slo_tpot_s": args.slo_tpot_ms / 1e3, "capacity_rps": cap}
+
+
+def run_rate(url: str, args, rate: float, duration: float, seed: int, slo_ttft_s: dict) -> dict:
+    """The same open-loop requests at ``rate`` (``duration`` s of arrivals, or --requests) with flow
+    control on and off: each mode's requests and summary."""
+    n = args.requests or max(4, int(rate * duration))
+    print(f"[vllm-serve] {n} requests per mode at {rate:.3f} req/s", flush=True)
+    reqs = workload(args, n, rate, random.Random(seed))    # the same requests in both modes
+    out = {"rate_rps": rate, "requests_per_mode": n, "arrival_rps": n / reqs[-1][0] if reqs[-1][0] > 0 else None,
+           "order": [], "modes": {}}
     # ABBA: each mode runs twice (halves of the requests), so neither always runs first or on a warmer host
     half = max(1, n // 2)
     runs = {mode: [] for mode in MODES}
@@ -201,8 +239,27 @@ def measure(url: str, args) -> dict:
         out["order"].append(mode)
         runs[mode] += run_open_loop(url, shifted, args.new_tokens, MODES[mode], args.timeout)
     for mode, rs in runs.items():
-        out["modes"][mode] = {"requests": rs, **summarize(rs, slo, args.slo_tpot_ms / 1e3)}
+        out["modes"][mode] = {"requests": rs, **summarize(rs, slo_ttft_s, args.slo_tpot_ms / 1e3)}
     return out
+
+
+def measure(url: str, args) -> dict:
+    """prepare(), then one rate (--load x capacity, or --rate) or, with --loads, each level in turn, each
+    with its own requests (seed + 1 + level index; the single rate's are seed + 1)."""
+    base = prepare(url, args)
+    loads = parse_loads(args.loads)
+    if not loads:
+        rate = args.rate or args.load * base["capacity_rps"]
+        return {**base, **run_rate(url, args, rate, args.duration, args.seed + 1, base["slo_ttft_s"])}
+    reference = args.rate or base["capacity_rps"]
+    levels = []
+    for i, load in enumerate(loads):
+        level = {"load": load, **run_rate(url, args, load * reference, args.sweep_duration or args.duration,
+                                          args.seed + 1 + i, base["slo_ttft_s"])}
+        print(f"[vllm-serve] load {load:g}: SLO attainment " + ", ".join(
+            f"{mode} {m['slo_met']}/{m['completed'] + m['failed']}" for mode, m in level["modes"].items()), flush=True)
+        levels.append(level)
+    return {**base, "reference_rps": reference, "slo_attainment": args.slo_attainment, "levels": levels}
 
 
 def client_main(spec_path: str) -> int:
@@ -245,7 +302,8 @@ def main(argv=None) -> int:
             dep = NetnsDeployment(cluster, args.python, model, args.model, work, pin_cores=args.pin_cores)
             try:
                 dep.start(args.timeout)
-                result.update(dep.run_client(vars(args), args.timeout * 4))
+                # a guard against a hung client, not a budget: a sweep runs one measurement per level
+                result.update(dep.run_client(vars(args), args.timeout * 4 * max(1, len(parse_loads(args.loads)))))
             finally:
                 dep.stop()
     else:
@@ -255,16 +313,19 @@ def main(argv=None) -> int:
             result.update(measure(dep.proxy_url, args))
         finally:
             dep.stop()
-    attach_phases(result, work, _bps(args.tc_rate or link_rate))
+    parts = result.get("levels") or [result]     # a sweep: every level has its own modes
+    for part in parts:
+        attach_phases(part, work, _bps(args.tc_rate or link_rate))
     write_outputs(result, args.out)
-    phases = phase_table(result)
+    phases = "\n\n".join((f"phases at load {part['load']:g}:\n" if "load" in part else "") + phase_table(part)
+                         for part in parts)
     print(phases)
     with open(os.path.join(args.out, "vllm_serve.md"), "a") as fh:
         fh.write("\n" + phases + "\n")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
-    failed = sum(m["failed"] for m in result["modes"].values())
+    failed = sum(m["failed"] for part in parts for m in part["modes"].values())
     if failed:
         print(f"[vllm-serve] {failed} requests failed (logs in {work})", file=sys.stderr)
         return 1
