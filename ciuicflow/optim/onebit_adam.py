@@ -3,7 +3,8 @@
 For ``freeze_steps`` steps it is plain Adam on the exact mean gradient. Adam's variance then
 changes slowly enough to be frozen; from then on each rank folds its *local* gradient into its
 momentum, and the momenta are averaged by ciuicflow's 1-bit all-reduce with worker and server error
-feedback (``ciuicflow.compression.onebit``: across nodes only, after an exact intra-node
+feedback (worker only where the exchange has two ranks, e.g. two nodes, as the hooks)
+(``ciuicflow.compression.onebit``: across nodes only, after an exact intra-node
 reduce-scatter, when ``hierarchical``; over all traffic otherwise). The averaged momentum is the same
 bit for bit on every rank, so parameters stay in sync without sending gradients.
 

@@ -5,7 +5,8 @@ Where 1-bit Adam needs a warm-up of exact communication, 0/1 Adam compresses fro
 
 - **until ``var_freeze_step``**: the variance is updated only on *variance steps*, whose gradients
   are averaged exactly; every other step averages the gradients with ciuicflow's 1-bit all-reduce
-  (worker and server error feedback) and updates the momentum with them. Variance steps start
+  (worker and server error feedback; worker only where two nodes exchange) and updates the momentum
+  with them. Variance steps start
   every step and thin out: after ``var_update_scaler`` of them the interval doubles.
 - **after it** (variance frozen): *local steps*. Each rank moves its parameters with its own
   momentum; every ``local_step_interval`` steps the ranks average how far they moved since the
