@@ -41,11 +41,13 @@ MODES = {"flow": "enabled", "fifo": "disabled"}
 # DeepSeek: 4.4 MB) needs ~7 s of link, a short one's (24 tokens: 0.22 MB) 0.35 s; the mix needs ~3.7 s of
 # link per request on average (capacity ~0.27 req/s) against ~2 s of the 2 shared cores' compute, so the
 # link saturates first (with each vLLM worker on a core of its own). SLOs: --slo-factor x each class's
-# unloaded TTFT. By default a sweep of 0.3-0.9 of the capacity measured closed-loop, 90 s of arrivals per
-# mode and level (~22 min in all: 4 levels x 2 modes x 90 s, plus start-up, the SLO and capacity
-# measurements and each run's drain); ``--loads ''`` runs the single rate instead (0.8, 120 s per mode).
+# unloaded TTFT. By default a sweep of 0.15, 0.3 and 0.5 of the capacity measured closed-loop, 300 s of
+# arrivals per mode and level (27 min measured): FIFO's goodput rate lies near 0.3 of the capacity (its
+# high requests wait behind long transfers even at light load), flow control's above 0.5, and the low
+# levels need long runs to hold more than a handful of requests (docs/vllm.md). ``--loads ''`` runs the
+# single rate instead (0.8, 120 s per mode).
 PRESETS = {"link-bound": dict(tc_rate="5mbit", pin_cores=True, duration=120.0, load=0.8, slo_factor=3.0,
-                              loads="0.3,0.5,0.7,0.9", sweep_duration=90.0)}
+                              loads="0.15,0.3,0.5", sweep_duration=300.0)}
 
 
 def default_python() -> str:
