@@ -151,10 +151,6 @@ def test_loopback_fallback_says_so(monkeypatch):
             pass
 
 
-if __name__ == "__main__":
-    _worker()
-
-
 _SLOW_SERVER = """
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -189,3 +185,7 @@ def test_a_slow_link_lets_no_burst_through_after_a_pause():
     got, seconds = out.split("RESULT")[1].split()
     assert int(got) == nbytes
     assert float(seconds) >= 0.6 * nbytes * 8 / 5e6, f"{nbytes} bytes in {float(seconds):.3f}s on 5 Mbit/s"
+
+
+if __name__ == "__main__":
+    _worker()
