@@ -28,6 +28,7 @@ the same step, for a softmax regression and an MLP.
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -333,6 +334,21 @@ def markdown(records, convergence, header):
     return "\n".join(lines) + "\n"
 
 
+def _finished(lines_path):
+    """What the workers have written so far: the methods with a record (measured, skipped or failed),
+    and "convergence" once its rows are in."""
+    with open(lines_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {r.get("method") or ("convergence" if "convergence" in r else None) for r in records} - {None}
+
+
+def _killed_by_signal(error):
+    """Whether the rank torchrun names as the root cause died by a signal (a Python exception exits 1;
+    the ranks torchrun stops afterwards die by SIGTERM, and are not the root cause)."""
+    root = re.search(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", error, re.S)
+    return root is not None and int(root.group(1)) < 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
@@ -352,13 +368,31 @@ def main(argv=None):
                        ",".join(args.method_list), "--params", args.params, "--layers", args.layers,
                        "--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup, "--lr", args.lr,
                        "--convergence-steps", args.convergence_steps]
-        error = None
-        try:
-            run = cluster.torchrun(worker_args, timeout=args.timeout)
-            if not run.ok:
-                error = f"exit codes {run.returncodes}:\n" + "\n".join(o[-3000:] for o in run.outputs)
-        except TimeoutError as exc:
-            error = str(exc)[-6000:]
+        error, crashes = None, []
+        for attempt in range(2):
+            error = None
+            done = _finished(lines_path)
+            remaining = [m for m in args.method_list if m not in done]
+            if not remaining and (not args.convergence_steps or "convergence" in done):
+                break
+            methods_at = worker_args.index("--methods") + 1
+            worker_args[methods_at] = ",".join(remaining)
+            try:
+                run = cluster.torchrun(worker_args, timeout=max(1.0, args.timeout - (time.monotonic() - started)))
+                if not run.ok:
+                    error = f"exit codes {run.returncodes}:\n" + "\n".join(
+                        f"--- node {k} (exit {code})\n{o[-3000:]}" for k, (code, o)
+                        in enumerate(zip(run.returncodes, run.outputs)))
+            except TimeoutError as exc:
+                error = str(exc)[-6000:]
+            if error is None or attempt == 1 or not _killed_by_signal(error):
+                break
+            # a rank died by a signal inside a native library (seen once in CI: SIGABRT, "terminate called
+            # without an active exception", right after DeepSpeed's engine set up); run the methods that did
+            # not finish once more, and say so in the JSON and the table
+            crashed = [m for m in remaining if m not in _finished(lines_path)]
+            crashes.append({"methods_not_finished": crashed, "output": error[-6000:]})
+            log(f"a worker was killed by a signal while running {crashed}; running those once more:\n{error}")
         describe = cluster.describe()
         shaped = cluster.shaped
     with open(lines_path) as f:
@@ -376,10 +410,14 @@ def main(argv=None):
     if not shaped:
         header = "**NOT SHAPED: inter-node links not simulated, inter-node bytes not measured.** " + header
     table = markdown(records, convergence, header)
+    if crashes:
+        table += "".join(f"\nA worker was killed by a signal; {', '.join(c['methods_not_finished'])} ran again "
+                         "(the output is in the JSON's `crashes`).\n" for c in crashes)
     with open(out_path, "w") as f:
         json.dump({"cluster": describe, "shaped": shaped, "args": {k: v for k, v in vars(args).items()
                                                                   if k not in ("worker", "out")},
-                   "records": records, "convergence": convergence, "error": error}, f, indent=1)
+                   "records": records, "convergence": convergence, "error": error, "crashes": crashes},
+                  f, indent=1)
     with open(os.path.splitext(out_path)[0] + ".md", "w") as f:
         f.write(table)
     print(table)
