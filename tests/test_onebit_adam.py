@@ -321,8 +321,8 @@ def test_digits_final_loss_within_2_percent_of_exact_adam():
           f"{seconds:.1f} s")
     assert adam < 0.2  # it did learn (from log(10) = 2.3)
     assert abs(onebit - adam) <= 0.02 * adam
-    # 0/1 Adam compresses gradients from step 1: its variance freezes at 40% (seeds 100..400:
-    # +0.9% to +1.3%; frozen at 20%: +1.0% to +1.9%)
+    # 0/1 Adam compresses from step 1 (between its variance steps): its variance freezes at 40%
+    # (1-bit gradients, seeds 100..400: +0.9% to +1.3%; frozen at 20%: +1.0% to +1.9%)
     assert abs(zero_one - adam) <= 0.02 * adam
 
 
@@ -392,14 +392,15 @@ def test_checkpoint_resume_continues_the_run_exactly(kind):
 # -- 0/1 Adam: its schedules, bit-for-bit agreement at syncs, bytes --------------------------------------
 
 
-def _zero_one_schedule(rank, world):
+def _zero_one_schedule(rank, world, compress_before_freeze):
     from ciuicflow.optim import ZeroOneAdam
 
     model = _mlp(0, (64, 64, 16))
     # variance steps 1, 2, then every 2nd (4, 6), then every 4th (8, 12); frozen after 12; local
     # steps sync every step (13-15), then every 2nd (16-20), then every 4th
     optimizer = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=12, var_update_scaler=2,
-                            local_step_scaler=3, local_step_clipper=4, hierarchical=False)
+                            local_step_scaler=3, local_step_clipper=4, hierarchical=False,
+                            compress_before_freeze=compress_before_freeze)
     announced = []  # what the optimizer tells an engine before each step: average exactly?
     optimizer.add_exact_step_listener(announced.append)
     rows = []
@@ -415,8 +416,9 @@ def _zero_one_schedule(rank, world):
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def test_zero_one_adam_schedules_agreement_and_bytes():
-    results = run_distributed(_zero_one_schedule, WORLD, nodes=NODES)
+@pytest.mark.parametrize("compress_before_freeze", ["directions", "gradients"])
+def test_zero_one_adam_schedules_agreement_and_bytes(compress_before_freeze):
+    results = run_distributed(_zero_one_schedule, WORLD, nodes=NODES, args=(compress_before_freeze,))
     exact_steps, syncs = {1, 2, 4, 6, 8, 12}, {13, 14, 15, 16, 18, 20, 24, 28}
     for r in results:
         exact = 4 * r["params"]
@@ -426,7 +428,7 @@ def test_zero_one_adam_schedules_agreement_and_bytes():
             assert row["frozen"] == (step >= 12)
             if step in exact_steps:  # the variance step's exact all-reduce of the gradients
                 assert row["bytes"] == exact, row
-            elif step < 12 or step in syncs:  # 1-bit gradients, or a 1-bit sync of the moves
+            elif step < 12 or step in syncs:  # 1-bit directions (or gradients), or a 1-bit sync of the moves
                 assert 0 < row["bytes"] <= exact / 16, row
             else:  # a local step: no communication at all
                 assert row["bytes"] == 0, row
@@ -455,6 +457,8 @@ def test_bad_arguments_raise_clear_errors():
         ZeroOneAdam(params, var_freeze_step=0)
     with pytest.raises(ValueError, match="local_step_clipper"):
         ZeroOneAdam(params, local_step_clipper=0.5)
+    with pytest.raises(ValueError, match="compress_before_freeze must be one of"):
+        ZeroOneAdam(params, compress_before_freeze="momentum")
     with pytest.raises(ValueError, match="no 'onebit' entry"):
         OneBitAdam(params).load_state_dict(torch.optim.Adam(params).state_dict())
     with pytest.raises(ValueError, match="saved by OneBitAdam, not by ZeroOneAdam"):
