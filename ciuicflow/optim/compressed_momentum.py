@@ -66,9 +66,9 @@ class CompressedMomentumOptimizer(Optimizer):
         self.chunk_size = int(chunk_size)
         # 1-bit Adam's exchange: all of the error carried over, no accuracy guard; one phase where
         # the exchange has two ranks (two nodes' sums), as the hooks: a second compression of the
-        # mean cost 0/1 Adam, whose 1-bit gradients feed the momentum every step before the freeze,
-        # accuracy (charlm_adamw, 2 nodes x 2 ranks: +3.9% above AdamW with two phases, +1.1% with
-        # one, at the same bytes; OneBitAdam +1.2% and +1.0%)
+        # mean cost accuracy (charlm_adamw, 2 nodes x 2 ranks, 0/1 Adam with 1-bit gradients before
+        # its freeze: +3.9% above AdamW with two phases, +1.1% with one, at the same bytes;
+        # OneBitAdam +1.2% and +1.0%)
         self._compressor = OneBitCompressor(chunk_size=self.chunk_size, error_decay=1.0, phases="auto",
                                             guard="off")
         self.caller_averages_grads = bool(caller_averages_grads)
