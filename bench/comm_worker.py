@@ -180,8 +180,8 @@ def register(ddp, name, rank, clock):
 
 def as_named(method: str) -> dict:
     """Options that make a method send what its name says under this bench's Adam: a 1-bit
-    state's default sends an adaptive optimizer's buckets as int8 (docs/hooks.md), which the
-    int8 methods' rows measure; this bench measures each codec's communication."""
+    state's default sends an adaptive optimizer's buckets as int4 (docs/hooks.md); this bench
+    measures each codec's communication."""
     options = registry.method(method).entry.compressor_class().option_names
     return {"adaptive_optimizer": "same"} if "adaptive_optimizer" in options else {}
 

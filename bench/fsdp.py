@@ -7,9 +7,9 @@ node), `fsdp` (FSDP2 over every rank, its own reduce-scatter) and `fsdp:<method>
 ciuicflow's compressed reduce-scatter), and `no_comm` (the model alone, no FSDP and no
 communication: the compute floor). Bytes on the wire come
 from the links' counters. Writes JSON (one record per method), a markdown table and a PNG.
-The model trains with Adam, under which a 1-bit state's default sends int8 (docs/hooks.md, "Adaptive
+The model trains with Adam, under which a 1-bit state's default sends int4 (docs/hooks.md, "Adaptive
 optimizers"): the 1-bit methods run with adaptive_optimizer='same', so each row measures its own codec
-(the int8 rows measure what the 1-bit methods' defaults send under Adam).
+(the 1-bit methods' defaults under Adam send half the int8 rows' bytes).
 
     python bench/fsdp.py                 # 25M-param MLP, 2 nodes x 2 ranks, 1 Gbit/s
     python bench/fsdp.py --smoke         # tiny and quick, for CI

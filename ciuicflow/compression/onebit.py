@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ciuicflow.compression.int4 import Int4Codec
 from ciuicflow.compression.int8 import Int8Codec
 from ciuicflow.compression.quantized import Codec, QuantizedCompressor, QuantizedErrors, \
     native_ops, quantized_all_reduce
@@ -37,7 +38,13 @@ class OneBitCodec(Codec):
 
 class Int8InOneBitLayout(Int8Codec):
     """int8 chunks laid out as 1-bit's (whole bytes of signs per chunk), so one error memory
-    serves a tensor whichever of the two codecs sends it."""
+    serves a tensor whichever of the codecs sends it."""
+
+    granule = OneBitCodec.granule
+
+
+class Int4InOneBitLayout(Int4Codec):
+    """int4 chunks laid out as 1-bit's, as ``Int8InOneBitLayout``."""
 
     granule = OneBitCodec.granule
 
@@ -47,12 +54,12 @@ class OneBitCompressor(QuantizedCompressor):
     elements per scale; half of the error carried over (the carried error is gradient sent late,
     and momentum at a constant learning rate turns late gradient into oscillation: accuracy
     collapsed with all of it carried); one phase where the exchange has two ranks; the guard
-    warns past 4x; tensors an adaptive optimizer steps go as int8 (``adaptive_optimizer``;
+    warns past 4x; tensors an adaptive optimizer steps go as int4 (``adaptive_optimizer``;
     ``compression.optimizer_watch`` says why)."""
 
     name = "onebit"
     codec = OneBitCodec()
-    adaptive_codec = Int8InOneBitLayout()
+    adaptive_codecs = {"int4": Int4InOneBitLayout(), "int8": Int8InOneBitLayout()}
     default_chunk_size = DEFAULT_CHUNK_SIZE
     default_error_decay = 0.5
     default_guard_threshold = _COST.guard_threshold

@@ -12,6 +12,8 @@ from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, Qua
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
 from ciuicflow.topology import Topology
 
+ADAPTIVE_OPTIMIZER_POLICIES = ("int4", "int8", "same")
+
 __all__ = ["Codec", "QuantizedCompressor", "QuantizedErrors", "QuantizedStep", "native_ops",
            "quantized_all_reduce"]
 
@@ -31,14 +33,16 @@ class QuantizedCompressor(Compressor):
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
             tensor's next step is exact and sends what the memory held) or "off".
         adaptive_optimizer: how to send tensors whose parameters an adaptive optimizer (Adam,
-            AdamW, RMSprop, ...: anything but SGD) steps. "int8": with the int8 codec (a compressor
-            whose own codec is too coarse for them sets ``adaptive_codec``; docs/hooks.md), "same":
-            with this compressor's own codec. Ignored where ``adaptive_codec`` is None.
+            AdamW, RMSprop, ...: anything but SGD) steps, where this compressor's own codec is too
+            coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "int4" (the default)
+            or "int8" with that codec, "same" with this compressor's own. Ignored where
+            ``adaptive_codecs`` is empty.
     """
 
     codec: Codec
-    adaptive_codec: Codec | None = None  # the codec for adaptive optimizers' tensors, if another
-    adaptive_error_decay = 1.0           # ... and its error decay (int8's: all of it carried)
+    adaptive_codecs: dict = {}  # codecs for adaptive optimizers' tensors, by name, if others
+    adaptive_error_decay = 1.0  # ... and their error decay (all of it carried: int4's and int8's
+    #                             errors are below half a step per element)
     option_names = ("chunk_size", "error_decay", "phases", "guard", "guard_threshold",
                     "adaptive_optimizer")
     layout_options = ("chunk_size", "phases")
@@ -48,7 +52,7 @@ class QuantizedCompressor(Compressor):
 
     def __init__(self, *, chunk_size: int | None = None, error_decay: float | None = None,
                  phases="auto", guard: str = "warn", guard_threshold: float | None = None,
-                 adaptive_optimizer: str = "int8"):
+                 adaptive_optimizer: str = "int4"):
         chunk_size = self.default_chunk_size if chunk_size is None else chunk_size
         error_decay = self.default_error_decay if error_decay is None else error_decay
         granule = self.codec.granule
@@ -59,9 +63,9 @@ class QuantizedCompressor(Compressor):
             raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
         if phases not in ("auto", 1, 2):
             raise ValueError(f"phases must be 1, 2 or 'auto', got {phases!r}")
-        if adaptive_optimizer not in ("int8", "same"):
-            raise ValueError(f"adaptive_optimizer must be 'int8' or 'same', got "
-                             f"{adaptive_optimizer!r}")
+        if adaptive_optimizer not in ADAPTIVE_OPTIMIZER_POLICIES:
+            raise ValueError(f"adaptive_optimizer must be one of {ADAPTIVE_OPTIMIZER_POLICIES}, "
+                             f"got {adaptive_optimizer!r}")
         self.chunk_size, self.error_decay, self.phases = int(chunk_size), float(error_decay), phases
         self.adaptive_optimizer = adaptive_optimizer
         self._set_guard(guard, self.default_guard_threshold if guard_threshold is None
@@ -71,10 +75,10 @@ class QuantizedCompressor(Compressor):
         return QuantizedErrors()
 
     def codec_for(self, adaptive: bool) -> Codec:
-        """The codec a tensor is sent with: ``adaptive_codec`` for an adaptive optimizer's
-        parameters (unless ``adaptive_optimizer="same"``), else this compressor's own."""
-        if adaptive and self.adaptive_codec is not None and self.adaptive_optimizer == "int8":
-            return self.adaptive_codec
+        """The codec a tensor is sent with: the ``adaptive_optimizer`` one of ``adaptive_codecs``
+        for an adaptive optimizer's parameters (none for "same"), else this compressor's own."""
+        if adaptive and self.adaptive_optimizer in self.adaptive_codecs:
+            return self.adaptive_codecs[self.adaptive_optimizer]
         return self.codec
 
     def _pick(self, adaptive: bool, traffic: Traffic | None) -> tuple[Codec, float]:

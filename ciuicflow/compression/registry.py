@@ -84,7 +84,7 @@ ENTRIES = (
           "1-bit signs with a scale per chunk and error feedback",
           Cost("quantized", payload_bits=1, chunk_size=256, guard_threshold=4.0),
           "the most compression (about 28x) with SGD; under Adam-family optimizers "
-          "its buckets go as int8 (about 4x); watch the accuracy guard"),
+          "its buckets go as int4 (about 7.5x); watch the accuracy guard"),
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",
           {"hierarchical": "hierarchical_powersgd", "flat": "powersgd"},
           "rank-r PowerSGD factors with error feedback and warm start",
