@@ -36,6 +36,9 @@ __all__ = [
     "int8_pack",
     "int8_unpack",
     "int8_unpack_mean",
+    "int4_pack",
+    "int4_unpack",
+    "int4_unpack_mean",
     "has_cuda_kernels",
 ]
 
@@ -142,6 +145,33 @@ def int8_unpack_mean(values: torch.Tensor, scales: torch.Tensor, numel: int, chu
     return out
 
 
+def int4_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` to 4 bits with one scale per chunk, with error feedback: as ``int8_pack``
+    with levels -7..7 (``scale = max(|y|) / 7``) and two values per byte, element ``i`` in byte
+    ``i // 2``, the low nibble for even ``i`` (two's complement). ``chunk_size`` must be even.
+
+    Returns ``(values, scales)``: uint8 ``[ceil(n/2)]`` and float32 ``[ceil(n/chunk_size)]``.
+    """
+    return torch.ops.ciuicflow.int4_pack(x, error, chunk_size)
+
+
+def int4_unpack(values: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[i] = value(i) * scales[i // chunk_size]``, float32 ``[numel]``."""
+    out = scales.new_empty(numel) if out is None else out
+    torch.ops.ciuicflow.int4_unpack_into(values, scales, numel, chunk_size, out)
+    return out
+
+
+def int4_unpack_mean(values: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``W`` int4 vectors: ``values [W, ceil(numel/2)]``, ``scales [W, ceil(numel/chunk_size)]``,
+    summed in row order (the same bits on every rank that holds the same rows), float32."""
+    out = scales.new_empty(numel) if out is None else out
+    torch.ops.ciuicflow.int4_unpack_mean_into(values, scales, numel, chunk_size, out)
+    return out
+
+
 def has_cuda_kernels() -> bool:
     """Whether this build of the extension has the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("ciuicflow::onebit_pack", "CUDA")
@@ -199,4 +229,21 @@ def _int8_unpack_into_fake(values, scales, numel, chunk_size, out):
 
 @torch.library.register_fake("ciuicflow::int8_unpack_mean_into")
 def _int8_unpack_mean_into_fake(values, scales, numel, chunk_size, out):
+    return None
+
+
+@torch.library.register_fake("ciuicflow::int4_pack")
+def _int4_pack_fake(x, error, chunk_size):
+    n = x.numel()
+    return (x.new_empty((_ceil_div(n, 2),), dtype=torch.uint8),
+            x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))
+
+
+@torch.library.register_fake("ciuicflow::int4_unpack_into")
+def _int4_unpack_into_fake(values, scales, numel, chunk_size, out):
+    return None
+
+
+@torch.library.register_fake("ciuicflow::int4_unpack_mean_into")
+def _int4_unpack_mean_into_fake(values, scales, numel, chunk_size, out):
     return None

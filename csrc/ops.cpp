@@ -1,6 +1,6 @@
 // The library's module init and the schemas of the 1-bit and Gram-Schmidt ops. Kernels register
 // themselves per backend: csrc/cpu/*.cpp for CPU, csrc/cuda/* for CUDA. A compressor added later
-// keeps its schemas beside its CPU kernels (TORCH_LIBRARY_FRAGMENT in csrc/cpu/int8.cpp): adding one
+// keeps its schemas beside its CPU kernels (TORCH_LIBRARY_FRAGMENT in csrc/cpu/intq.cpp): adding one
 // adds its kernel files and its wrappers in ciuicflow/ops.py, nothing here. Nothing here communicates.
 #include <Python.h>
 #include <torch/library.h>

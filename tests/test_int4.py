@@ -1,11 +1,12 @@
-"""The int4 codec (what the 1-bit compressor sends an adaptive optimizer's tensors with): against a
-float64 / step-by-step float32 reference on fresh inputs, odd sizes, every dtype."""
+"""The int4 ops (what the 1-bit compressor sends an adaptive optimizer's tensors with): against a
+step-by-step float32 reference and a byte-by-byte decoding of the nibbles, on fresh inputs, odd
+sizes, every dtype and device; the error-feedback invariant in float64."""
 import math
 
 import pytest
 import torch
 
-from ciuicflow.compression.int4 import Int4Codec, int4_pack, int4_unpack, int4_unpack_mean
+import ciuicflow.ops as ops
 from tests.devices import DEVICES
 from tests.test_int8 import DTYPES, fresh  # the same inputs as int8's kernels are tested on
 
@@ -14,7 +15,7 @@ CHUNKS = [2, 8, 256, 1000]
 
 
 def reference_pack(x, error, chunk):
-    """float32 arithmetic, element by element in spirit: (values -7..7, scales, new error)."""
+    """float32 arithmetic, as the kernels do it: (values -7..7, scales, new error)."""
     y = x.float() + error.float()
     n, nchunks = y.numel(), math.ceil(y.numel() / chunk)
     rows = torch.zeros(nchunks * chunk)
@@ -26,7 +27,7 @@ def reference_pack(x, error, chunk):
     return q.view(-1)[:n], scales, (rows - q * scales[:, None]).view(-1)[:n]
 
 
-def reference_unpack_nibbles(payload, n):
+def decode_nibbles(payload, n):
     """Element i in byte i // 2, the low nibble for even i, two's complement in 4 bits."""
     out = []
     for byte in payload.tolist():
@@ -43,26 +44,28 @@ def test_pack_and_unpack_match_reference(device, dtype, n, chunk):
     x, error = fresh(n, dtype, device, seed=n * 7 + chunk)
     before = error.clone()
     want_q, want_scales, want_error = reference_pack(x.cpu(), before.cpu(), chunk)
-    payload, scales = int4_pack(x, error, chunk)
-    assert payload.dtype == torch.uint8 and payload.shape == (Int4Codec().payload_bytes(n),)
+    payload, scales = ops.int4_pack(x, error, chunk)
+    assert payload.dtype == torch.uint8 and payload.shape == (math.ceil(n / 2),)
     assert torch.equal(scales.cpu(), want_scales)
     if n < 3000:  # the nibble layout, decoded byte by byte
-        assert torch.equal(reference_unpack_nibbles(payload.cpu(), n), want_q)
+        assert torch.equal(decode_nibbles(payload.cpu(), n), want_q)
+    if n % 2:  # the pad nibble of an odd tail is 0
+        assert int(payload[-1]) >> 4 == 0
     assert torch.equal(error.cpu(), want_error)
     # error feedback in float64: sent + new error == x + old error, each within half a step
-    sent = int4_unpack(payload, scales, n, chunk, out=torch.empty(n, device=device))
-    assert torch.equal(sent.cpu(), (want_q * want_scales.repeat_interleave(chunk)[:n]))
+    sent = ops.int4_unpack(payload, scales, n, chunk)
+    assert torch.equal(sent.cpu(), want_q * want_scales.repeat_interleave(chunk)[:n])
     total = x.cpu().double() + before.cpu().double()
     assert (sent.cpu().double() + error.cpu().double() - total).abs().max() < 1e-5
     step = scales.cpu().double().repeat_interleave(chunk)[:n]
     assert torch.all(error.cpu().double().abs() <= step / 2 * (1 + 1e-5) + 1e-12)
     # the mean of W rows, summed in row order then scaled by 1/W in float32
     rows, row_scales = torch.stack([payload, torch.flip(payload, [0])]), torch.stack([scales, scales * 0.5])
-    mean = int4_unpack_mean(rows, row_scales, n, chunk, out=torch.empty(n, device=device))
+    mean = ops.int4_unpack_mean(rows, row_scales, n, chunk)
     index = torch.arange(n) // chunk
     want = torch.zeros(n)
     for w in range(2):
-        want = want + reference_unpack_nibbles(rows[w].cpu(), n) * row_scales[w].cpu()[index]
+        want = want + decode_nibbles(rows[w].cpu(), n) * row_scales[w].cpu()[index]
     assert torch.equal(mean.cpu(), want * torch.tensor(0.5))
 
 
@@ -70,15 +73,32 @@ def test_non_finite_chunks_unpack_to_non_finite_and_leave_others_alone():
     x = torch.randn(24)
     x[3], x[13] = float("inf"), float("nan")
     error = torch.zeros(24)
-    payload, scales = int4_pack(x, error, 8)
+    payload, scales = ops.int4_pack(x, error, 8)
     assert math.isinf(scales[0]) and math.isnan(scales[1]) and math.isfinite(scales[2])
-    out = int4_unpack(payload, scales, 24, 8, out=torch.empty(24))
+    out = ops.int4_unpack(payload, scales, 24, 8)
     assert not torch.isfinite(out[:16]).any() and torch.isfinite(out[16:]).all()
     assert not torch.isfinite(error[:16]).any() and torch.isfinite(error[16:]).all()
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="even"):
-        int4_pack(torch.zeros(4), torch.zeros(4), 3)
-    with pytest.raises(ValueError, match="float32"):
-        int4_pack(torch.zeros(4), torch.zeros(4, dtype=torch.float16), 2)
+    x, error = torch.randn(10), torch.zeros(10)
+    with pytest.raises(RuntimeError, match="multiple of 2"):
+        ops.int4_pack(x, error, 3)
+    with pytest.raises(RuntimeError, match="error must be a contiguous float32"):
+        ops.int4_pack(x, torch.zeros(9), 4)
+    payload, scales = ops.int4_pack(x, error, 4)
+    with pytest.raises(RuntimeError, match="values must be uint8"):
+        ops.int4_unpack(payload.view(torch.int8), scales, 10, 4)
+    with pytest.raises(RuntimeError, match="values has 5 bytes per vector, numel 12 needs 6"):
+        ops.int4_unpack(payload, torch.ones(3), 12, 4)
+
+
+def test_opcheck():
+    x, error = torch.randn(1001), torch.zeros(1001)
+    torch.library.opcheck(torch.ops.ciuicflow.int4_pack.default, (x, error, 16))
+    payload, scales = ops.int4_pack(x, error.clone(), 16)
+    torch.library.opcheck(torch.ops.ciuicflow.int4_unpack_into.default,
+                          (payload, scales, 1001, 16, torch.empty(1001)))
+    torch.library.opcheck(torch.ops.ciuicflow.int4_unpack_mean_into.default,
+                          (torch.stack([payload, payload]), torch.stack([scales, scales]), 1001, 16,
+                           torch.empty(1001)))
