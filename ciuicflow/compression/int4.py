@@ -9,7 +9,10 @@ arithmetic is the native ops' (``ciuicflow.ops.int4_pack``: int8's kernels with 
 """
 from __future__ import annotations
 
-from ciuicflow.compression.quantized_exchange import Codec, native_ops
+from ciuicflow.compression.quantized import Codec, QuantizedCompressor, native_ops
+from ciuicflow.compression.registry import FAMILIES
+
+_COST = FAMILIES["int4"].cost
 
 
 class Int4Codec(Codec):
@@ -27,3 +30,14 @@ class Int4Codec(Codec):
 
     def unpack_mean(self, payload, scales, numel, chunk, out):
         return native_ops().int4_unpack_mean(payload, scales, numel, chunk, out=out)
+
+
+class Int4Compressor(QuantizedCompressor):
+    """``hierarchical_int4`` / ``int4``: classic error feedback (all of the error carried over, as
+    int8's: it is below half a quantisation step per element)."""
+
+    name = "int4"
+    codec = Int4Codec()
+    default_chunk_size = _COST.chunk_size
+    default_error_decay = 1.0
+    default_guard_threshold = _COST.guard_threshold

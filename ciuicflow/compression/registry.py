@@ -95,6 +95,12 @@ ENTRIES = (
           "int8 values with a scale per chunk and error feedback",
           Cost("quantized", payload_bits=8, chunk_size=256, guard_threshold=4.0),
           "about 4x with almost no error; where 1-bit's error costs accuracy"),
+    Entry("int4", "ciuicflow.compression.int4:Int4Compressor", "Int4State",
+          {"hierarchical": "hierarchical_int4", "flat": "int4"},
+          "4-bit values with a scale per chunk and error feedback",
+          Cost("quantized", payload_bits=4, chunk_size=256, guard_threshold=4.0),
+          "about 7.5x with little error: what the 1-bit methods send Adam-family optimizers' "
+          "tensors as"),
 )
 
 METHODS: dict[str, Method] = {

@@ -10,7 +10,7 @@ the hierarchical all-reduce with FSDP doing the intra-node half.
 FSDP2 sharded over every rank (a 1-D mesh) has no all-reduce to compress: its reduce-scatter is
 the collective that crosses nodes, so there the state is FSDP's custom reduce-scatter
 (``set_custom_reduce_scatter``) and reduces with the compressor's quantised reduce-scatter
-(``compression.quantized_scatter``), for the quantising flat methods ("onebit", "int8"): the
+(``compression.quantized_scatter``), for the quantising flat methods ("onebit", "int8", "int4"): the
 excluded parameters' positions of every row travel exact beside the packed ones, and the accuracy
 guard measures and acts as on the all-reduce paths.
 
@@ -85,8 +85,8 @@ class FSDPState:
 
     Args (``register`` passes them):
         method: with a 2-D mesh, a hierarchical method: "hierarchical_allreduce" (exact),
-            "hierarchical_1bit", "hierarchical_powersgd", "hierarchical_int8"; with a 1-D mesh, a
-            quantising flat one: "onebit", "int8".
+            "hierarchical_1bit", "hierarchical_powersgd", "hierarchical_int8", "hierarchical_int4";
+            with a 1-D mesh, a quantising flat one: "onebit", "int8", "int4".
         mesh: the 2-D DeviceMesh ("replicate", "shard") the model was sharded on (its "shard"
             dim), or the 1-D DeviceMesh of every rank it was sharded on (FSDP without HSDP).
         warmup_steps, exclude, seed: as for the DDP hooks' states.
