@@ -15,7 +15,7 @@ Methods: allreduce, fp16_compress_hook, powerSGD_hook:R, every method of ciuicfl
 imported is skipped with a message; a method that crashes is recorded as failed and the rest still run.
 The model trains with Adam, under which a 1-bit state's default sends int4 (docs/hooks.md, "Adaptive
 optimizers"): the 1-bit methods run with adaptive_optimizer='same', so each row measures its own codec
-(the 1-bit methods' defaults under Adam send half the int8 rows' bytes).
+(the int4 rows measure what the 1-bit methods' defaults send under Adam).
 Needs root for namespaces; otherwise everything runs on loopback and every output says NOT SHAPED.
 """
 import argparse

@@ -182,8 +182,8 @@ def as_named(method: str) -> dict:
     """Options that make a method send what its name says under this bench's Adam: a 1-bit
     state's default sends an adaptive optimizer's buckets as int4 (docs/hooks.md); this bench
     measures each codec's communication."""
-    options = registry.method(method).entry.compressor_class().option_names
-    return {"adaptive_optimizer": "same"} if "adaptive_optimizer" in options else {}
+    compressor = registry.method(method).entry.compressor_class()
+    return {"adaptive_optimizer": "same"} if getattr(compressor, "adaptive_codecs", None) else {}
 
 
 def ciuicflow_unavailable(name):

@@ -9,7 +9,7 @@ communication: the compute floor). Bytes on the wire come
 from the links' counters. Writes JSON (one record per method), a markdown table and a PNG.
 The model trains with Adam, under which a 1-bit state's default sends int4 (docs/hooks.md, "Adaptive
 optimizers"): the 1-bit methods run with adaptive_optimizer='same', so each row measures its own codec
-(the 1-bit methods' defaults under Adam send half the int8 rows' bytes).
+(the int4 rows measure what the 1-bit methods' defaults send under Adam).
 
     python bench/fsdp.py                 # 25M-param MLP, 2 nodes x 2 ranks, 1 Gbit/s
     python bench/fsdp.py --smoke         # tiny and quick, for CI
