@@ -1,6 +1,7 @@
 """The int4 ops (what the 1-bit compressor sends an adaptive optimizer's tensors with): against a
 step-by-step float32 reference and a byte-by-byte decoding of the nibbles, on fresh inputs, odd
-sizes, every dtype and device; the error-feedback invariant in float64."""
+sizes, every dtype and device; the error-feedback invariant in float64 (non-finite chunks, opcheck
+and the distributed exchange: tests/test_int8.py, for both formats)."""
 import math
 
 import pytest
@@ -8,23 +9,10 @@ import torch
 
 import ciuicflow.ops as ops
 from tests.devices import DEVICES
-from tests.test_int8 import DTYPES, fresh  # the same inputs as int8's kernels are tested on
+from tests.test_int8 import DTYPES, fresh, reference_pack  # int8's inputs and reference, 7 levels
 
 SIZES = [1, 2, 7, 255, 256, 257, 1000, 65_537]
 CHUNKS = [2, 8, 256, 1000]
-
-
-def reference_pack(x, error, chunk):
-    """float32 arithmetic, as the kernels do it: (values -7..7, scales, new error)."""
-    y = x.float() + error.float()
-    n, nchunks = y.numel(), math.ceil(y.numel() / chunk)
-    rows = torch.zeros(nchunks * chunk)
-    rows[:n] = y
-    rows = rows.view(nchunks, chunk)
-    scales = rows.abs().amax(1) / 7.0
-    usable = (scales > 0) & torch.isfinite(scales)
-    q = torch.where(usable[:, None], torch.round(rows / scales[:, None]).clamp(-7, 7), torch.zeros(()))
-    return q.view(-1)[:n], scales, (rows - q * scales[:, None]).view(-1)[:n]
 
 
 def decode_nibbles(payload, n):
@@ -43,7 +31,8 @@ def decode_nibbles(payload, n):
 def test_pack_and_unpack_match_reference(device, dtype, n, chunk):
     x, error = fresh(n, dtype, device, seed=n * 7 + chunk)
     before = error.clone()
-    want_q, want_scales, want_error = reference_pack(x.cpu(), before.cpu(), chunk)
+    want_q, want_scales, want_error = reference_pack(x.cpu(), before.cpu(), chunk, levels=7.0)
+    want_q = want_q.float()
     payload, scales = ops.int4_pack(x, error, chunk)
     assert payload.dtype == torch.uint8 and payload.shape == (math.ceil(n / 2),)
     assert torch.equal(scales.cpu(), want_scales)
@@ -69,17 +58,6 @@ def test_pack_and_unpack_match_reference(device, dtype, n, chunk):
     assert torch.equal(mean.cpu(), want * torch.tensor(0.5))
 
 
-def test_non_finite_chunks_unpack_to_non_finite_and_leave_others_alone():
-    x = torch.randn(24)
-    x[3], x[13] = float("inf"), float("nan")
-    error = torch.zeros(24)
-    payload, scales = ops.int4_pack(x, error, 8)
-    assert math.isinf(scales[0]) and math.isnan(scales[1]) and math.isfinite(scales[2])
-    out = ops.int4_unpack(payload, scales, 24, 8)
-    assert not torch.isfinite(out[:16]).any() and torch.isfinite(out[16:]).all()
-    assert not torch.isfinite(error[:16]).any() and torch.isfinite(error[16:]).all()
-
-
 def test_bad_arguments_are_refused():
     x, error = torch.randn(10), torch.zeros(10)
     with pytest.raises(RuntimeError, match="multiple of 2"):
@@ -91,14 +69,3 @@ def test_bad_arguments_are_refused():
         ops.int4_unpack(payload.view(torch.int8), scales, 10, 4)
     with pytest.raises(RuntimeError, match="values has 5 bytes per vector, numel 12 needs 6"):
         ops.int4_unpack(payload, torch.ones(3), 12, 4)
-
-
-def test_opcheck():
-    x, error = torch.randn(1001), torch.zeros(1001)
-    torch.library.opcheck(torch.ops.ciuicflow.int4_pack.default, (x, error, 16))
-    payload, scales = ops.int4_pack(x, error.clone(), 16)
-    torch.library.opcheck(torch.ops.ciuicflow.int4_unpack_into.default,
-                          (payload, scales, 1001, 16, torch.empty(1001)))
-    torch.library.opcheck(torch.ops.ciuicflow.int4_unpack_mean_into.default,
-                          (torch.stack([payload, payload]), torch.stack([scales, scales]), 1001, 16,
-                           torch.empty(1001)))

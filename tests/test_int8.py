@@ -1,6 +1,6 @@
 """The int8 compressor, added through the compression registry: its kernels against a pure-torch
-reference, and (with int4's, whose kernels tests/test_int4.py checks) its exchange's error-feedback
-invariant on real gloo processes and its hooks in DDP."""
+reference, and (with int4's, whose packing tests/test_int4.py checks) the ops' non-finite chunks and
+opcheck, the exchange's error-feedback invariant on real gloo processes and the hooks in DDP."""
 import math
 
 import pytest
@@ -16,16 +16,17 @@ SIZES = [1, 7, 255, 256, 257, 1000, 65_537]
 CHUNKS = [1, 7, 256, 1000]
 
 
-def reference_pack(x, error, chunk):
-    """float32 arithmetic step by step, as the kernels do it: (values, scales, new error)."""
+def reference_pack(x, error, chunk, levels=127.0):
+    """float32 arithmetic step by step, as the kernels do it: (values, scales, new error), values
+    in [-levels, levels] (127: int8, 7: int4)."""
     y = x.float() + error.float()
     n, nchunks = y.numel(), math.ceil(y.numel() / chunk)
     rows = torch.zeros(nchunks * chunk)
     rows[:n] = y
     rows = rows.view(nchunks, chunk)
-    scales = rows.abs().amax(1) / 127.0  # NaN propagates, inf stays inf
+    scales = rows.abs().amax(1) / levels  # NaN propagates, inf stays inf
     usable = (scales > 0) & torch.isfinite(scales)
-    q = torch.where(usable[:, None], torch.round(rows / scales[:, None]).clamp(-127, 127),
+    q = torch.where(usable[:, None], torch.round(rows / scales[:, None]).clamp(-levels, levels),
                     torch.zeros(()))
     new_error = rows - q * scales[:, None]
     return q.view(-1)[:n].to(torch.int8), scales, new_error.view(-1)[:n]
@@ -73,13 +74,15 @@ def test_pack_and_unpack_match_reference(device, dtype, n, chunk):
     assert torch.equal(mean.cpu(), reference_mean(rows.cpu(), row_scales.cpu(), n, chunk))
 
 
-def test_non_finite_chunks_unpack_to_non_finite_and_leave_others_alone():
+@pytest.mark.parametrize("family", ["int8", "int4"])
+def test_non_finite_chunks_unpack_to_non_finite_and_leave_others_alone(family):
+    pack, unpack = getattr(ops, f"{family}_pack"), getattr(ops, f"{family}_unpack")
     x = torch.randn(24)
     x[3], x[13] = float("inf"), float("nan")
     error = torch.zeros(24)
-    q, scales = ops.int8_pack(x, error, 8)
+    q, scales = pack(x, error, 8)
     assert math.isinf(scales[0]) and math.isnan(scales[1]) and math.isfinite(scales[2])
-    out = ops.int8_unpack(q, scales, 24, 8)
+    out = unpack(q, scales, 24, 8)
     assert not torch.isfinite(out[:16]).any() and torch.isfinite(out[16:]).all()
     assert not torch.isfinite(error[:16]).any() and torch.isfinite(error[16:]).all()
 
@@ -97,15 +100,16 @@ def test_bad_arguments_are_refused():
         ops.int8_unpack(q, scales[:2], 10, 4)
 
 
-def test_opcheck():
-    x, error = torch.randn(1000), torch.zeros(1000)
-    torch.library.opcheck(torch.ops.ciuicflow.int8_pack.default, (x, error, 16))
-    q, scales = ops.int8_pack(x, error.clone(), 16)
-    torch.library.opcheck(torch.ops.ciuicflow.int8_unpack_into.default,
-                          (q, scales, 1000, 16, torch.empty(1000)))
-    torch.library.opcheck(torch.ops.ciuicflow.int8_unpack_mean_into.default,
-                          (torch.stack([q, q]), torch.stack([scales, scales]), 1000, 16,
-                           torch.empty(1000)))
+@pytest.mark.parametrize("family", ["int8", "int4"])
+def test_opcheck(family):
+    native = lambda name: getattr(torch.ops.ciuicflow, f"{family}_{name}").default  # noqa: E731
+    x, error = torch.randn(1001), torch.zeros(1001)
+    torch.library.opcheck(native("pack"), (x, error, 16))
+    q, scales = getattr(ops, f"{family}_pack")(x, error.clone(), 16)
+    torch.library.opcheck(native("unpack_into"), (q, scales, 1001, 16, torch.empty(1001)))
+    torch.library.opcheck(native("unpack_mean_into"),
+                          (torch.stack([q, q]), torch.stack([scales, scales]), 1001, 16,
+                           torch.empty(1001)))
 
 
 # -- the exchange over routes, on real processes --------------------------------------------------
