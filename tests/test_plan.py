@@ -67,6 +67,27 @@ def test_bytes_per_link_follow_the_algorithms():
     assert pl.estimate("flat_ring", _cluster(nodes=1, gpus=1), w).comm_seconds == 0
 
 
+def test_under_adam_the_one_bit_methods_cost_their_int4_codec():
+    """--optimizer adam: the 1-bit methods send an adaptive optimizer's gradients as int4
+    (docs/hooks.md, "Adaptive optimizers"), so they cost what hierarchical_int4 / int4 cost; the
+    other methods do not change."""
+    sgd, adam = pl.Workload(params=1e6), pl.Workload(params=1e6, optimizer="adam")
+    for ours, int4 in (("hierarchical_1bit", "hierarchical_int4"), ("onebit", "int4"),
+                       ("fsdp_hierarchical_1bit", "fsdp_hierarchical_int4"), ("fsdp_onebit", "fsdp_int4")):
+        under_adam = pl.estimate(ours, _cluster(), adam)
+        assert under_adam.inter_node_bytes_per_node == pytest.approx(
+            pl.estimate(int4, _cluster(), sgd).inter_node_bytes_per_node), ours
+        if not ours.startswith("fsdp"):  # (FSDP's parameter all-gathers do not change)
+            assert under_adam.inter_node_bytes_per_node > 3 * pl.estimate(
+                ours, _cluster(), sgd).inter_node_bytes_per_node, ours
+    assert pl.estimate("hierarchical_1bit", _cluster(), adam).inter_node_bytes_per_node == pytest.approx(
+        1e6 * (4 / 8 + 4 / 256))
+    for other in ("hierarchical_int8", "int4", "hierarchical_powersgd", "hierarchical", "flat_ring"):
+        assert pl.estimate(other, _cluster(), adam).as_dict() == pl.estimate(other, _cluster(), sgd).as_dict()
+    with pytest.raises(ValueError, match="optimizer"):
+        pl.Workload(params=1e6, optimizer="rmsprop")
+
+
 def test_fsdp_strategies_follow_fsdp2_and_the_registry():
     from ciuicflow.compression import registry
 

@@ -6,8 +6,8 @@ import sys
 from dataclasses import asdict
 
 from ciuicflow.plan.cost_model import plan, recommend
-from ciuicflow.plan.inputs import BACKENDS, ClusterSpec, Workload, compute_seconds_from_flops
-from ciuicflow.plan.methods import ALL_STRATEGIES, FSDP_STRATEGIES
+from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, ClusterSpec, Workload, compute_seconds_from_flops
+from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, cost
 from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, parse_count, parse_seconds
 
 def add_arguments(parser) -> None:
@@ -45,6 +45,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="nccl",
                         help="the collectives' library (default nccl); gloo's reduce-scatter is a whole "
                              "all-reduce, which matters for FSDP over every rank")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="what steps the parameters (default sgd): with adam (or AdamW, any adaptive "
+                             "optimizer) the 1-bit methods send int4, which is what they cost then")
     parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(ALL_STRATEGIES)}")
     parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
 
@@ -63,7 +66,7 @@ def _build(args):
     workload = Workload(params, compute, args.accum, args.grad_bytes, args.hidden,
                         local_seconds_per_element=args.local_ns_per_element * 1e-9,
                         matmul_flops=args.matmul_tflops * 1e12, overlap=args.overlap,
-                        bucket_bytes=args.bucket_mb * 2 ** 20)
+                        bucket_bytes=args.bucket_mb * 2 ** 20, optimizer=args.optimizer)
     ranks = tuple(int(r) for r in str(args.ranks).split(",") if r.strip())
     strategies = list(FSDP_STRATEGIES) if args.fsdp else None
     if args.strategies:
@@ -107,6 +110,10 @@ def run(args) -> int:
     print(table(estimates, baseline))
     print()
     print(f"Recommended: {best.name} - {why}")
+    if workload.optimizer == "sgd" and best.strategy not in EXACT_STRATEGIES \
+            and cost(best.strategy).adaptive_payload_bits:
+        print(f"(modelled with SGD; under Adam/AdamW {best.strategy} sends "
+              f"{cost(best.strategy).adaptive_payload_bits}-bit values: pass --optimizer adam)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cluster": asdict(cluster), "workload": asdict(workload),

@@ -108,8 +108,12 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
 
 
 def _packed_bytes_per_element(method_cost, w: Workload) -> float:
-    """A quantising method's bytes per element: the values and one float32 scale per chunk."""
-    return method_cost.payload_bits / 8 + 4 / (w.chunk_size or method_cost.chunk_size)
+    """A quantising method's bytes per element: the values (with the codec it sends an adaptive
+    optimizer's gradients with, under one) and one float32 scale per chunk."""
+    bits = method_cost.payload_bits
+    if w.optimizer == "adam" and method_cost.adaptive_payload_bits:
+        bits = method_cost.adaptive_payload_bits
+    return bits / 8 + 4 / (w.chunk_size or method_cost.chunk_size)
 
 
 def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, parts: dict) -> tuple:

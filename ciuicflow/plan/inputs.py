@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 BACKENDS = ("nccl", "gloo")
+OPTIMIZERS = ("sgd", "adam")  # "adam": any adaptive optimizer (Adam, AdamW, ...)
 
 
 @dataclass
@@ -60,6 +61,9 @@ class Workload:
     matmul_flops: float = 5e13  # float32 matmul flop/s for PowerSGD's factors
     overlap: float = 0.0
     bucket_bytes: float = 25 * 2 ** 20  # DDP's bucket_cap_mb=25: one all-reduce per bucket, in sequence
+    # "sgd" or "adam" (any adaptive optimizer): under "adam" the 1-bit methods send int4
+    # (registry Cost.adaptive_payload_bits; docs/hooks.md, "Adaptive optimizers")
+    optimizer: str = "sgd"
 
     def __post_init__(self):
         if self.params < 1:
@@ -70,6 +74,8 @@ class Workload:
             raise ValueError("compute_seconds must be >= 0 and overlap within [0, 1]")
         if self.grad_bytes not in (1, 2, 4, 8):
             raise ValueError(f"grad_bytes must be 1, 2, 4 or 8, got {self.grad_bytes}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not self.bucket_bytes > 0:
             raise ValueError("bucket_bytes must be positive")
         if not (self.local_seconds_per_element >= 0 and self.matmul_flops > 0):
