@@ -36,8 +36,8 @@ COMPRESS_BEFORE_FREEZE = ("directions", "gradients")
 
 
 class ZeroOneAdam(CompressedMomentumOptimizer):
-    """0/1 Adam: 1-bit gradients with sparse exact variance updates, then local steps synchronised
-    by 1-bit averages of the parameters' moves.
+    """0/1 Adam: 1-bit averages of the update direction with sparse exact variance updates, then
+    local steps synchronised by 1-bit averages of the parameters' moves.
 
     Args:
         params, lr, betas, eps, weight_decay, bias_correction, group, hierarchical, chunk_size,
