@@ -10,6 +10,7 @@ from ciuicflow.compression.base import Compressor, Context
 from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, QuantizedStep, \
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
+from ciuicflow.compression.registry import FAMILIES
 from ciuicflow.topology import Topology
 
 ADAPTIVE_OPTIMIZER_POLICIES = ("int4", "int8", "same")
@@ -34,8 +35,9 @@ class QuantizedCompressor(Compressor):
             tensor's next step is exact and sends what the memory held) or "off".
         adaptive_optimizer: how to send tensors whose parameters an adaptive optimizer (Adam,
             AdamW, RMSprop, ...: anything but SGD) steps, where this compressor's own codec is too
-            coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "int4" (the default)
-            or "int8" with that codec, "same" with this compressor's own. Ignored where
+            coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "int4" or "int8" with
+            that codec, "same" with this compressor's own. Default: the registry's
+            ``adaptive_family`` for this compressor ("int4" for 1-bit), else "same". Ignored where
             ``adaptive_codecs`` is empty.
     """
 
@@ -52,7 +54,7 @@ class QuantizedCompressor(Compressor):
 
     def __init__(self, *, chunk_size: int | None = None, error_decay: float | None = None,
                  phases="auto", guard: str = "warn", guard_threshold: float | None = None,
-                 adaptive_optimizer: str = "int4"):
+                 adaptive_optimizer: str | None = None):
         chunk_size = self.default_chunk_size if chunk_size is None else chunk_size
         error_decay = self.default_error_decay if error_decay is None else error_decay
         granule = self.codec.granule
@@ -63,6 +65,8 @@ class QuantizedCompressor(Compressor):
             raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
         if phases not in ("auto", 1, 2):
             raise ValueError(f"phases must be 1, 2 or 'auto', got {phases!r}")
+        if adaptive_optimizer is None:
+            adaptive_optimizer = FAMILIES[self.name].cost.adaptive_family or "same"
         if adaptive_optimizer not in ADAPTIVE_OPTIMIZER_POLICIES:
             raise ValueError(f"adaptive_optimizer must be one of {ADAPTIVE_OPTIMIZER_POLICIES}, "
                              f"got {adaptive_optimizer!r}")

@@ -22,14 +22,14 @@ class Cost:
 
     ``kind``: "exact" (float values), "quantized" (``payload_bits`` per element plus a float32
     scale per ``chunk_size`` elements, sent with the two-phase or one-phase exchange of
-    ``compression.quantized``; ``adaptive_payload_bits``, if not 0, where an adaptive optimizer
-    such as Adam steps the parameters: the codec the compressor sends those with) or "lowrank"
+    ``compression.quantized``; ``adaptive_family``, if set, the family whose codec the compressor
+    sends an adaptive optimizer's tensors with by default: its ``adaptive_optimizer``) or "lowrank"
     (PowerSGD's factors at ``rank``). These are also the compressors' defaults: their classes read
     them from here."""
 
     kind: str
     payload_bits: int = 32
-    adaptive_payload_bits: int = 0
+    adaptive_family: str = ""
     chunk_size: int = 0
     rank: int = 0
     guard_threshold: float = 0.0
@@ -85,7 +85,7 @@ ENTRIES = (
     Entry("onebit", "ciuicflow.compression.onebit:OneBitCompressor", "OneBitState",
           {"hierarchical": "hierarchical_1bit", "flat": "onebit"},
           "1-bit signs with a scale per chunk and error feedback",
-          Cost("quantized", payload_bits=1, adaptive_payload_bits=4, chunk_size=256, guard_threshold=4.0),
+          Cost("quantized", payload_bits=1, adaptive_family="int4", chunk_size=256, guard_threshold=4.0),
           "the most compression (about 28x) with SGD; under Adam-family optimizers "
           "its buckets go as int4 (about 7.5x); watch the accuracy guard"),
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",

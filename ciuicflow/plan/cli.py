@@ -111,9 +111,9 @@ def run(args) -> int:
     print()
     print(f"Recommended: {best.name} - {why}")
     if workload.optimizer == "sgd" and best.strategy not in EXACT_STRATEGIES \
-            and cost(best.strategy).adaptive_payload_bits:
+            and cost(best.strategy).adaptive_family:
         print(f"(modelled with SGD; under Adam/AdamW {best.strategy} sends "
-              f"{cost(best.strategy).adaptive_payload_bits}-bit values: pass --optimizer adam)")
+              f"{cost(best.strategy).adaptive_family} values: pass --optimizer adam)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cluster": asdict(cluster), "workload": asdict(workload),

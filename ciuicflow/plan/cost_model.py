@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from ciuicflow.compression import registry
 from ciuicflow.plan.alpha_beta import _ring_allreduce, _scatter_or_gather
 from ciuicflow.plan.inputs import ClusterSpec, Workload, powersgd_elements
 from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, \
@@ -111,8 +112,8 @@ def _packed_bytes_per_element(method_cost, w: Workload) -> float:
     """A quantising method's bytes per element: the values (with the codec it sends an adaptive
     optimizer's gradients with, under one) and one float32 scale per chunk."""
     bits = method_cost.payload_bits
-    if w.optimizer == "adam" and method_cost.adaptive_payload_bits:
-        bits = method_cost.adaptive_payload_bits
+    if w.optimizer == "adam" and method_cost.adaptive_family:
+        bits = registry.FAMILIES[method_cost.adaptive_family].cost.payload_bits
     return bits / 8 + 4 / (w.chunk_size or method_cost.chunk_size)
 
 

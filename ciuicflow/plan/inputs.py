@@ -62,7 +62,7 @@ class Workload:
     overlap: float = 0.0
     bucket_bytes: float = 25 * 2 ** 20  # DDP's bucket_cap_mb=25: one all-reduce per bucket, in sequence
     # "sgd" or "adam" (any adaptive optimizer): under "adam" the 1-bit methods send int4
-    # (registry Cost.adaptive_payload_bits; docs/hooks.md, "Adaptive optimizers")
+    # (registry Cost.adaptive_family; docs/hooks.md, "Adaptive optimizers")
     optimizer: str = "sgd"
 
     def __post_init__(self):
