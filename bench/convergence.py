@@ -49,7 +49,7 @@ def _free_port() -> int:
     return free_port()
 
 
-def run_task(task, methods, nodes, ranks_per_node, out_path, steps=None, timeout=1800):
+def run_task(task, methods, nodes, ranks_per_node, out_path, steps=None, timeout=1800, seed=0):
     """Run the task's methods in one job of nodes x ranks processes; a method that crashes the job
     is recorded as failed and the job restarts with the methods after it."""
     remaining = list(methods)
@@ -64,7 +64,7 @@ def run_task(task, methods, nodes, ranks_per_node, out_path, steps=None, timeout
                        LOCAL_WORLD_SIZE=str(ranks_per_node), GROUP_RANK=str(rank // ranks_per_node),
                        GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
             cmd = [sys.executable, WORKER, "--task", task.name, "--methods", ",".join(remaining),
-                   "--out", out_path] + (["--steps", str(steps)] if steps else [])
+                   "--out", out_path, "--seed", str(seed)] + (["--steps", str(steps)] if steps else [])
             procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else
                                           subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + timeout
@@ -133,6 +133,8 @@ def parse_args(argv=None):
     p.add_argument("--fsdp", action="store_true",
                    help="the FSDP path instead of DDP's: exact DDP, FSDP2's HSDP and every fsdp:<method>")
     p.add_argument("--steps", type=int, help="override every task's steps")
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights and batch order (the data stay the same; default 0)")
     p.add_argument("--json", metavar="PATH", help="JSON output (default OUT_DIR/convergence.json)")
     p.add_argument("--out-dir", default="out/convergence")
     p.add_argument("--no-png", action="store_true")
@@ -153,7 +155,7 @@ def main(argv=None):
         if not task.adam_family:
             methods = [m for m in methods if m.split("@")[0] not in ("onebit_adam", "zero_one_adam")]
         print(f"[convergence] {task.name}: {task.note}; methods {', '.join(methods)}", flush=True)
-        run_task(task, methods, args.nodes, args.ranks_per_node, raw, steps=steps)
+        run_task(task, methods, args.nodes, args.ranks_per_node, raw, steps=steps, seed=args.seed)
     records = compare(_records(raw))
     json_path = args.json or os.path.join(args.out_dir, "convergence.json")
     table = write_outputs(records, json_path, args.out_dir, png=not args.no_png,

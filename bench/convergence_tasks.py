@@ -36,6 +36,7 @@ class Task:
     bucket_cap_mb: float = 0.25  # several DDP buckets for every model here
     heldout: bool = False
     evals: int = 10      # points on the curve
+    seed: int = 0        # initial weights and batch order (the data stay the same)
     note: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -256,8 +257,8 @@ def load_data(task: Task):
     raise ValueError(kind)
 
 
-def build_model(task: Task, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
+def build_model(task: Task, seed: int | None = None) -> nn.Module:
+    torch.manual_seed(task.seed if seed is None else seed)
     if "sizes" in task.extra:
         return _mlp(task.extra["sizes"])
     if task.name.startswith("cnn"):
@@ -272,7 +273,7 @@ def build_model(task: Task, seed: int = 0) -> nn.Module:
 
 def batch(task: Task, data, step: int, rank: int, world: int):
     """This rank's rows of the step's global batch."""
-    gen = torch.Generator().manual_seed(1_000_003 * (step + 1))
+    gen = torch.Generator().manual_seed(1_000_003 * (step + 1) + 7919 * task.seed)
     if task.kind == "lm":
         text, context = data["train"], data["context"]
         starts = torch.randint(0, len(text) - context - 1, (task.batch * world,), generator=gen)

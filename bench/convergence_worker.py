@@ -92,11 +92,15 @@ def counted_all_reduces(counter: list):
 
 def parse_method(spec: str):
     """'onebit@phases=1;error_decay=0.8' -> ('onebit', {'phases': 1, 'error_decay': 0.8}): a hook
-    with options other than its defaults (for comparisons; the suite's targets are for defaults)."""
+    with options other than its defaults (for comparisons; the suite's targets are for defaults).
+    'a|b' is a tuple of values ('onebit@exclude=*.bias|0.weight')."""
     name, _, rest = spec.partition("@")
     options = {}
     for item in filter(None, rest.split(";")):
         key, _, value = item.partition("=")
+        if "|" in value:
+            options[key] = tuple(value.split("|"))
+            continue
         for cast in (int, float):
             try:
                 value = cast(value)
@@ -191,7 +195,7 @@ def train(task, method, data, rank, world):
         "task": task.name, "method": method, "metric": task.metric, "value": curve[-1][1],
         "curve": curve, "train_loss_last50": sum(losses[-50:]) / len(losses[-50:]),
         "replicas_equal": all(torch.equal(g, params) for g in gathered),
-        "seconds": seconds, "params": params.numel(),
+        "seconds": seconds, "params": params.numel(), "seed": task.seed,
     }
     if state is not None:
         stats = state.stats()
@@ -218,11 +222,15 @@ def main(argv=None):
     p.add_argument("--methods", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=None, help="override the task's steps (smoke)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     task = tasks.TASKS[args.task]
+    if args.seed:
+        from dataclasses import replace
+        task = replace(task, seed=args.seed)
     if args.steps:
         from dataclasses import replace
         # a short run (the smoke) evaluates twice, not at every step: evaluations cost more
