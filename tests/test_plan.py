@@ -307,3 +307,23 @@ def test_prediction_within_25_percent_of_the_simulated_cluster():
 
 if __name__ == "__main__":
     _worker()
+
+
+def test_powersgd_ranks_default_to_the_accurate_one(capsys):
+    """The planner costs PowerSGD at its default rank (lower ranks lost accuracy in
+    bench/convergence.py); a lower rank a user asks for is recommended with a caution."""
+    w = pl.Workload(params=7e9, hidden=4096)
+    c = pl.ClusterSpec(128, 8, 600e9, 25e9, 5e-6, 15e-6)
+    ranked = {e.rank for e in pl.plan(c, w) if e.rank is not None}
+    assert ranked == {pl.POWERSGD_RANK} == {16}
+    low = [e for e in pl.plan(c, w, ranks=(1,)) if e.strategy == "hierarchical_powersgd"][0]
+    _, why = pl.recommend([low, pl.estimate("flat_ring", c, w)])
+    assert "below PowerSGD's default (16)" in why
+    default = [e for e in pl.plan(c, w) if e.strategy == "hierarchical_powersgd"][0]
+    _, why = pl.recommend([default, pl.estimate("flat_ring", c, w)])
+    assert "below" not in why
+    parser = argparse.ArgumentParser()
+    pl.add_arguments(parser)
+    for bad in ("1,x", "0", ","):
+        assert pl.run(parser.parse_args(["--model", "7B", "--nodes", "4", "--ranks", bad])) == 2
+        assert "--ranks must be comma-separated positive integers" in capsys.readouterr().err

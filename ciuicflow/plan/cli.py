@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from ciuicflow.plan.cost_model import plan, recommend
 from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, ClusterSpec, Workload, compute_seconds_from_flops
-from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, cost
+from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, cost
 from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, parse_count, parse_seconds
 
 def add_arguments(parser) -> None:
@@ -29,7 +29,9 @@ def add_arguments(parser) -> None:
                          help="tokens per GPU per micro-batch, for the FLOPs estimate (default 4096)")
     parser.add_argument("--gpu-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU (default: H100 bf16)")
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
-    parser.add_argument("--ranks", default="1,4", help="PowerSGD ranks to consider (default 1,4)")
+    parser.add_argument("--ranks", default=None,
+                        help="PowerSGD ranks to consider, e.g. 4,16 (default: PowerSGD's default rank, "
+                             f"{POWERSGD_RANK}; lower ranks lost accuracy in bench/convergence.py)")
     parser.add_argument("--hidden", type=int, help="hidden size, for PowerSGD (default: estimated from size)")
     parser.add_argument("--local-ns-per-element", type=float, default=0.02,
                         help="compressors' element-wise work, ns per gradient element (default 0.02: GPU)")
@@ -67,7 +69,7 @@ def _build(args):
                         local_seconds_per_element=args.local_ns_per_element * 1e-9,
                         matmul_flops=args.matmul_tflops * 1e12, overlap=args.overlap,
                         bucket_bytes=args.bucket_mb * 2 ** 20, optimizer=args.optimizer)
-    ranks = tuple(int(r) for r in str(args.ranks).split(",") if r.strip())
+    ranks = _ranks(args.ranks) if args.ranks else None
     strategies = list(FSDP_STRATEGIES) if args.fsdp else None
     if args.strategies:
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -75,6 +77,16 @@ def _build(args):
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; choose from {ALL_STRATEGIES}")
     return cluster, workload, ranks, strategies, source
+
+
+def _ranks(text: str) -> tuple:
+    try:
+        ranks = tuple(int(r) for r in str(text).split(",") if r.strip())
+    except ValueError:
+        ranks = ()
+    if not ranks or min(ranks) < 1:
+        raise ValueError(f"--ranks must be comma-separated positive integers, got {text!r}")
+    return ranks
 
 
 def table(estimates, baseline) -> str:

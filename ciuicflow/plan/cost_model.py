@@ -180,11 +180,12 @@ def _powersgd(c: ClusterSpec, w: Workload, rank: int, elements, hierarchical: bo
     return t1 + t2, i1 + i2, a1 + a2, compress
 
 
-def plan(cluster: ClusterSpec, workload: Workload, strategies=None, ranks=(1, 4)) -> list:
-    """Estimates of every strategy (PowerSGD ones at each rank in ``ranks``), fastest first."""
+def plan(cluster: ClusterSpec, workload: Workload, strategies=None, ranks=None) -> list:
+    """Estimates of every strategy (PowerSGD ones at each rank in ``ranks``, default PowerSGD's own
+    default rank: lower ranks cost less but lost accuracy in bench/convergence.py), fastest first."""
     out = []
     for s in strategies or STRATEGIES:
-        for r in (ranks if s in RANKED else (None,)):
+        for r in ((ranks or (POWERSGD_RANK,)) if s in RANKED else (None,)):
             out.append(estimate(s, cluster, workload, r))
     return sorted(out, key=lambda e: e.step_seconds)
 
@@ -199,7 +200,12 @@ def recommend(estimates) -> tuple:
     if best.step_seconds >= 0.9 * best_exact.step_seconds:
         return best_exact, (f"exact, within 10% of the fastest ({best.name}, "
                             f"{best.step_seconds / best_exact.step_seconds:.2f}x its step time)")
-    return best, (f"{best_exact.step_seconds / best.step_seconds:.2f}x faster per step than the best exact "
-                  f"strategy ({best_exact.name}); compression changes the update: error feedback keeps it "
-                  f"converging, but check accuracy on your model")
+    why = (f"{best_exact.step_seconds / best.step_seconds:.2f}x faster per step than the best exact "
+           f"strategy ({best_exact.name}); compression changes the update: error feedback keeps it "
+           f"converging, but check accuracy on your model")
+    if best.rank is not None and best.rank < POWERSGD_RANK:
+        why += (f". Rank {best.rank} is below PowerSGD's default ({POWERSGD_RANK}): on "
+                f"bench/convergence.py's MLP with momentum SGD rank 1 reached 0.29-0.40 accuracy and "
+                f"rank 4 0.78 against exact 0.84 (docs/convergence.md)")
+    return best, why
 
