@@ -42,6 +42,19 @@ def test_targets_judge_against_exact_and_torch_powersgd():
     assert "FAILED" in text and "MISSED" in text
 
 
+def test_the_markdown_lists_what_missed(tmp_path):
+    """The file says every miss, the comparisons with PyTorch's hook included (no table column)."""
+    records = report.compare([
+        _record("a", "exact", 0.80, nbytes=1000), _record("a", "powersgd", 0.785, nbytes=60),
+        _record("a", "torch_powerSGD", 0.79, nbytes=50), _record("a", "hierarchical_1bit", 0.795)])
+    report.write_outputs(records, str(tmp_path / "c.json"), str(tmp_path), png=False)
+    text = (tmp_path / "convergence.md").read_text()
+    assert "Targets missed:" in text and "a powersgd: worse than torch powerSGD_hook" in text
+    met = report.compare([_record("a", "exact", 0.80), _record("a", "hierarchical_1bit", 0.795)])
+    report.write_outputs(met, str(tmp_path / "d.json"), str(tmp_path), png=False)
+    assert "Every target met." in (tmp_path / "convergence.md").read_text()
+
+
 def test_tasks_cover_what_the_suite_must():
     suite = list(tasks.TASKS.values())
     assert len([t for t in suite if not t.heldout]) >= 6 and any(t.heldout for t in suite)
