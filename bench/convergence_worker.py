@@ -27,6 +27,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -227,12 +228,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    task = tasks.TASKS[args.task]
-    if args.seed:
-        from dataclasses import replace
-        task = replace(task, seed=args.seed)
+    task = replace(tasks.TASKS[args.task], seed=args.seed)
     if args.steps:
-        from dataclasses import replace
         # a short run (the smoke) evaluates twice, not at every step: evaluations cost more
         # than a dozen training steps
         task = replace(task, steps=args.steps, evals=min(task.evals, max(1, args.steps // 6)))
