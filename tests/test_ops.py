@@ -112,6 +112,29 @@ def test_large_unpack_into_aligned_and_misaligned_buffers(chunk, offset):
         assert math.isnan(buffer[n])  # nothing written past the end
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_large_unpack_mean_is_the_rank_order_sum(world, offset):
+    """unpack_mean's large outputs stream too (aligned ones): the bits must be those of summing
+    the rows' unpacked values in rank order in float32 and scaling once, which every rank of an
+    exchange computes alike; the tail past the last multiple of 8 takes the generic loop."""
+    n, chunk = (8 << 20) // 4 + 13, 24
+    gen = torch.Generator().manual_seed(world + offset)
+    packed = torch.randint(0, 256, (world, math.ceil(n / 8)), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(world, math.ceil(n / chunk), generator=gen) + 0.1
+    buffer = poisoned_like(torch.empty(n + 1))
+    out = buffer[offset:offset + n]
+    ops.onebit_unpack_mean(packed, scales, n, chunk, out=out)
+    want = ops.onebit_unpack(packed[0], scales[0], n, chunk)
+    for w in range(1, world):
+        want += ops.onebit_unpack(packed[w], scales[w], n, chunk)
+    want *= 1.0 / world
+    assert torch.equal(out, want)
+    torch.testing.assert_close(out, ref.onebit_unpack_mean(packed, scales, n, chunk).float())
+    if offset == 0:
+        assert math.isnan(buffer[n])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_pack_unpack_outputs_are_fully_written(device):
     """Output buffers start from a garbage-filled allocator state: every byte must be written."""
