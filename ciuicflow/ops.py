@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 __all__ = [
     "onebit_pack",
+    "onebit_pack_ef",
     "onebit_unpack",
     "onebit_unpack_mean",
     "orthogonalize_",
@@ -65,6 +66,25 @@ def onebit_pack(
         ``(packed, scales)``: uint8 ``[ceil(n/8)]`` and float32 ``[ceil(n/chunk_size)]``.
     """
     return torch.ops.ciuicflow.onebit_pack(x, error, chunk_size)
+
+
+def onebit_pack_ef(
+    x: torch.Tensor, error: torch.Tensor, error_decay: float, error_out: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``onebit_pack`` of ``y = x + error_decay * error`` with the new error in ``error_out``, and
+    the accuracy guard's two sums, all in one pass over memory.
+
+    ``error`` is read, ``error_out`` written (both float32 with ``x.numel()`` elements, contiguous;
+    they may be the same tensor). ``error_decay * error`` is rounded before the add, as a separate
+    multiply would round it (with 1.0 this is ``onebit_pack`` exactly). The hooks keep ``error``
+    intact this way until the exchange has agreed that the step is a compressed one.
+
+    Returns:
+        ``(packed, scales, sums)``: as ``onebit_pack``, and float64 ``[2]`` on ``x``'s device:
+        ``(sum(error_out**2), sum(x**2))``.
+    """
+    return torch.ops.ciuicflow.onebit_pack_ef(x, error, float(error_decay), error_out, chunk_size)
 
 
 def onebit_unpack(
@@ -188,6 +208,12 @@ def _onebit_pack_fake(x, error, chunk_size):
         x.new_empty((_ceil_div(n, 8),), dtype=torch.uint8),
         x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32),
     )
+
+
+@torch.library.register_fake("ciuicflow::onebit_pack_ef")
+def _onebit_pack_ef_fake(x, error, error_decay, error_out, chunk_size):
+    packed, scales = _onebit_pack_fake(x, error_out, chunk_size)
+    return packed, scales, x.new_empty((2,), dtype=torch.float64)
 
 
 @torch.library.register_fake("ciuicflow::onebit_unpack")

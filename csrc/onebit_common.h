@@ -27,6 +27,17 @@ inline void check_pack_args(const at::Tensor& x, const at::Tensor& error, int64_
               error.device());
 }
 
+// onebit_pack_ef's error (read) beside error_out (written; check_pack_args checks it): the same
+// length and device, float32, contiguous. The two may be one tensor.
+inline void check_error_in(const char* op, const at::Tensor& error, const at::Tensor& error_out) {
+  TORCH_CHECK(error.scalar_type() == at::kFloat && error.is_contiguous(), op,
+              ": error must be a contiguous float32 tensor, got ", error.scalar_type());
+  TORCH_CHECK(error.numel() == error_out.numel(), op, ": error has ", error.numel(),
+              " elements, error_out ", error_out.numel());
+  TORCH_CHECK(error.device() == error_out.device(), op, ": error is on ", error.device(),
+              ", error_out on ", error_out.device());
+}
+
 // packed/scales may be 1-D (one vector) or 2-D [W, ...] (W vectors, for unpack_mean).
 inline void check_unpack_args(const char* op, const at::Tensor& packed, const at::Tensor& scales,
                               int64_t numel, int64_t chunk_size, int64_t dims) {

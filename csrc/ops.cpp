@@ -16,6 +16,9 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(ciuicflow, m) {
   // error is updated in place; returns (packed uint8[ceil(n/8)], scales float32[ceil(n/chunk_size)])
   m.def("onebit_pack(Tensor x, Tensor(a!) error, int chunk_size) -> (Tensor, Tensor)");
+  // the same from error_out = error_decay * error (error_out may be error itself), plus float64
+  // (sum error_out^2, sum x^2) on x's device: the accuracy guard's norms in one pass
+  m.def("onebit_pack_ef(Tensor x, Tensor error, float error_decay, Tensor(a!) error_out, int chunk_size) -> (Tensor, Tensor, Tensor)");
   m.def("onebit_unpack(Tensor packed, Tensor scales, int numel, int chunk_size) -> Tensor");
   // _into writes into a caller's float32 buffer of numel elements (no allocation on the hot path)
   m.def("onebit_unpack_into(Tensor packed, Tensor scales, int numel, int chunk_size, Tensor(a!) out) -> ()");

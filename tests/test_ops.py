@@ -48,6 +48,59 @@ def test_onebit_pack_matches_reference(device, dtype, n, chunk):
     torch.testing.assert_close(error.cpu(), want_error, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 9, 2049, 65_537])
+@pytest.mark.parametrize("decay", [1.0, 0.5, 0.3])
+def test_onebit_pack_ef_matches_reference(device, dtype, n, decay):
+    """pack_ef = onebit_pack of x + float32(decay * error), the new error in error_out (error left
+    as it was), and the float64 sums of error_out^2 and x^2."""
+    chunk = 24
+    x, error = fresh(n, dtype, device, seed=n + int(10 * decay))
+    before = error.clone()
+    error_out = poisoned_like(error)
+    packed, scales, sums = ops.onebit_pack_ef(x, error, decay, error_out, chunk)
+    assert torch.equal(error, before)
+    decayed = (before.cpu() * decay).float()  # rounded to float32, as the op rounds it
+    want_packed, want_scales, want_error = ref.onebit_pack(x.cpu(), decayed, chunk)
+    torch.testing.assert_close(scales.cpu(), want_scales, rtol=2e-6, atol=1e-7)
+    y = x.cpu().double() + decayed.double()
+    got_bits = ref.onebit_unpack(packed.cpu(), torch.ones_like(scales.cpu()), n, chunk) > 0
+    want_bits = ref.onebit_unpack(want_packed, torch.ones_like(want_scales), n, chunk) > 0
+    assert torch.all((got_bits == want_bits) | (y.abs() < 1e-6))
+    torch.testing.assert_close(error_out.cpu(), want_error, rtol=1e-5, atol=1e-5)
+    assert sums.dtype == torch.float64 and sums.shape == (2,) and sums.device == x.device
+    # sum error^2 is sum y^2 - n scale^2 (float32 squares): exact to a float32 rounding of sum y^2
+    y_squares = y.square().sum().item()
+    assert abs(sums[0].item() - error_out.cpu().double().square().sum().item()) \
+        <= 1e-5 * y_squares + 1e-12
+    assert sums[0].item() >= 0
+    torch.testing.assert_close(sums[1].cpu(), x.cpu().double().square().sum(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_onebit_pack_ef_in_place_with_decay_one_is_onebit_pack(device, dtype):
+    """error_out may be error itself; with decay 1 the bits, scales and error are onebit_pack's."""
+    n, chunk = 65_537, 256
+    x, error = fresh(n, dtype, device, seed=3)
+    mine = error.clone()
+    packed, scales = ops.onebit_pack(x, error, chunk)
+    packed_ef, scales_ef, _ = ops.onebit_pack_ef(x, mine, 1.0, mine, chunk)
+    assert torch.equal(packed, packed_ef) and torch.equal(scales, scales_ef)
+    assert torch.equal(error, mine)
+
+
+def test_onebit_pack_ef_checks_its_error_buffers():
+    x = torch.randn(16)
+    with pytest.raises(RuntimeError, match="error has 15 elements"):
+        ops.onebit_pack_ef(x, torch.zeros(15), 1.0, torch.zeros(16), 8)
+    with pytest.raises(RuntimeError, match="error must be a contiguous float32"):
+        ops.onebit_pack_ef(x, torch.zeros(16, dtype=torch.float64), 1.0, torch.zeros(16), 8)
+    with pytest.raises(RuntimeError, match="error must be float32"):
+        ops.onebit_pack_ef(x, torch.zeros(16), 1.0, torch.zeros(16, dtype=torch.float64), 8)
+
+
 def ref_error_before(x, n, chunk):
     # fresh() is deterministic, so the error the op saw can be regenerated.
     return fresh(n, x.dtype, "cpu", seed=n * 31 + chunk)[1].double()
@@ -300,6 +353,8 @@ def test_orthogonalize_non_contiguous_view_in_place(device):
 def test_opcheck(device):
     x, error = fresh(1000, torch.float32, device, seed=3)
     torch.library.opcheck(torch.ops.ciuicflow.onebit_pack.default, (x, error, 16))
+    torch.library.opcheck(torch.ops.ciuicflow.onebit_pack_ef.default,
+                          (x, error, 0.5, torch.empty_like(error), 16))
     packed, scales = ops.onebit_pack(x, error.clone(), 16)
     torch.library.opcheck(torch.ops.ciuicflow.onebit_unpack.default, (packed, scales, 1000, 16))
     torch.library.opcheck(

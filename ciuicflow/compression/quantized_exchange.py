@@ -60,6 +60,26 @@ class Codec:
         n elements) holds x + error on entry's behalf, minus what was packed, on return."""
         raise NotImplementedError
 
+    def pack_ef(self, x: torch.Tensor, error: torch.Tensor, error_decay: float,
+                error_out: torch.Tensor, chunk: int, measure: bool = True):
+        """``pack`` of ``x + error_decay * error``, the new error in ``error_out`` (``error`` is
+        left as it was unless it is ``error_out``): (payload, scales, sums), where sums is float64
+        (sum error_out^2, sum x^2) on x's device, for the guard (None without ``measure``,
+        unless they come free).
+        Here in torch ops; a codec with a native one-pass version overrides it."""
+        if error_out is not error:
+            if error_decay == 1.0:
+                error_out.copy_(error)
+            else:
+                torch.mul(error, error_decay, out=error_out)
+        elif error_decay != 1.0:
+            error_out.mul_(error_decay)
+        payload, scales = self.pack(x, error_out, chunk)
+        sums = torch.stack([torch.linalg.vector_norm(error_out, dtype=torch.float32),
+                            torch.linalg.vector_norm(x, dtype=torch.float32)]).double().square() \
+            if measure else None
+        return payload, scales, sums
+
     def unpack(self, payload, scales, numel: int, chunk: int, out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -212,26 +232,22 @@ class QuantizedStep:
 
         # Phase 1 (worker): compress into the spare buffer; a fallback leaves the error as it was.
         worker_error = errors._spare
-        if self.error_decay == 1.0:
-            worker_error.copy_(errors.worker)
-        else:
-            torch.mul(errors.worker, self.error_decay, out=worker_error)
+        norms = flag.new_zeros(2, dtype=torch.float32)
         if layout.segment:
             # Segments are whole chunks, so packing the unpadded values gives the first bytes and
             # scales of the padded layout; the padding's bits and scales stay zero (it unpacks to 0).
-            packed, scales = codec.pack(xc, worker_error[:layout.numel], layout.chunk)
+            # One pass: the decayed memory, the pack and the guard's norms.
+            packed, scales, sums = codec.pack_ef(xc, errors.worker[:layout.numel],
+                                                 self.error_decay, worker_error[:layout.numel],
+                                                 layout.chunk, measure=self.measure)
             packed = _padded(packed, parts * layout.packed_bytes)
             scales = _padded(scales, parts * layout.nscales)
             worker_error[layout.numel:].zero_()  # padding carries no error
+            if self.measure:  # the flag row's ||worker error|| and ||input|| for the guard
+                norms = sums.sqrt().to(torch.float32)
         else:
             packed = x.new_empty(0, dtype=torch.uint8)
             scales = x.new_empty(0, dtype=torch.float32)
-        # The flag row: non-finite flag, then ||worker error|| and ||input|| for the guard.
-        if self.measure:
-            norms = torch.stack([torch.linalg.vector_norm(worker_error[:layout.numel]),
-                                 torch.linalg.vector_norm(xc, dtype=torch.float32)])
-        else:
-            norms = flag.new_zeros(2, dtype=torch.float32)
         flags = torch.cat([flag.to(torch.float32).view(1), norms]).view(1, 3)
         raw = _padded(xe, parts * layout.raw)
         if self.server:
@@ -268,9 +284,8 @@ class QuantizedStep:
             mean = codec.unpack_mean(r_packed, r_scales, layout.segment, layout.chunk,
                                      errors._mean)
             mean[real:] = 0
-            if self.error_decay != 1.0:
-                errors.server.mul_(self.error_decay)
-            s_packed, s_scales = codec.pack(mean, errors.server, layout.chunk)
+            s_packed, s_scales, _ = codec.pack_ef(mean, errors.server, self.error_decay,
+                                                  errors.server, layout.chunk, measure=False)
             errors.server[real:].zero_()
         else:
             s_packed, s_scales = packed[:0], scales[:0]

@@ -113,15 +113,12 @@ def quantized_reduce_scatter(codec: Codec, errors: ScatterErrors, output: torch.
     work[:, :ncomp].copy_(rows if compressed_at is None else rows.index_select(1, compressed_at))
     work[:, ncomp:].zero_()
     work[me].zero_()  # this rank's own row is added exactly below; it sends nothing to itself
-    new_error = errors._spare
-    if error_decay == 1.0:
-        new_error.copy_(errors.error)
-    else:
-        torch.mul(errors.error, error_decay, out=new_error)
-    sent = torch.linalg.vector_norm(work) if measure else None
-    payload, scales = codec.pack(work.view(-1), new_error.view(-1), chunk)
-    flags = torch.cat([nonfinite_flag(rows), torch.stack(
-        [torch.linalg.vector_norm(new_error), sent]) if measure else work.new_zeros(2)])
+    new_error = errors._spare  # written by the pack; the memory stays as it was until the verdict
+    payload, scales, sums = codec.pack_ef(work.view(-1), errors.error.view(-1), error_decay,
+                                          new_error.view(-1), chunk, measure=measure)
+    # ||new error|| and ||what was packed|| for the guard
+    flags = torch.cat([nonfinite_flag(rows),
+                       sums.sqrt().to(torch.float32) if measure else work.new_zeros(2)])
     raw = rows.new_empty(world, 0, dtype=torch.float32) if exact_at is None else \
         rows.index_select(1, exact_at).float()
     send = torch.cat([payload.view(world, -1), scales.view(world, -1).view(torch.uint8),

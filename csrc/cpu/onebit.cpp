@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -35,47 +36,89 @@ inline uint8_t gather_bits(const uint8_t* flags) {
   return static_cast<uint8_t>((word * 0x0102040810204080ull) >> 56);
 }
 
-// y = x + error (kept in err) over len elements; adds |y| to sum, in 8 lanes so the loop vectorises.
-template <typename scalar_t>
-CIUICFLOW_HOT void add_error(const scalar_t* x, float* err, int64_t len, double& sum) {
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+// Running sums of one pack: sum |y| and sum y^2 of the current chunk (its scale, and the new
+// error's norm: sum (y - scale * sign y)^2 = sum y^2 - len * scale^2 as scale = mean |y|, which
+// keeps the second pass as lean as it was), and over the whole tensor sum x^2 and sum new_error^2,
+// for the accuracy guard.
+struct PackSums {
+  double abs = 0, y2 = 0, x2 = 0, e2 = 0;
+};
+
+// y = x + decay * err_in (kept in err_out; the two may be one buffer) over len elements; adds |y|
+// and x^2 to sums, in 8 lanes so the loop vectorises. decay * e is rounded before the add (as a
+// separate multiply would be): with decay 1 it is exactly x + e.
+//
+// The 8 lanes are a GCC vector (one AVX register, two SSE ones in the baseline build): plain
+// arrays of three sums made the vectoriser shuffle every element, at a third of the speed.
+// kInPlace: err_in is err_out (read through err_out only); otherwise the two are distinct.
+typedef float Lanes __attribute__((vector_size(32)));
+typedef int32_t IntLanes __attribute__((vector_size(32)));
+
+template <bool kInPlace, typename scalar_t>
+CIUICFLOW_HOT void add_error(const scalar_t* __restrict__ x, const float* __restrict__ err_in,
+                             float decay, float* __restrict__ err_out, int64_t len,
+                             PackSums& sums) {
+  const float* src = kInPlace ? err_out : err_in;
+  Lanes abs_sum = {}, y_squares = {}, x_squares = {};
   const int64_t body = len - len % 8;
   for (int64_t i = 0; i < body; i += 8) {
-    for (int k = 0; k < 8; ++k) {
-      const float y = static_cast<float>(x[i + k]) + err[i + k];
-      err[i + k] = y;
-      lanes[k] += std::fabs(y);
+    Lanes v, e;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      std::memcpy(&v, x + i, sizeof v);
+    } else {
+      for (int k = 0; k < 8; ++k) v[k] = static_cast<float>(x[i + k]);
     }
+    std::memcpy(&e, src + i, sizeof e);
+    const Lanes y = v + decay * e;
+    std::memcpy(err_out + i, &y, sizeof y);
+    abs_sum += reinterpret_cast<Lanes>(reinterpret_cast<IntLanes>(y) & 0x7fffffff);
+    y_squares += y * y;
+    x_squares += v * v;
   }
-  for (int k = 0; k < 8; ++k) sum += lanes[k];
+  for (int k = 0; k < 8; ++k) {
+    sums.abs += abs_sum[k], sums.y2 += y_squares[k], sums.x2 += x_squares[k];
+  }
   for (int64_t i = body; i < len; ++i) {
-    const float y = static_cast<float>(x[i]) + err[i];
-    err[i] = y;
-    sum += std::fabs(y);
+    const float v = static_cast<float>(x[i]);
+    const float y = v + decay * src[i];
+    err_out[i] = y;
+    sums.abs += std::fabs(y);
+    sums.y2 += y * y;
+    sums.x2 += v * v;
   }
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 // add_error for IEEE half input with the F16C conversion instruction: the generic conversion is bit
 // twiddling the compiler cannot vectorise. Same 8-lane arithmetic as the generic loop.
-__attribute__((target("avx,f16c"))) void add_error_f16c(const at::Half* x, float* err, int64_t len,
-                                                         double& sum) {
+__attribute__((target("avx,f16c"))) void add_error_f16c(const at::Half* x, const float* err_in,
+                                                         float decay, float* err_out, int64_t len,
+                                                         PackSums& sums) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 lanes = _mm256_setzero_ps();
+  const __m256 d = _mm256_set1_ps(decay);
+  __m256 lanes = _mm256_setzero_ps(), y_squares = _mm256_setzero_ps();
+  __m256 x_squares = _mm256_setzero_ps();
   const int64_t body = len - len % 8;
   for (int64_t i = 0; i < body; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
-    const __m256 y = _mm256_add_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(err + i));
-    _mm256_storeu_ps(err + i, y);
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+    const __m256 y = _mm256_add_ps(v, _mm256_mul_ps(d, _mm256_loadu_ps(err_in + i)));
+    _mm256_storeu_ps(err_out + i, y);
     lanes = _mm256_add_ps(lanes, _mm256_and_ps(y, abs_mask));
+    y_squares = _mm256_add_ps(y_squares, _mm256_mul_ps(y, y));
+    x_squares = _mm256_add_ps(x_squares, _mm256_mul_ps(v, v));
   }
-  float lane[8];
+  float lane[8], y_square[8], x_square[8];
   _mm256_storeu_ps(lane, lanes);
-  for (int k = 0; k < 8; ++k) sum += lane[k];
+  _mm256_storeu_ps(y_square, y_squares);
+  _mm256_storeu_ps(x_square, x_squares);
+  for (int k = 0; k < 8; ++k) sums.abs += lane[k], sums.y2 += y_square[k], sums.x2 += x_square[k];
   for (int64_t i = body; i < len; ++i) {
-    const float y = static_cast<float>(x[i]) + err[i];
-    err[i] = y;
-    sum += std::fabs(y);
+    const float v = static_cast<float>(x[i]);
+    const float y = v + decay * err_in[i];
+    err_out[i] = y;
+    sums.abs += std::fabs(y);
+    sums.y2 += y * y;
+    sums.x2 += v * v;
   }
 }
 // Initialised while the library loads, so the CPU model must be set up explicitly first.
@@ -85,24 +128,27 @@ const bool kHasF16C = [] {
 }();
 #endif
 
-template <typename scalar_t>
-void add_error_dispatch(const scalar_t* x, float* err, int64_t len, double& sum) {
+template <bool kInPlace, typename scalar_t>
+void add_error_dispatch(const scalar_t* x, const float* err_in, float decay, float* err_out,
+                        int64_t len, PackSums& sums) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if constexpr (std::is_same_v<scalar_t, at::Half>) {
-    if (kHasF16C) return add_error_f16c(x, err, len, sum);
+    if (kHasF16C) return add_error_f16c(x, err_in, decay, err_out, len, sums);
   }
 #endif
-  add_error(x, err, len, sum);
+  add_error<kInPlace>(x, err_in, decay, err_out, len, sums);
 }
 
-template <typename scalar_t>
-CIUICFLOW_HOT void pack_chunk(const scalar_t* x, float* err, uint8_t* packed, float* scale_out,
-                              int64_t len) {
-  // Pass 1: y = x + error (kept in err) and sum |y|.
-  double sum = 0;
-  add_error_dispatch(x, err, len, sum);
-  const float scale = static_cast<float>(sum / static_cast<double>(len));
+template <bool kInPlace, typename scalar_t>
+CIUICFLOW_HOT void pack_chunk(const scalar_t* x, const float* err_in, float decay, float* err,
+                              uint8_t* packed, float* scale_out, int64_t len, PackSums& sums) {
+  // Pass 1: y = x + decay * error (kept in err), sum |y| and sum y^2.
+  sums.abs = sums.y2 = 0;
+  add_error_dispatch<kInPlace>(x, err_in, decay, err, len, sums);
+  const float scale = static_cast<float>(sums.abs / static_cast<double>(len));
   *scale_out = scale;
+  // Rounding may leave the difference a hair below zero where every |y| is equal.
+  sums.e2 += std::max(0.0, sums.y2 - static_cast<double>(len) * scale * scale);
   // Pass 2, a block at a time (from cache): flags and error = y - scale * sign, then bytes.
   constexpr int64_t kBlock = 256;
   uint8_t flags[kBlock];
@@ -119,29 +165,68 @@ CIUICFLOW_HOT void pack_chunk(const scalar_t* x, float* err, uint8_t* packed, fl
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> onebit_pack_cpu(const at::Tensor& x, at::Tensor& error,
-                                                    int64_t chunk_size) {
-  check_pack_args(x, error, chunk_size);
+// The shared body of onebit_pack and onebit_pack_ef: returns (packed, scales), fills totals with
+// (sum new_error^2, sum x^2) in float64.
+std::tuple<at::Tensor, at::Tensor> pack_into(const at::Tensor& x, const float* err_in, double decay,
+                                             at::Tensor& error_out, int64_t chunk_size,
+                                             double totals[2]) {
   const int64_t n = x.numel();
   auto xc = x.contiguous();
   auto packed = at::empty({ceil_div(n, 8)}, x.options().dtype(at::kByte));
   auto scales = at::empty({ceil_div(n, chunk_size)}, x.options().dtype(at::kFloat));
+  totals[0] = totals[1] = 0;
   if (n == 0) return {packed, scales};
-  float* err = error.data_ptr<float>();
+  float* err = error_out.data_ptr<float>();
   uint8_t* out = packed.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
+  const float d = static_cast<float>(decay);
+  using Pair = std::pair<double, double>;
+  Pair total;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "onebit_pack", [&] {
     const scalar_t* xp = xc.const_data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, kGrainElements / chunk_size);
-    at::parallel_for(0, scales.numel(), grain, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t begin = c * chunk_size;
-        const int64_t len = std::min(chunk_size, n - begin);
-        pack_chunk(xp + begin, err + begin, out + begin / 8, sc + c, len);
-      }
-    });
+    total = at::parallel_reduce(
+        0, scales.numel(), grain, Pair(0, 0),
+        [&](int64_t c0, int64_t c1, Pair acc) {
+          PackSums sums;
+          for (int64_t c = c0; c < c1; ++c) {
+            const int64_t begin = c * chunk_size;
+            const int64_t len = std::min(chunk_size, n - begin);
+            if (err_in == err) {
+              pack_chunk<true>(xp + begin, err + begin, d, err + begin, out + begin / 8, sc + c,
+                               len, sums);
+            } else {
+              pack_chunk<false>(xp + begin, err_in + begin, d, err + begin, out + begin / 8,
+                                sc + c, len, sums);
+            }
+          }
+          return Pair(acc.first + sums.e2, acc.second + sums.x2);
+        },
+        [](Pair a, Pair b) { return Pair(a.first + b.first, a.second + b.second); });
   });
+  totals[0] = total.first;
+  totals[1] = total.second;
   return {packed, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> onebit_pack_cpu(const at::Tensor& x, at::Tensor& error,
+                                                    int64_t chunk_size) {
+  check_pack_args(x, error, chunk_size);
+  double totals[2];
+  return pack_into(x, error.data_ptr<float>(), 1.0, error, chunk_size, totals);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_pack_ef_cpu(const at::Tensor& x,
+                                                                  const at::Tensor& error,
+                                                                  double error_decay,
+                                                                  at::Tensor& error_out,
+                                                                  int64_t chunk_size) {
+  check_pack_args(x, error_out, chunk_size);
+  check_error_in("onebit_pack_ef", error, error_out);
+  double totals[2];
+  auto [packed, scales] = pack_into(x, error.const_data_ptr<float>(), error_decay, error_out,
+                                    chunk_size, totals);
+  return {packed, scales, at::tensor({totals[0], totals[1]}, x.options().dtype(at::kDouble))};
 }
 
 // kSigns.v[byte][k] = +1 if bit k of byte is set, else -1: unpacking a byte is one 8-wide multiply.
@@ -318,6 +403,7 @@ at::Tensor onebit_unpack_mean_cpu(const at::Tensor& packed, const at::Tensor& sc
 
 TORCH_LIBRARY_IMPL(ciuicflow, CPU, m) {
   m.impl("onebit_pack", &onebit_pack_cpu);
+  m.impl("onebit_pack_ef", &onebit_pack_ef_cpu);
   m.impl("onebit_unpack", &onebit_unpack_cpu);
   m.impl("onebit_unpack_into", &onebit_unpack_into_cpu);
   m.impl("onebit_unpack_mean", &onebit_unpack_mean_cpu);

@@ -28,18 +28,23 @@ __device__ float block_sum(float v, float* shared) {
   return total;
 }
 
-// One block per chunk. Pass 1 finds scale = mean|x + err|; pass 2 writes the sign bits with a warp
-// ballot (32 elements -> 4 bytes, written by lanes 0..3) and the new error.
+// One block per chunk. Pass 1 finds scale = mean|y|, y = x + decay * err_in; pass 2 writes the
+// sign bits with a warp ballot (32 elements -> 4 bytes, written by lanes 0..3) and the new error
+// into err (err_in and err may be one buffer: each thread reads an element before writing it).
+// sums (or null): += (sum new_error^2, sum x^2) of the block, in float64.
 template <typename T>
-__global__ void onebit_pack_kernel(const T* __restrict__ x, float* __restrict__ err,
-                                   uint8_t* __restrict__ packed, float* __restrict__ scales,
+__global__ void onebit_pack_kernel(const T* __restrict__ x, const float* err_in, float decay,
+                                   float* err, uint8_t* __restrict__ packed,
+                                   float* __restrict__ scales, double* __restrict__ sums,
                                    int64_t n, int64_t chunk) {
   __shared__ float shared[kWarps];
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * chunk;
   const int64_t len = min(chunk, n - begin);
-  float local = 0.0f;
+  float local = 0.0f, x2 = 0.0f, e2 = 0.0f;
   for (int64_t i = threadIdx.x; i < len; i += kThreads) {
-    local += fabsf(to_float(x[begin + i]) + err[begin + i]);
+    const float v = to_float(x[begin + i]);
+    local += fabsf(__fadd_rn(v, __fmul_rn(decay, err_in[begin + i])));  // no fused multiply-add:
+    x2 += v * v;                                                         // the CPU's rounding
   }
   const float scale = block_sum(local, shared) / static_cast<float>(len);
   if (threadIdx.x == 0) scales[blockIdx.x] = scale;
@@ -49,13 +54,23 @@ __global__ void onebit_pack_kernel(const T* __restrict__ x, float* __restrict__ 
     const int64_t i = base + threadIdx.x;
     bool positive = false;
     if (i < len) {
-      const float y = to_float(x[begin + i]) + err[begin + i];
+      const float y = __fadd_rn(to_float(x[begin + i]), __fmul_rn(decay, err_in[begin + i]));
       positive = y >= 0.0f;
-      err[begin + i] = y - (positive ? scale : -scale);
+      const float e = y - (positive ? scale : -scale);
+      err[begin + i] = e;
+      e2 += e * e;
     }
     const unsigned bits = __ballot_sync(0xffffffffu, positive);
     const int64_t byte = (base + threadIdx.x - lane) / 8 + lane;  // warp's first byte + lane
     if (lane < 4 && byte < nbytes) packed[begin / 8 + byte] = (bits >> (8 * lane)) & 0xffu;
+  }
+  if (sums != nullptr) {
+    e2 = block_sum(e2, shared);
+    x2 = block_sum(x2, shared);
+    if (threadIdx.x == 0) {
+      atomicAdd(sums, static_cast<double>(e2));
+      atomicAdd(sums + 1, static_cast<double>(x2));
+    }
   }
 }
 
@@ -192,22 +207,24 @@ int grid_for(int64_t n) {
 
 }  // namespace
 
-cudaError_t onebit_pack(const void* x, ElemType type, float* err, uint8_t* packed, float* scales,
-                        int64_t n, int64_t chunk, cudaStream_t stream) {
+cudaError_t onebit_pack(const void* x, ElemType type, const float* err_in, float decay,
+                        float* err, uint8_t* packed, float* scales, double* sums, int64_t n,
+                        int64_t chunk, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>((n + chunk - 1) / chunk);
   switch (type) {
     case ElemType::kFloat32:
-      onebit_pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(x), err,
-                                                          packed, scales, n, chunk);
+      onebit_pack_kernel<<<blocks, kThreads, 0, stream>>>(
+          static_cast<const float*>(x), err_in, decay, err, packed, scales, sums, n, chunk);
       break;
     case ElemType::kFloat16:
-      onebit_pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const __half*>(x), err,
-                                                          packed, scales, n, chunk);
+      onebit_pack_kernel<<<blocks, kThreads, 0, stream>>>(
+          static_cast<const __half*>(x), err_in, decay, err, packed, scales, sums, n, chunk);
       break;
     case ElemType::kBFloat16:
-      onebit_pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                                          err, packed, scales, n, chunk);
+      onebit_pack_kernel<<<blocks, kThreads, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(x), err_in, decay, err, packed, scales, sums, n,
+          chunk);
       break;
   }
   return cudaGetLastError();

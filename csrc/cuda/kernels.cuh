@@ -9,10 +9,12 @@ namespace cuda {
 
 enum class ElemType { kFloat32, kFloat16, kBFloat16 };
 
-// x: n elements of `type`; err: float32, updated in place; packed: ceil(n/8) bytes;
-// scales: ceil(n/chunk) floats. chunk is a positive multiple of 8.
-cudaError_t onebit_pack(const void* x, ElemType type, float* err, uint8_t* packed, float* scales,
-                        int64_t n, int64_t chunk, cudaStream_t stream);
+// x: n elements of `type`; err = x + decay * err_in - what was packed (float32; err_in may be
+// err); packed: ceil(n/8) bytes; scales: ceil(n/chunk) floats; sums (or null): two float64,
+// += (sum err^2, sum x^2). chunk is a positive multiple of 8.
+cudaError_t onebit_pack(const void* x, ElemType type, const float* err_in, float decay,
+                        float* err, uint8_t* packed, float* scales, double* sums, int64_t n,
+                        int64_t chunk, cudaStream_t stream);
 
 cudaError_t onebit_unpack(const uint8_t* packed, const float* scales, float* out, int64_t n,
                           int64_t chunk, cudaStream_t stream);

@@ -21,19 +21,39 @@ cuda::ElemType elem_type(const at::Tensor& x) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> onebit_pack_cuda(const at::Tensor& x, at::Tensor& error,
-                                                     int64_t chunk_size) {
-  check_pack_args(x, error, chunk_size);
+std::tuple<at::Tensor, at::Tensor> pack_into(const at::Tensor& x, const float* err_in,
+                                             double decay, at::Tensor& error_out,
+                                             int64_t chunk_size, double* sums) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
   auto xc = x.contiguous();
   auto packed = at::empty({ceil_div(n, 8)}, x.options().dtype(at::kByte));
   auto scales = at::empty({ceil_div(n, chunk_size)}, x.options().dtype(at::kFloat));
-  check_cuda(cuda::onebit_pack(xc.const_data_ptr(), elem_type(xc), error.data_ptr<float>(),
-                               packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), n, chunk_size,
-                               c10::cuda::getCurrentCUDAStream()),
+  check_cuda(cuda::onebit_pack(xc.const_data_ptr(), elem_type(xc), err_in,
+                               static_cast<float>(decay), error_out.data_ptr<float>(),
+                               packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), sums, n,
+                               chunk_size, c10::cuda::getCurrentCUDAStream()),
              "onebit_pack");
   return {packed, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> onebit_pack_cuda(const at::Tensor& x, at::Tensor& error,
+                                                     int64_t chunk_size) {
+  check_pack_args(x, error, chunk_size);
+  return pack_into(x, error.data_ptr<float>(), 1.0, error, chunk_size, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_pack_ef_cuda(const at::Tensor& x,
+                                                                   const at::Tensor& error,
+                                                                   double error_decay,
+                                                                   at::Tensor& error_out,
+                                                                   int64_t chunk_size) {
+  check_pack_args(x, error_out, chunk_size);
+  check_error_in("onebit_pack_ef", error, error_out);
+  auto norms = at::zeros({2}, x.options().dtype(at::kDouble));
+  auto [packed, scales] = pack_into(x, error.const_data_ptr<float>(), error_decay, error_out,
+                                    chunk_size, norms.data_ptr<double>());
+  return {packed, scales, norms};
 }
 
 void onebit_unpack_into_cuda(const at::Tensor& packed, const at::Tensor& scales,
@@ -95,6 +115,7 @@ void orthogonalize_cuda(at::Tensor& m, double eps) {
 
 TORCH_LIBRARY_IMPL(ciuicflow, CUDA, m) {
   m.impl("onebit_pack", &onebit_pack_cuda);
+  m.impl("onebit_pack_ef", &onebit_pack_ef_cuda);
   m.impl("onebit_unpack", &onebit_unpack_cuda);
   m.impl("onebit_unpack_into", &onebit_unpack_into_cuda);
   m.impl("onebit_unpack_mean", &onebit_unpack_mean_cuda);
