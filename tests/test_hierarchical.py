@@ -263,22 +263,41 @@ def _check_onebit_invariant(results, world, nodes, steps, hierarchical, chunk_si
         assert traffic["exact_inter_bytes"] / traffic["inter_bytes"] > floor, (case, traffic)
 
 
-def _onebit_overflow(rank, world):
+def _onebit_overflow(rank, world, hierarchical=True, bad=float("inf"), exclude_every=0):
     from ciuicflow.collectives.primitives import Traffic
     from ciuicflow.compression.onebit import onebit_all_reduce
     from ciuicflow.compression.quantized import QuantizedErrors
 
+    mask = None
+    if exclude_every:
+        mask = torch.zeros(300, dtype=torch.bool)
+        mask[5::exclude_every] = True
     errors, traffic = QuantizedErrors(), Traffic()
-    onebit_all_reduce(_input(rank, 1, 300), errors, chunk_size=16, traffic=traffic)
+    options = dict(chunk_size=16, traffic=traffic, hierarchical=hierarchical, exact_mask=mask)
+    onebit_all_reduce(_input(rank, 1, 300), errors, **options)
     before = (errors.worker.clone(), errors.server.clone())
     x = _input(rank, 2, 300)
     if rank == 3:
-        x[5] = float("inf")
-    onebit_all_reduce(x, errors, chunk_size=16, traffic=traffic)
+        x[5] = bad
+    onebit_all_reduce(x, errors, **options)
     untouched = torch.equal(before[0], errors.worker) and torch.equal(before[1], errors.server)
     exact = _exact_mean(world, 2, 300).float()
     finite_ok = torch.allclose(x[6:], exact[6:], atol=1e-6)
-    return untouched, bool(torch.isinf(x[5])), finite_ok, traffic.nonfinite_fallbacks
+    return untouched, not bool(torch.isfinite(x[5])), finite_ok, traffic.nonfinite_fallbacks
+
+
+def _flat_overflows(rank, world):
+    return [_onebit_overflow(rank, world, hierarchical=False),
+            _onebit_overflow(rank, world, hierarchical=False, bad=float("nan"), exclude_every=7)]
+
+
+def test_onebit_flat_overflow_in_compressed_and_in_exact_positions():
+    """On a flat route each rank checks its own input (from the pack's sum of squares, and the
+    exact positions apart): an inf where values are compressed, or a NaN where they are sent
+    exactly, makes the step exact everywhere, the memory untouched."""
+    for results in run_distributed(_flat_overflows, 4, nodes=2):
+        for untouched, nonfinite, finite_ok, fallbacks in results:
+            assert untouched and nonfinite and finite_ok and fallbacks == 1
 
 
 

@@ -226,13 +226,12 @@ class QuantizedStep:
         xe = x.new_empty(0, dtype=torch.float32) if exact_at is None else x[exact_at].float()
         layout = _Layout.plan(codec, xc.numel(), xe.numel(), world, self.chunk_size, self.server)
         errors.ensure(layout, x.device)
-        if flag is None:
-            flag = nonfinite_flag(x)
         parts = layout.parts
 
         # Phase 1 (worker): compress into the spare buffer; a fallback leaves the error as it was.
         worker_error = errors._spare
-        norms = flag.new_zeros(2, dtype=torch.float32)
+        norms = x.new_zeros(2, dtype=torch.float32)
+        sums = None
         if layout.segment:
             # Segments are whole chunks, so packing the unpadded values gives the first bytes and
             # scales of the padded layout; the padding's bits and scales stay zero (it unpacks to 0).
@@ -248,6 +247,12 @@ class QuantizedStep:
         else:
             packed = x.new_empty(0, dtype=torch.uint8)
             scales = x.new_empty(0, dtype=torch.float32)
+        if flag is None:  # a flat route: this rank checks its own input. The pack's sum of x^2
+            # (float64) is non-finite exactly where x holds inf/NaN (or squares past float32's
+            # range: a false alarm that only makes the step exact), so no extra pass over x.
+            flag = nonfinite_flag(x) if sums is None else torch.maximum(
+                nonfinite_flag(xe), (~torch.isfinite(sums[1:])).to(torch.float32))
+        # The flag row: non-finite flag, then ||worker error|| and ||input|| for the guard.
         flags = torch.cat([flag.to(torch.float32).view(1), norms]).view(1, 3)
         raw = _padded(xe, parts * layout.raw)
         if self.server:
