@@ -70,3 +70,22 @@ def test_smoke_bytes_match_the_algorithms(smoke):
     assert one["inter_node_bytes_per_step"] < base["inter_node_bytes_per_step"] / 20
     # the planner was compared with this run
     assert "planner" in base and base["planner"]["predicted_inter_node_bytes"] > 0
+
+
+def test_allreduce_cost_measures_the_compressor_and_the_exact_reduction(tmp_path):
+    """bench/allreduce_cost.py --smoke: a record per method (the compressor's, then the exact
+    baseline's), every rank measured, the table written, bad sizes refused."""
+    json_path = tmp_path / "cost.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "allreduce_cost.py"),
+                           "--smoke", "--flat", "--json", str(json_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = json.loads(json_path.read_text())
+    assert [r["method"] for r in records] == ["onebit", "exact"]
+    for r in records:
+        assert r["route"] == "flat" and r["numel"] == 1 << 20 and len(r["per_rank"]) == 4
+        assert all(cpu > 0 and wall > 0 for cpu, wall in r["per_rank"])
+    assert (tmp_path / "cost.md").read_text().count("| onebit |") == 1
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "allreduce_cost.py"),
+                          "--numel", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--numel" in bad.stderr
