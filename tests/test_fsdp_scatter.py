@@ -191,6 +191,27 @@ def _guard_step_sends_the_memory(rank, world):
     return steps
 
 
+def _padding_owes_nothing(rank, world):
+    from ciuicflow.collectives.primitives import Hop
+    from ciuicflow.compression.onebit import OneBitCompressor
+    from ciuicflow.topology import Topology
+
+    hop = Hop.flat(Topology.detect())
+    compressor = OneBitCompressor(guard="off")
+    memory = compressor.new_scatter_memory()
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):  # 1000 elements in 4 chunks of 256: 24 padding positions per row
+        compressor.reduce_scatter(torch.empty(1000), torch.randn(world, 1000, generator=gen),
+                                  memory, hop, None)
+    return memory.error.shape[1], memory.error[:, 1000:].abs().max().item(), \
+        memory.error[:, :1000].abs().max().item()
+
+
+def test_reduce_scatter_padding_carries_no_error():
+    for padded, padding_error, error in run_distributed(_padding_owes_nothing, 4, nodes=2):
+        assert padded > 1000 and padding_error == 0 and error > 0
+
+
 def test_guard_exact_step_sends_what_the_memory_held():
     results = run_distributed(_guard_step_sends_the_memory, 4, nodes=2, timeout=300)
     for steps in results:

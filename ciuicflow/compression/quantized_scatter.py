@@ -116,6 +116,9 @@ def quantized_reduce_scatter(codec: Codec, errors: ScatterErrors, output: torch.
     new_error = errors._spare  # written by the pack; the memory stays as it was until the verdict
     payload, scales, sums = codec.pack_ef(work.view(-1), errors.error.view(-1), error_decay,
                                           new_error.view(-1), chunk, measure=measure)
+    # The padding (zeros) unpacks to +-scale and is dropped: it owes nothing. Left in, its error
+    # came back each step into its chunk's scale.
+    new_error[:, ncomp:].zero_()
     # ||new error|| and ||what was packed|| for the guard
     flags = torch.cat([nonfinite_flag(rows),
                        sums.sqrt().to(torch.float32) if measure else work.new_zeros(2)])
