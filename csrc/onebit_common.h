@@ -1,6 +1,7 @@
 // Argument checks shared by the CPU and CUDA registrations of the 1-bit ops.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 namespace ciuicflow {
 
@@ -25,6 +26,9 @@ inline void check_pack_args(const at::Tensor& x, const at::Tensor& error, int64_
   TORCH_CHECK(error.is_contiguous(), "onebit_pack: error must be contiguous (it is updated in place)");
   TORCH_CHECK(x.device() == error.device(), "onebit_pack: x is on ", x.device(), ", error on ",
               error.device());
+  // the kernels read x while they write the error: one buffer for both would be read half-updated
+  TORCH_CHECK(at::get_overlap_status(x, error) == at::MemOverlapStatus::No,
+              "onebit_pack: x and the error buffer it writes must not share memory");
 }
 
 // onebit_pack_ef's error (read) beside error_out (written; check_pack_args checks it): the same
@@ -36,6 +40,9 @@ inline void check_error_in(const char* op, const at::Tensor& error, const at::Te
               " elements, error_out ", error_out.numel());
   TORCH_CHECK(error.device() == error_out.device(), op, ": error is on ", error.device(),
               ", error_out on ", error_out.device());
+  const auto overlap = at::get_overlap_status(error, error_out);
+  TORCH_CHECK(overlap == at::MemOverlapStatus::No || overlap == at::MemOverlapStatus::Full, op,
+              ": error and error_out must be one tensor or not share memory");
 }
 
 // packed/scales may be 1-D (one vector) or 2-D [W, ...] (W vectors, for unpack_mean).

@@ -99,6 +99,15 @@ def test_onebit_pack_ef_checks_its_error_buffers():
         ops.onebit_pack_ef(x, torch.zeros(16, dtype=torch.float64), 1.0, torch.zeros(16), 8)
     with pytest.raises(RuntimeError, match="error must be float32"):
         ops.onebit_pack_ef(x, torch.zeros(16), 1.0, torch.zeros(16, dtype=torch.float64), 8)
+    with pytest.raises(RuntimeError, match="must not share memory"):
+        ops.onebit_pack_ef(x, torch.zeros(16), 1.0, x, 8)  # x would be overwritten as it is read
+    with pytest.raises(RuntimeError, match="must not share memory"):
+        ops.onebit_pack(x, x, 8)
+    buffer = torch.zeros(24)
+    with pytest.raises(RuntimeError, match="one tensor or not share memory"):
+        ops.onebit_pack_ef(x, buffer[:16], 1.0, buffer[8:], 8)
+    ops.onebit_pack_ef(x, buffer[:16], 1.0, buffer[:16], 8)  # one tensor: in place
+    ops.onebit_pack(torch.empty(0), torch.empty(0), 8)  # empty tensors share nothing
 
 
 def ref_error_before(x, n, chunk):

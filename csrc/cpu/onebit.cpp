@@ -44,8 +44,8 @@ struct PackSums {
   double abs = 0, y2 = 0, x2 = 0, e2 = 0;
 };
 
-// y = x + decay * err_in (kept in err_out; the two may be one buffer) over len elements; adds |y|
-// and x^2 to sums, in 8 lanes so the loop vectorises. decay * e is rounded before the add (as a
+// y = x + decay * err_in (kept in err_out; the two may be one buffer) over len elements; adds |y|,
+// y^2 and x^2 to sums, in 8 lanes so the loop vectorises. decay * e is rounded before the add (as a
 // separate multiply would be): with decay 1 it is exactly x + e.
 //
 // The 8 lanes are a GCC vector (one AVX register, two SSE ones in the baseline build): plain
@@ -192,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor> pack_into(const at::Tensor& x, const float* e
           for (int64_t c = c0; c < c1; ++c) {
             const int64_t begin = c * chunk_size;
             const int64_t len = std::min(chunk_size, n - begin);
-            if (err_in == err) {
+            if (err_in == err) {  // one tensor (the checks refuse a partial overlap)
               pack_chunk<true>(xp + begin, err + begin, d, err + begin, out + begin / 8, sc + c,
                                len, sums);
             } else {
