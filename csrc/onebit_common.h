@@ -31,9 +31,12 @@ inline void check_pack_args(const at::Tensor& x, const at::Tensor& error, int64_
               "onebit_pack: x and the error buffer it writes must not share memory");
 }
 
-// onebit_pack_ef's error (read) beside error_out (written; check_pack_args checks it): the same
-// length and device, float32, contiguous. The two may be one tensor.
-inline void check_error_in(const char* op, const at::Tensor& error, const at::Tensor& error_out) {
+// onebit_pack_ef's arguments: error_out as onebit_pack's error, and error (read) beside it: the
+// same length and device, float32, contiguous. The two may be one tensor.
+inline void check_pack_ef_args(const at::Tensor& x, const at::Tensor& error,
+                               const at::Tensor& error_out, int64_t chunk_size) {
+  const char* op = "onebit_pack_ef";
+  check_pack_args(x, error_out, chunk_size);
   TORCH_CHECK(error.scalar_type() == at::kFloat && error.is_contiguous(), op,
               ": error must be a contiguous float32 tensor, got ", error.scalar_type());
   TORCH_CHECK(error.numel() == error_out.numel(), op, ": error has ", error.numel(),

@@ -44,6 +44,20 @@ struct PackSums {
   double abs = 0, y2 = 0, x2 = 0, e2 = 0;
 };
 
+// add_error's elements past the last whole group of 8, one at a time (shared by both versions).
+template <typename scalar_t>
+inline void add_error_tail(const scalar_t* x, const float* err_in, float decay, float* err_out,
+                           int64_t begin, int64_t len, PackSums& sums) {
+  for (int64_t i = begin; i < len; ++i) {
+    const float v = static_cast<float>(x[i]);
+    const float y = v + decay * err_in[i];
+    err_out[i] = y;
+    sums.abs += std::fabs(y);
+    sums.y2 += y * y;
+    sums.x2 += v * v;
+  }
+}
+
 // y = x + decay * err_in (kept in err_out; the two may be one buffer) over len elements; adds |y|,
 // y^2 and x^2 to sums, in 8 lanes so the loop vectorises. decay * e is rounded before the add (as a
 // separate multiply would be): with decay 1 it is exactly x + e.
@@ -78,14 +92,7 @@ CIUICFLOW_HOT void add_error(const scalar_t* __restrict__ x, const float* __rest
   for (int k = 0; k < 8; ++k) {
     sums.abs += abs_sum[k], sums.y2 += y_squares[k], sums.x2 += x_squares[k];
   }
-  for (int64_t i = body; i < len; ++i) {
-    const float v = static_cast<float>(x[i]);
-    const float y = v + decay * src[i];
-    err_out[i] = y;
-    sums.abs += std::fabs(y);
-    sums.y2 += y * y;
-    sums.x2 += v * v;
-  }
+  add_error_tail(x, src, decay, err_out, body, len, sums);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -112,14 +119,7 @@ __attribute__((target("avx,f16c"))) void add_error_f16c(const at::Half* x, const
   _mm256_storeu_ps(y_square, y_squares);
   _mm256_storeu_ps(x_square, x_squares);
   for (int k = 0; k < 8; ++k) sums.abs += lane[k], sums.y2 += y_square[k], sums.x2 += x_square[k];
-  for (int64_t i = body; i < len; ++i) {
-    const float v = static_cast<float>(x[i]);
-    const float y = v + decay * err_in[i];
-    err_out[i] = y;
-    sums.abs += std::fabs(y);
-    sums.y2 += y * y;
-    sums.x2 += v * v;
-  }
+  add_error_tail(x, err_in, decay, err_out, body, len, sums);
 }
 // Initialised while the library loads, so the CPU model must be set up explicitly first.
 const bool kHasF16C = [] {
@@ -180,6 +180,7 @@ std::tuple<at::Tensor, at::Tensor> pack_into(const at::Tensor& x, const float* e
   uint8_t* out = packed.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
   const float d = static_cast<float>(decay);
+  const bool in_place = err_in == err;  // one tensor (the checks refuse a partial overlap)
   using Pair = std::pair<double, double>;
   Pair total;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "onebit_pack", [&] {
@@ -192,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor> pack_into(const at::Tensor& x, const float* e
           for (int64_t c = c0; c < c1; ++c) {
             const int64_t begin = c * chunk_size;
             const int64_t len = std::min(chunk_size, n - begin);
-            if (err_in == err) {  // one tensor (the checks refuse a partial overlap)
+            if (in_place) {
               pack_chunk<true>(xp + begin, err + begin, d, err + begin, out + begin / 8, sc + c,
                                len, sums);
             } else {
@@ -221,8 +222,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_pack_ef_cpu(const at::Tens
                                                                   double error_decay,
                                                                   at::Tensor& error_out,
                                                                   int64_t chunk_size) {
-  check_pack_args(x, error_out, chunk_size);
-  check_error_in("onebit_pack_ef", error, error_out);
+  check_pack_ef_args(x, error, error_out, chunk_size);
   double totals[2];
   auto [packed, scales] = pack_into(x, error.const_data_ptr<float>(), error_decay, error_out,
                                     chunk_size, totals);

@@ -48,8 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_pack_ef_cuda(const at::Ten
                                                                    double error_decay,
                                                                    at::Tensor& error_out,
                                                                    int64_t chunk_size) {
-  check_pack_args(x, error_out, chunk_size);
-  check_error_in("onebit_pack_ef", error, error_out);
+  check_pack_ef_args(x, error, error_out, chunk_size);
   auto norms = at::zeros({2}, x.options().dtype(at::kDouble));
   auto [packed, scales] = pack_into(x, error.const_data_ptr<float>(), error_decay, error_out,
                                     chunk_size, norms.data_ptr<double>());
