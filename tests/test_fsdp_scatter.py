@@ -163,15 +163,16 @@ def test_exclude_and_accuracy_guard_on_the_reduce_scatter():
           "of", results[0]["excluded"])
 
 
-def _guard_step_sends_the_memory(rank, world):
+def _guard_step_sends_the_memory(rank, world, guard="exact"):
     """The compressed reduce-scatter on fixed random rows, 1-bit with all of the error carried
-    over, against the exact one: after each of the guard's exact steps the sums over steps agree."""
+    over, against the exact one: after each of the guard's exact steps the sums over steps agree
+    (guard="fp16": up to float16's rounding, which the memory keeps)."""
     from ciuicflow.collectives.primitives import Hop, Traffic, reduce_scatter
     from ciuicflow.compression.onebit import OneBitCompressor
     from ciuicflow.topology import Topology
 
     hop = Hop.flat(Topology.detect())
-    compressor = OneBitCompressor(error_decay=1.0, guard="exact", guard_threshold=1e-6)
+    compressor = OneBitCompressor(error_decay=1.0, guard=guard, guard_threshold=1e-6)
     memory = compressor.new_scatter_memory()
     gen = torch.Generator().manual_seed(rank)
     size = 1000
@@ -185,7 +186,10 @@ def _guard_step_sends_the_memory(rank, world):
         reduce_scatter(reference, rows, hop, None)  # the exact one
         sent += output
         exact += reference
+        owed = memory.error[:, :size - mask.sum().item()]  # what this rank still owes each rank
         steps.append({"guard_exact": traffic.guard_exact_steps, "gap": (sent - exact).abs().max().item(),
+                      "bytes": traffic.inter_bytes + traffic.intra_bytes,
+                      "owed": owed.abs().max().item(),
                       "excluded_gap": (output - reference)[mask].abs().max().item(),
                       "relative_error": memory.relative_error})
     return steps
@@ -214,11 +218,23 @@ def test_reduce_scatter_padding_carries_no_error():
 
 def test_guard_exact_step_sends_what_the_memory_held():
     results = run_distributed(_guard_step_sends_the_memory, 4, nodes=2, timeout=300)
-    for steps in results:
+    halves = run_distributed(_guard_step_sends_the_memory, 4, nodes=2, timeout=300,
+                             args=("fp16",))
+    for steps, half in zip(results, halves):
         assert [s["guard_exact"] for s in steps] == [0, 1, 0, 1, 0], steps
         for s in steps:
             assert s["excluded_gap"] < 1e-5, steps
             assert (s["gap"] < 1e-5) == bool(s["guard_exact"]), steps  # compressed: owed, not lost
+            assert (s["owed"] == 0) == bool(s["guard_exact"]), steps
+        # guard="fp16": the same steps; the guard's step sends half the bytes, is off by float16's
+        # rounding (values up to ~10: < 1e-2), and owes that rounding (small, not zero) next
+        assert [s["guard_exact"] for s in half] == [0, 1, 0, 1, 0], half
+        for s, h in zip(steps, half):
+            if s["guard_exact"]:
+                assert h["bytes"] * 2 == s["bytes"], (h, s)
+                assert 1e-6 < h["gap"] < 1e-2 and 0 < h["owed"] < 1e-2, h
+            else:
+                assert h["bytes"] == s["bytes"], (h, s)
     assert len({repr([s["relative_error"] for s in steps]) for steps in results}) == 1
 
 

@@ -486,3 +486,78 @@ def test_onebit_error_decay_zero_and_the_guards_exact_step():
             assert (p["sent"] - exact).abs().max().item() < 1e-4, server
         # and the first step alone was not: compression did drop something
         assert max(p["held"].abs().max().item() for p in per) > 0.01
+
+
+def _onebit_fp16_guard(rank, world):
+    import torch.distributed as dist
+
+    from ciuicflow.collectives.primitives import Traffic
+    from ciuicflow.compression.onebit import onebit_all_reduce
+    from ciuicflow.compression.quantized import QuantizedErrors
+    from ciuicflow.topology import Topology
+
+    topology = Topology.detect()
+    numel, chunk = 1000, 40
+    out = {}
+    for server in (True, False):
+        for guard in ("exact", "fp16"):
+            errors = QuantizedErrors()
+            x0 = _input(rank, 60, numel)
+            onebit_all_reduce(x0, errors, topology, hierarchical=False, chunk_size=chunk,
+                              server=server, guard_threshold=1e-6, guard=guard)
+            owed = errors.worker[:numel].clone()  # what this rank owes, in the input's units
+            if server:  # and the server error of the segment it serves, times W (see _flush)
+                seg = errors.server.numel()
+                lo = dist.get_rank() * seg
+                hi = min(numel, lo + seg)
+                owed[lo:hi] += errors.server[:hi - lo] * world
+            contribution = (_input(rank, 61, numel) + owed) / world
+            x1, traffic = _input(rank, 61, numel), Traffic()
+            onebit_all_reduce(x1, errors, topology, hierarchical=False, chunk_size=chunk,
+                              server=server, guard_threshold=1e-6, guard=guard, traffic=traffic)
+            out[(server, guard)] = {
+                "sent": x0.double() + x1.double(), "guard_steps": traffic.guard_exact_steps,
+                "bytes": traffic.inter_bytes + traffic.intra_bytes,
+                "memory": errors.worker[:numel].clone(),
+                "rounding": (contribution - contribution.half().float()) * world,
+                "server_memory": errors.server.abs().max().item() if server else 0.0}
+    return out
+
+
+def test_onebit_guard_fp16_step_sends_half_the_bytes_and_keeps_its_rounding():
+    """guard="fp16": the guard's step sends the input and the memory in float16 (half the bytes of
+    the float32 one), and what each rank's rounding dropped becomes its memory."""
+    world = 4
+    results = run_distributed(_onebit_fp16_guard, world, nodes=2)
+    exact = _exact_mean(world, 60, 1000) + _exact_mean(world, 61, 1000)
+    for r in results:
+        for server in (True, False):
+            full, half = r[(server, "exact")], r[(server, "fp16")]
+            assert full["guard_steps"] == half["guard_steps"] == 1, (server, full, half)
+            assert half["bytes"] * 2 == full["bytes"], (server, half["bytes"], full["bytes"])
+            assert (full["sent"] - exact).abs().max().item() < 1e-5, server
+            # float16: off by its rounding of the two steps' sum (values up to ~10), not more
+            gap = (half["sent"] - exact).abs().max().item()
+            assert 1e-5 < gap < 2e-2, (server, gap)
+            assert full["memory"].abs().max().item() == 0, server
+            assert half["memory"].abs().max().item() > 0 and half["server_memory"] == 0, server
+            assert torch.equal(half["memory"], half["rounding"]), server
+
+
+def test_guard_payload_in_float16():
+    """float16 for the guard's step: rounded, clamped to 1/W of float16's range (the excess owed,
+    not lost), inf and NaN kept (so the sum shows them and the step is skipped)."""
+    from ciuicflow.compression.base import guard_payload
+
+    total = torch.tensor([1.0, 3.14159, 1e6, -1e6, float("inf"), float("-inf"), float("nan")])
+    same, nothing = guard_payload(total, 4, half=False)
+    assert same is total and nothing is None
+    sent, owed = guard_payload(total, 4, half=True)
+    assert sent.dtype == torch.float16
+    limit = torch.finfo(torch.float16).max / 4
+    assert sent[0] == 1.0 and owed[0] == 0.0
+    assert 0 < abs(owed[1].item()) < 2e-3 and sent[1].float() + owed[1] == total[1]
+    assert abs(sent[2].item()) <= limit and sent[2].float() + owed[2] == 1e6
+    assert sent[3].float() + owed[3] == -1e6
+    assert sent[4].item() == float("inf") and sent[5].item() == float("-inf")
+    assert sent[6].isnan()

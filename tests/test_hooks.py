@@ -482,7 +482,7 @@ def _guard(rank, world):
 
     out = {}
     for hook in ("hierarchical_1bit", "onebit", "hierarchical_powersgd", "powersgd"):
-        for guard in ("warn", "exact"):
+        for guard in ("warn", "exact", "fp16"):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 extra = {"rank": 2} if "powersgd" in hook else {}
@@ -498,7 +498,8 @@ def _guard(rank, world):
 
 def test_accuracy_guard_measures_warns_and_falls_back():
     """Every compressing hook reports ||memory|| / ||gradient|| per bucket; above the threshold it
-    warns, and with guard='exact' the next step of that bucket is exact (fewer bytes saved)."""
+    warns, and with guard='exact' the next step of that bucket is exact (fewer bytes saved), with
+    guard='fp16' that step is sent in float16 (fewer bytes than exact's, more than none)."""
     results = run_distributed(_guard, 4, nodes=2, timeout=240)
     for (hook, guard), r in results[0].items():
         stats = r["stats"]
@@ -512,5 +513,11 @@ def test_accuracy_guard_measures_warns_and_falls_back():
             assert stats["guard_exact_steps"] > 0, hook
             warn = results[0][(hook, "warn")]["stats"]
             assert stats["inter_node_bytes"] > warn["inter_node_bytes"], hook
+        elif guard == "fp16":
+            exact = results[0][(hook, "exact")]["stats"]
+            warn = results[0][(hook, "warn")]["stats"]
+            assert stats["guard_exact_steps"] == exact["guard_exact_steps"] > 0, hook
+            assert warn["inter_node_bytes"] < stats["inter_node_bytes"] \
+                < exact["inter_node_bytes"], hook
         else:
             assert stats["guard_exact_steps"] == 0, hook

@@ -8,7 +8,9 @@ decides when to compress (warm-up) and which positions stay exact; the compresso
 
 The accuracy guard is shared: a compressor's memory reports ``relative_error``, ||memory|| over
 the running mean of ||gradient|| (``update_guard``), and the glue warns or asks for an exact step
-when it passes ``guard_threshold``.
+when it passes ``guard_threshold``: with ``guard="exact"`` the next step sends the input plus all
+the memory owes in float32, with ``guard="fp16"`` in float16 (half the bytes), the rounding owed
+in turn (``guard_payload``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch
 
 from ciuicflow.collectives.routes import EXACT
 
-GUARDS = ("warn", "exact", "off")
+GUARDS = ("warn", "exact", "fp16", "off")
+_FP16_MAX = torch.finfo(torch.float16).max
 GUARD_EMA = 0.9  # the gradient norm the guard divides by is a running mean over about 10 steps
 
 
@@ -78,6 +81,21 @@ def guard_due(memory: GuardedMemory, threshold: float | None) -> bool:
         and not memory._guard_stale and memory.relative_error > threshold
 
 
+def guard_payload(total: torch.Tensor, world: int, half: bool):
+    """What a rank sends in the guard's step, whose values are summed over ``world`` ranks:
+    ``total`` (float32: its input plus all its memory owes) itself, or, with ``half``, in float16
+    and clamped to 1/world of float16's range, so that the sum stays finite; and what that leaves
+    owed, in ``total``'s units (None: nothing). inf/NaN stay as they are, for the callers'
+    checks."""
+    if not half:
+        return total, None
+    limit = _FP16_MAX / world
+    clamped = total.clamp(-limit, limit)
+    # clamp would make inf finite: keep it, so the sum shows it (and the step is skipped)
+    sent = torch.where(torch.isinf(total), total, clamped).to(torch.float16)
+    return sent, total - sent.to(torch.float32)
+
+
 def exclude_mask(patterns, names, segments, numel: int, device) -> torch.Tensor | None:
     """True where a tensor laid out as ``segments`` ((offset, shape) per parameter, named
     ``names``) holds a parameter matching one of ``patterns`` (``fnmatch``); None if none does."""
@@ -98,8 +116,8 @@ class Compressor:
     (its constructor's keyword options, in order), ``layout_options`` (those a checkpoint's memory
     must match), and writes ``new_memory`` and ``exchange``.
 
-    ``guard`` ("warn", "exact" or "off") and ``guard_threshold`` are every compressing method's
-    options; ``measure`` (computing the guard's norms) is on unless the guard is off."""
+    ``guard`` ("warn", "exact", "fp16" or "off") and ``guard_threshold`` are every compressing
+    method's options; ``measure`` (computing the guard's norms) is on unless the guard is off."""
 
     name: ClassVar[str]
     option_names: ClassVar[tuple[str, ...]] = ()
@@ -117,8 +135,14 @@ class Compressor:
 
     @property
     def exact_step_threshold(self) -> float | None:
-        """The threshold past which the next step is exact (guard "exact"), else None."""
-        return self.guard_threshold if self.guard == "exact" else None
+        """The threshold past which the next step is the guard's exact step (guard "exact" or
+        "fp16"), else None."""
+        return self.guard_threshold if self.guard in ("exact", "fp16") else None
+
+    @property
+    def guard_half(self) -> bool:
+        """The guard's exact step sends float16 (guard "fp16"), else float32."""
+        return self.guard == "fp16"
 
     def new_memory(self):
         return None

@@ -85,8 +85,9 @@ class Ledger:
         if relative_error > compressor.guard_threshold:
             self.guard_alerts += 1
             action = ("its next step is exact" if compressor.guard == "exact" else
-                      "pass guard='exact' to send it exactly then, or reduce the learning rate, "
-                      "the momentum, or raise the rank/lower the chunk size")
+                      "its next step is sent in float16" if compressor.guard == "fp16" else
+                      "pass guard='exact' (or 'fp16') to send it exactly then, or reduce the "
+                      "learning rate, the momentum, or raise the rank/lower the chunk size")
             self.warn_once(f"guard{key}", (
                 f"ciuicflow {algorithm}: {what}'s error-feedback memory is "
                 f"{relative_error:.1f}x its gradient (threshold {compressor.guard_threshold}): "

@@ -73,7 +73,8 @@ def onebit_all_reduce(tensor: torch.Tensor, errors: QuantizedErrors, topology=No
                       hierarchical: bool = True, chunk_size: int = DEFAULT_CHUNK_SIZE,
                       exact_mask: torch.Tensor | None = None, error_decay: float = 1.0,
                       server: bool = True, guard_threshold: float | None = None,
-                      measure: bool = True, traffic=None) -> torch.Tensor:
+                      measure: bool = True, guard: str | None = None,
+                      traffic=None) -> torch.Tensor:
     """Average ``tensor`` in place over the topology's group with 1-bit compression; return it.
 
     ``hierarchical=True`` compresses only the inter-node step of the hierarchical all-reduce (on a
@@ -82,10 +83,13 @@ def onebit_all_reduce(tensor: torch.Tensor, errors: QuantizedErrors, topology=No
     ``exact_mask`` (bool, same numel) marks positions reduced exactly. ``error_decay``: the share
     of the memory carried over (1: classic error feedback); ``server``: two phases (True) or one;
     ``guard_threshold``: past it (the memory's ``relative_error``), the step is exact and sends what
-    the memory held; ``measure``: compute that measure. ``traffic`` accumulates the bytes sent."""
+    the memory held; ``measure``: compute that measure; ``guard``: the state's option of that name
+    (default: "exact" with a threshold, else "warn"; "off" without ``measure``). ``traffic``
+    accumulates the bytes sent."""
     compressor = OneBitCompressor(
         chunk_size=chunk_size, error_decay=error_decay, phases=2 if server else 1,
-        guard="off" if not measure else ("exact" if guard_threshold is not None else "warn"),
+        guard=guard or ("off" if not measure else
+                        ("exact" if guard_threshold is not None else "warn")),
         guard_threshold=guard_threshold if guard_threshold is not None else
         OneBitCompressor.default_guard_threshold)
     return quantized_all_reduce(compressor, tensor, errors, topology, hierarchical=hierarchical,

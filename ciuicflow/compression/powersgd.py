@@ -27,7 +27,7 @@ import torch
 from ciuicflow.collectives.primitives import Traffic, check_reducible, nonfinite_flag
 from ciuicflow.collectives.routes import EXACT, FlatRoute, HierarchicalRoute
 from ciuicflow.compression.base import Compressor, Context, GuardedMemory, guard_due, \
-    snapshot, update_guard
+    guard_payload, snapshot, update_guard
 from ciuicflow.compression.registry import FAMILIES
 from ciuicflow.topology import Topology
 
@@ -208,10 +208,14 @@ class PowerSGDCompressor(Compressor):
             update_guard(memory, error_sum / world, input_sum / world)
         if measure and error_feedback and guard_due(memory, guard_threshold):
             # the guard's exact step: the input and everything the error held, averaged exactly
+            # (in float16 with guard="fp16": what its rounding drops is the new error)
             work.div_(world)
-            sum_over_ranks(work)
-            flat.copy_(work)
-            if memory.error is not None:
+            sent, left = guard_payload(work, world, self.guard_half)
+            sum_over_ranks(sent)
+            flat.copy_(sent)
+            if memory.error is not None and left is not None:
+                memory.error.copy_(left.mul_(world))
+            elif memory.error is not None:
                 memory.error.zero_()
             memory._local_norms, memory._guard_stale = None, True
             if traffic is not None:

@@ -32,7 +32,8 @@ class QuantizedCompressor(Compressor):
             else 2.
         guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
-            tensor's next step is exact and sends what the memory held) or "off".
+            tensor's next step is exact and sends what the memory held), "fp16" (the same step in
+            float16: half the bytes, the rounding kept in the memory) or "off".
         adaptive_optimizer: how to send tensors whose parameters an adaptive optimizer (Adam,
             AdamW, RMSprop, ...: anything but SGD) steps, where this compressor's own codec is too
             coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "int4" or "int8" with
@@ -101,7 +102,7 @@ class QuantizedCompressor(Compressor):
         codec, decay = self._pick(adaptive, traffic)
         return QuantizedStep(codec, errors, self.chunk_size, exact_mask, error_decay=decay,
                              server=server, guard_threshold=self.exact_step_threshold,
-                             measure=self.measure)
+                             measure=self.measure, guard_half=self.guard_half)
 
     def exchange(self, flat, memory, route, context: Context, traffic) -> None:
         route.reduce(flat, self.step(memory, route, context.exact_mask, context.adaptive, traffic),
@@ -125,7 +126,7 @@ class QuantizedCompressor(Compressor):
                                         chunk_size=self.chunk_size, error_decay=decay,
                                         scale=scale, traffic=traffic, exact_mask=exact_mask,
                                         guard_threshold=self.exact_step_threshold,
-                                        measure=self.measure)
+                                        measure=self.measure, guard_half=self.guard_half)
 
 
 def quantized_all_reduce(compressor: QuantizedCompressor, tensor: torch.Tensor,

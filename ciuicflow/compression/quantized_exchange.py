@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from ciuicflow.collectives.primitives import Hop, Traffic, all_gather, all_reduce, all_to_all, \
     nonfinite_flag
-from ciuicflow.compression.base import GuardedMemory, guard_due, snapshot, update_guard
+from ciuicflow.compression.base import GuardedMemory, guard_due, guard_payload, snapshot, \
+    update_guard
 
 
 def native_ops():
@@ -195,7 +196,7 @@ class QuantizedStep:
     the same for W = 2). ``guard_threshold``: when the largest relative error of the last step
     (``errors.relative_error``) exceeds it, this step is exact and sends what the memory held.
     ``measure``: compute that measure (two norms per call, free with a native one-pass pack; and a
-    read of them on the host).
+    read of them on the host). ``guard_half``: the guard's step sends float16, not float32.
     """
 
     needs_flag = True
@@ -203,7 +204,7 @@ class QuantizedStep:
     def __init__(self, codec: Codec, errors: QuantizedErrors, chunk_size: int,
                  exact_mask: torch.Tensor | None = None, *, error_decay: float = 1.0,
                  server: bool = True, guard_threshold: float | None = None,
-                 measure: bool = True):
+                 measure: bool = True, guard_half: bool = False):
         self.codec = codec
         self.errors = errors
         self.chunk_size = chunk_size
@@ -212,6 +213,7 @@ class QuantizedStep:
         self.server = bool(server)
         self.guard_threshold = guard_threshold if measure else None
         self.measure = bool(measure)
+        self.guard_half = bool(guard_half)
 
     def __call__(self, x: torch.Tensor, hop: Hop, flag, offset: int,
                  traffic: Traffic | None) -> torch.Tensor:
@@ -330,7 +332,9 @@ class QuantizedStep:
 
     def _flush(self, x, hop, offset, traffic):
         """The guard's exact step: x plus everything the memory held, averaged exactly, so the
-        sum over steps stays the exact one; the memory starts again from zero."""
+        sum over steps stays the exact one; the memory starts again from zero, or, sent as
+        float16 (``guard_half``), from what the rounding dropped (excluded positions, which have
+        no memory, are rounded too)."""
         errors = self.errors
         compressed_at, _ = self._split(offset, x.numel(), x.device)
         pending = x.new_zeros(x.numel(), dtype=torch.float32)
@@ -349,16 +353,17 @@ class QuantizedStep:
             pending[compressed_at] = owed
         total = x.float() + pending
         total.div_(hop.size)
-        all_reduce(total, hop, traffic)  # mean of (x + worker error) + server error
-        x.copy_(total.to(x.dtype))
-        if bool(nonfinite_flag(total) > 0):  # an overflow: the step is skipped, keep the memory
+        sent, left = guard_payload(total, hop.size, self.guard_half)
+        all_reduce(sent, hop, traffic)  # mean of (x + worker error) + server error
+        x.copy_(sent)
+        if bool(nonfinite_flag(sent) > 0):  # an overflow: the step is skipped, keep the memory
             if traffic is not None:
                 traffic.nonfinite_fallbacks += 1
             return x
-        errors.flush()
-        errors._guard_stale = True
-        if traffic is not None:
-            traffic.guard_exact_steps += 1
+        errors.sent_by_guard(traffic)
+        if left is not None:  # in the worker memory's units: the input's, before the mean
+            left.mul_(hop.size)
+            errors.worker[:numel] = left if compressed_at is None else left[compressed_at]
         return x
 
     def _split(self, offset: int, length: int, device):

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from ciuicflow.collectives.primitives import Hop, Traffic, all_to_all, nonfinite_flag, \
     reduce_scatter
-from ciuicflow.compression.base import GuardedMemory, guard_due, snapshot, update_guard
+from ciuicflow.compression.base import GuardedMemory, guard_due, guard_payload, snapshot, \
+    update_guard
 from ciuicflow.compression.quantized_exchange import Codec, even_chunks
 
 _FLAGS = 3  # float32 per row: the non-finite flag, ||memory||, ||rows sent||
@@ -85,13 +86,14 @@ def quantized_reduce_scatter(codec: Codec, errors: ScatterErrors, output: torch.
                              traffic: Traffic | None = None,
                              exact_mask: torch.Tensor | None = None,
                              guard_threshold: float | None = None,
-                             measure: bool = False) -> torch.Tensor:
+                             measure: bool = False, guard_half: bool = False) -> torch.Tensor:
     """``output`` (S elements) = ``scale`` x the sum over the hop's ranks of their row for this
     rank, where ``rows`` holds W x S elements (W = hop.size), row j bound for rank j.
 
     ``exact_mask`` (bool, S elements, the same on every rank): positions of every row reduced
     exactly. ``measure``: keep the accuracy guard's measure in ``errors.relative_error``;
-    ``guard_threshold``: past it, this step is exact and sends what the memory held."""
+    ``guard_threshold``: past it, this step is exact and sends what the memory held (in float16
+    with ``guard_half``, the rounding kept in the memory)."""
     world = hop.size
     rows = rows.reshape(world, -1)
     numel = rows.shape[1]
@@ -105,7 +107,8 @@ def quantized_reduce_scatter(codec: Codec, errors: ScatterErrors, output: torch.
     if ncomp == 0:  # every position exact
         return _exact(output, rows, hop, traffic, scale)
     if guard_due(errors, guard_threshold if measure else None) and errors.error is not None:
-        return _guard_step(errors, output, rows, hop, traffic, scale, compressed_at, ncomp)
+        return _guard_step(errors, output, rows, hop, traffic, scale, compressed_at, ncomp,
+                           guard_half)
     me = dist.get_rank(hop.group)
     chunk, padded = even_chunks(codec, ncomp, chunk_size)
     errors.ensure(world, padded, rows.device)
@@ -158,10 +161,12 @@ def _exact(output, rows, hop, traffic, scale) -> torch.Tensor:
     return output.mul_(scale) if scale != 1.0 else output
 
 
-def _guard_step(errors, output, rows, hop, traffic, scale, compressed_at, ncomp) -> torch.Tensor:
+def _guard_step(errors, output, rows, hop, traffic, scale, compressed_at, ncomp,
+                half) -> torch.Tensor:
     """The guard's exact step: the rows plus what the memory owes each rank, reduce-scattered
-    exactly, with one more column holding this rank's non-finite flag (summed, it is every rank's
-    verdict); the memory starts again from zero, unless a flag is up (the step is skipped: keep it)."""
+    exactly (or in float16, ``half``: the rounding is owed next), with one more column holding
+    this rank's non-finite flag (summed, it is every rank's verdict); the memory starts again from
+    zero, unless a flag is up (the step is skipped: keep it)."""
     world, numel = rows.shape
     total = rows.new_empty(world, numel + 1, dtype=torch.float32)
     total[:, :numel] = rows
@@ -171,12 +176,17 @@ def _guard_step(errors, output, rows, hop, traffic, scale, compressed_at, ncomp)
     else:
         total[:, :numel].index_add_(1, compressed_at, owed)
     total[:, numel] = nonfinite_flag(total[:, :numel])
-    out = total.new_empty(numel + 1)
-    reduce_scatter(out, total, hop, traffic)
+    sent, left = guard_payload(total, world, half)
+    out = sent.new_empty(numel + 1)
+    reduce_scatter(out, sent, hop, traffic)
+    out = out.to(torch.float32)
     output.copy_(out[:numel].mul_(scale) if scale != 1.0 else out[:numel])
     if float(out[numel]) > 0:  # an overflow: the step is skipped, the memory kept
         if traffic is not None:
             traffic.nonfinite_fallbacks += 1
     else:
         errors.sent_by_guard(traffic)
+        if left is not None:
+            left = left[:, :numel]
+            errors.error[:, :ncomp] = left if compressed_at is None else left[:, compressed_at]
     return output
