@@ -192,6 +192,19 @@ def _guard_step_sends_the_memory(rank, world, guard="exact"):
                       "owed": owed.abs().max().item(),
                       "excluded_gap": (output - reference)[mask].abs().max().item(),
                       "relative_error": memory.relative_error})
+    # half of the memory carried: the guard's step sends the rows plus half of what is owed, as
+    # the compressed step would have added it
+    decayed = OneBitCompressor(error_decay=0.5, guard=guard, guard_threshold=1e-6)
+    memory = decayed.new_scatter_memory()
+    output = torch.empty(size)
+    decayed.reduce_scatter(output, torch.randn(world, size, generator=gen), memory, hop, None)
+    rows = torch.randn(world, size, generator=gen)
+    want = torch.empty(size)
+    reduce_scatter(want, rows + 0.5 * memory.error[:, :size], hop, None)
+    traffic = Traffic()
+    decayed.reduce_scatter(output, rows, memory, hop, traffic)
+    steps.append({"decayed_guard_step": traffic.guard_exact_steps,
+                  "decayed_gap": (output - want).abs().max().item()})
     return steps
 
 
@@ -221,6 +234,9 @@ def test_guard_exact_step_sends_what_the_memory_held():
     halves = run_distributed(_guard_step_sends_the_memory, 4, nodes=2, timeout=300,
                              args=("fp16",))
     for steps, half in zip(results, halves):
+        for decayed, tolerance in ((steps.pop(), 1e-5), (half.pop(), 1e-2)):
+            assert decayed["decayed_guard_step"] == 1 and decayed["decayed_gap"] < tolerance, \
+                decayed
         assert [s["guard_exact"] for s in steps] == [0, 1, 0, 1, 0], steps
         for s in steps:
             assert s["excluded_gap"] < 1e-5, steps

@@ -108,7 +108,7 @@ def quantized_reduce_scatter(codec: Codec, errors: ScatterErrors, output: torch.
         return _exact(output, rows, hop, traffic, scale)
     if guard_due(errors, guard_threshold if measure else None) and errors.error is not None:
         return _guard_step(errors, output, rows, hop, traffic, scale, compressed_at, ncomp,
-                           guard_half)
+                           error_decay, guard_half)
     me = dist.get_rank(hop.group)
     chunk, padded = even_chunks(codec, ncomp, chunk_size)
     errors.ensure(world, padded, rows.device)
@@ -162,15 +162,16 @@ def _exact(output, rows, hop, traffic, scale) -> torch.Tensor:
 
 
 def _guard_step(errors, output, rows, hop, traffic, scale, compressed_at, ncomp,
-                half) -> torch.Tensor:
-    """The guard's exact step: the rows plus what the memory owes each rank, reduce-scattered
-    exactly (or in float16, ``half``: the rounding is owed next), with one more column holding
+                error_decay, half) -> torch.Tensor:
+    """The guard's exact step: the rows plus what the memory owes each rank, decayed as a
+    compressed step would add it (``QuantizedStep._flush`` says why), reduce-scattered exactly
+    (or in float16, ``half``: the rounding is owed next), with one more column holding
     this rank's non-finite flag (summed, it is every rank's verdict); the memory starts again from
     zero, unless a flag is up (the step is skipped: keep it)."""
     world, numel = rows.shape
     total = rows.new_empty(world, numel + 1, dtype=torch.float32)
     total[:, :numel] = rows
-    owed = errors.error[:, :ncomp]
+    owed = errors.error[:, :ncomp] * error_decay
     if compressed_at is None:
         total[:, :numel] += owed
     else:
