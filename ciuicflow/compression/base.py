@@ -8,9 +8,10 @@ decides when to compress (warm-up) and which positions stay exact; the compresso
 
 The accuracy guard is shared: a compressor's memory reports ``relative_error``, ||memory|| over
 the running mean of ||gradient|| (``update_guard``), and the glue warns or asks for an exact step
-when it passes ``guard_threshold``: with ``guard="exact"`` the next step sends the input plus all
-the memory owes in float32, with ``guard="fp16"`` in float16 (half the bytes), the rounding owed
-in turn (``guard_payload``).
+when it passes ``guard_threshold``: with ``guard="exact"`` the next step sends exactly what it
+would have compressed (the input plus the memory, decayed as a compressed step adds it) in
+float32, with ``guard="fp16"`` in float16 (half the bytes), the rounding owed in turn
+(``guard_payload``).
 """
 from __future__ import annotations
 

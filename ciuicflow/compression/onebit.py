@@ -82,8 +82,8 @@ def onebit_all_reduce(tensor: torch.Tensor, errors: QuantizedErrors, topology=No
     group. ``errors`` (a ``QuantizedErrors``) persists between calls for the same tensor.
     ``exact_mask`` (bool, same numel) marks positions reduced exactly. ``error_decay``: the share
     of the memory carried over (1: classic error feedback); ``server``: two phases (True) or one;
-    ``guard_threshold``: past it (the memory's ``relative_error``), the step is exact and sends what
-    the memory held; ``measure``: compute that measure; ``guard``: the state's option of that name
+    ``guard_threshold``: past it (the memory's ``relative_error``), the step sends exactly what it
+    would have compressed; ``measure``: compute that measure; ``guard``: the state's option of that name
     (default: "exact" with a threshold, else "warn"; "off" without ``measure``). ``traffic``
     accumulates the bytes sent."""
     compressor = OneBitCompressor(

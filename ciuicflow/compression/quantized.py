@@ -32,8 +32,9 @@ class QuantizedCompressor(Compressor):
             else 2.
         guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
-            tensor's next step is exact and sends what the memory held), "fp16" (the same step in
-            float16: half the bytes, the rounding kept in the memory) or "off".
+            tensor's next step sends exactly what it would have compressed: its input plus the
+            memory, decayed by ``error_decay``), "fp16" (the same step in float16: half the bytes,
+            the rounding kept in the memory) or "off".
         adaptive_optimizer: how to send tensors whose parameters an adaptive optimizer (Adam,
             AdamW, RMSprop, ...: anything but SGD) steps, where this compressor's own codec is too
             coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "int4" or "int8" with

@@ -194,7 +194,8 @@ class QuantizedStep:
     compresses its mean again) or one (every rank gathers every rank's compressed tensor and
     averages them itself: no second compression, (W-1) instead of 2(W-1)/W of the compressed bytes,
     the same for W = 2). ``guard_threshold``: when the largest relative error of the last step
-    (``errors.relative_error``) exceeds it, this step is exact and sends what the memory held.
+    (``errors.relative_error``) exceeds it, this step sends exactly what it would have compressed
+    (``_flush``).
     ``measure``: compute that measure (two norms per call, free with a native one-pass pack; and a
     read of them on the host). ``guard_half``: the guard's step sends float16, not float32.
     """

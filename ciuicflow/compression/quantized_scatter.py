@@ -14,7 +14,8 @@ A row on the wire: packed values | float32 scales | three float32 (this rank's n
 When any rank holds inf/NaN the step is an exact reduce-scatter and the memory is left as it was
 (as the all-reduce exchanges do). The guard's measure (``relative_error``, ``base.update_guard``)
 is the largest over the ranks, so every rank takes the guard's exact step together: an exact
-reduce-scatter of the rows plus what the memory held, after which the memory starts from zero.
+(or float16) reduce-scatter of the rows plus the memory, decayed as a compressed step adds it,
+after which the memory starts from zero (or from float16's rounding).
 """
 from __future__ import annotations
 
@@ -92,8 +93,8 @@ def quantized_reduce_scatter(codec: Codec, errors: ScatterErrors, output: torch.
 
     ``exact_mask`` (bool, S elements, the same on every rank): positions of every row reduced
     exactly. ``measure``: keep the accuracy guard's measure in ``errors.relative_error``;
-    ``guard_threshold``: past it, this step is exact and sends what the memory held (in float16
-    with ``guard_half``, the rounding kept in the memory)."""
+    ``guard_threshold``: past it, this step is exact and sends the rows plus the decayed memory
+    (in float16 with ``guard_half``, the rounding kept in the memory)."""
     world = hop.size
     rows = rows.reshape(world, -1)
     numel = rows.shape[1]
