@@ -83,9 +83,9 @@ def onebit_all_reduce(tensor: torch.Tensor, errors: QuantizedErrors, topology=No
     ``exact_mask`` (bool, same numel) marks positions reduced exactly. ``error_decay``: the share
     of the memory carried over (1: classic error feedback); ``server``: two phases (True) or one;
     ``guard_threshold``: past it (the memory's ``relative_error``), the step sends exactly what it
-    would have compressed; ``measure``: compute that measure; ``guard``: the state's option of that name
-    (default: "exact" with a threshold, else "warn"; "off" without ``measure``). ``traffic``
-    accumulates the bytes sent."""
+    would have compressed; ``measure``: compute that measure; ``guard``: the state's option of
+    that name (default: "exact" with a threshold, else "warn"; "off" without ``measure``).
+    ``traffic`` accumulates the bytes sent."""
     compressor = OneBitCompressor(
         chunk_size=chunk_size, error_decay=error_decay, phases=2 if server else 1,
         guard=guard or ("off" if not measure else
