@@ -565,3 +565,32 @@ def test_guard_payload_in_float16():
     assert sent[3].float() + owed[3] == -1e6
     assert sent[4].item() == float("inf") and sent[5].item() == float("-inf")
     assert sent[6].isnan()
+
+
+def _powersgd_fp16_guard(rank, world):
+    from ciuicflow.collectives.primitives import Traffic
+    from ciuicflow.compression.powersgd import PowerSGDMemory, powersgd_all_reduce
+
+    numel, segments = 24 * 16, [(0, (24, 16))]
+    memory = PowerSGDMemory()
+    options = dict(segments=segments, rank=1, hierarchical=False, guard="fp16",
+                   guard_threshold=1e-6)
+    # step 0 compressed (its measure is learnt in the next step's first all-reduce), step 1 the
+    # guard's: the input plus the error, over W, in float16
+    powersgd_all_reduce(_input(rank, 70, numel), memory, step=0, **options)
+    contribution = (_input(rank, 71, numel) + memory.error) / world
+    x, traffic = _input(rank, 71, numel), Traffic()
+    powersgd_all_reduce(x, memory, step=1, traffic=traffic, **options)
+    want = contribution.clone()
+    torch.distributed.all_reduce(want)
+    return {"guard_steps": traffic.guard_exact_steps, "gap": (x - want).abs().max().item(),
+            "error": memory.error.clone(),
+            "rounding": (contribution - contribution.half().float()) * world}
+
+
+def test_powersgd_guard_fp16_step_keeps_its_rounding():
+    for r in run_distributed(_powersgd_fp16_guard, 4, nodes=2):
+        assert r["guard_steps"] == 1, r
+        assert 1e-6 < r["gap"] < 1e-2, r["gap"]  # float16's rounding of the mean, not more
+        assert r["error"].abs().max().item() > 0
+        assert torch.equal(r["error"], r["rounding"])
