@@ -17,14 +17,23 @@ FSDP_HOOKS = tuple(f"fsdp:{name}" for name in COMPRESSED_HOOKS if registry.metho
 OPTIMIZERS = ("onebit_adam", "zero_one_adam")
 
 
+def _run(record: dict) -> tuple:
+    """What a record is compared within: its task and seed (the exact run of the same seed)."""
+    return record["task"], record.get("seed", 0)
+
+
+def _seeds(records: list[dict]) -> list:
+    return sorted({r.get("seed", 0) for r in records})
+
+
 def compare(records: list[dict]) -> list[dict]:
     """Add exact_value, gap (signed, in the metric's units; > 0 is worse than exact) and
-    relative_gap to every record."""
-    exact = {r["task"]: r for r in records if r["method"] == EXACT and not r.get("failed")}
+    relative_gap to every record, against the exact run of its task and seed."""
+    exact = {_run(r): r for r in records if r["method"] == EXACT and not r.get("failed")}
     out = []
     for r in records:
         r = dict(r)
-        base = exact.get(r["task"])
+        base = exact.get(_run(r))
         if base is not None and not r.get("failed"):
             r["exact_value"] = base["value"]
             r["exact_inter_node_bytes_per_step"] = base["inter_node_bytes_per_step"]
@@ -55,21 +64,23 @@ def check_targets(records: list[dict]) -> list[str]:
     """Lines for every compressed method that misses its accuracy target, or ends worse than
     PyTorch's powerSGD_hook while sending more bytes."""
     missed = []
-    torch_psgd = {r["task"]: r for r in records if r["method"] == "torch_powerSGD"
+    torch_psgd = {_run(r): r for r in records if r["method"] == "torch_powerSGD"
                   and not r.get("failed")}
+    several = len(_seeds(records)) > 1
     for r in records:
         if r["method"] not in COMPRESSED_HOOKS + OPTIMIZERS + FSDP_HOOKS:
             continue
+        seed = f" (seed {r.get('seed', 0)})" if several else ""
         ok = meets_target(r)
         if ok is False:
-            missed.append(f"{r['task']} {r['method']}: {r['metric']} {r['value']:.4f} vs exact "
-                          f"{r['exact_value']:.4f} ({target_of(r)})")
-        base = torch_psgd.get(r["task"])
+            missed.append(f"{r['task']} {r['method']}{seed}: {r['metric']} {r['value']:.4f} vs "
+                          f"exact {r['exact_value']:.4f} ({target_of(r)})")
+        base = torch_psgd.get(_run(r))
         if base is not None and ok is not None and r["method"] in COMPRESSED_HOOKS:
             better = (r["value"] >= base["value"]) if r["metric"] == "accuracy" else \
                 (r["value"] <= base["value"])
             if not better and r["inter_node_bytes_per_step"] >= base["inter_node_bytes_per_step"]:
-                missed.append(f"{r['task']} {r['method']}: worse than torch powerSGD_hook "
+                missed.append(f"{r['task']} {r['method']}{seed}: worse than torch powerSGD_hook "
                               f"({r['value']:.4f} vs {base['value']:.4f}) at "
                               f"{r['inter_node_bytes_per_step'] / 1e3:.1f} vs "
                               f"{base['inter_node_bytes_per_step'] / 1e3:.1f} KB per step")
@@ -86,26 +97,78 @@ def _fmt_bytes(value):
     return f"{value:.1f} TB"
 
 
+def _gap_text(metric: str, gap: float | None, relative_gap: float | None) -> str:
+    if gap is None:
+        return "-"
+    return f"{gap * 100:+.1f} pt" if metric == "accuracy" else f"{relative_gap * 100:+.1f}%"
+
+
 def table(records: list[dict]) -> str:
+    """One row per run; with several seeds the method's column names the seed."""
+    several = len(_seeds(records)) > 1
     lines = ["| task | method | metric | value | exact | gap | target | inter-node bytes/step "
              "(per rank) | vs exact bytes |",
              "|---|---|---|---:|---:|---:|:---:|---:|---:|"]
     for r in records:
+        method = f"{r['method']} (seed {r.get('seed', 0)})" if several else r["method"]
         if r.get("failed"):
-            lines.append(f"| {r['task']} | {r['method']} | - | FAILED | - | - | - | - | - |")
+            lines.append(f"| {r['task']} | {method} | - | FAILED | - | - | - | - | - |")
             continue
         ok = meets_target(r)
         mark = "-" if r["method"] in (EXACT, "hierarchical_allreduce", "torch_powerSGD") or \
             ok is None else ("met" if ok else "MISSED")
-        gap = r.get("gap")
-        gap_s = "-" if gap is None else (f"{gap * 100:+.1f} pt" if r["metric"] == "accuracy"
-                                         else f"{r['relative_gap'] * 100:+.1f}%")
+        gap_s = _gap_text(r["metric"], r.get("gap"), r.get("relative_gap"))
         ratio = r.get("exact_inter_node_bytes_per_step")
         ratio_s = f"1/{ratio / r['inter_node_bytes_per_step']:.1f}" \
             if ratio and r["inter_node_bytes_per_step"] else "-"
-        lines.append(f"| {r['task']} | {r['method']} | {r['metric']} | {r['value']:.4f} | "
+        lines.append(f"| {r['task']} | {method} | {r['metric']} | {r['value']:.4f} | "
                      f"{r.get('exact_value', float('nan')):.4f} | {gap_s} | {mark} | "
                      f"{_fmt_bytes(r['inter_node_bytes_per_step'])} | {ratio_s} |")
+    return "\n".join(lines)
+
+
+def seed_summary(records: list[dict]) -> list[dict]:
+    """Per task and method run on every seed of the records: the means over the seeds of the
+    value, the exact value and the gap, the worst seed's gap, and on how many seeds the target
+    was met. A method that failed on a seed, or lacks an exact run for one, has no summary."""
+    seeds = _seeds(records)
+    runs: dict[tuple, list[dict]] = {}
+    for r in records:
+        runs.setdefault((r["task"], r["method"]), []).append(r)
+    out = []
+    for (task, method), rs in runs.items():
+        if len(rs) != len(seeds) or any(r.get("failed") or "gap" not in r for r in rs):
+            continue
+        n = len(rs)
+        mean = {key: sum(r[key] for r in rs) / n for key in ("value", "exact_value", "gap")}
+        rel = [r["relative_gap"] for r in rs]
+        summary = {"task": task, "method": method, "metric": rs[0]["metric"], "seeds": n,
+                   "value": mean["value"], "exact_value": mean["exact_value"],
+                   "gap": mean["gap"], "worst_gap": max(r["gap"] for r in rs),
+                   "relative_gap": None if None in rel else sum(rel) / n,
+                   "worst_relative_gap": None if None in rel else max(rel),
+                   "inter_node_bytes_per_step":
+                       sum(r["inter_node_bytes_per_step"] for r in rs) / n}
+        if method in COMPRESSED_HOOKS + OPTIMIZERS + FSDP_HOOKS:
+            summary["seeds_met"] = sum(bool(meets_target(r)) for r in rs)
+            summary["mean_meets_target"] = meets_target(summary)
+        out.append(summary)
+    return out
+
+
+def seed_table(summaries: list[dict]) -> str:
+    lines = ["| task | method | metric | mean value | mean exact | mean gap | worst seed's gap | "
+             "target met (seeds) | target met by the mean |",
+             "|---|---|---|---:|---:|---:|---:|:---:|:---:|"]
+    for s in summaries:
+        judged = "seeds_met" in s
+        met = f"{s['seeds_met']}/{s['seeds']}" if judged else "-"
+        by_mean = ("met" if s["mean_meets_target"] else "MISSED") if judged else "-"
+        lines.append(
+            f"| {s['task']} | {s['method']} | {s['metric']} | {s['value']:.4f} | "
+            f"{s['exact_value']:.4f} | {_gap_text(s['metric'], s['gap'], s['relative_gap'])} | "
+            f"{_gap_text(s['metric'], s['worst_gap'], s['worst_relative_gap'])} | {met} | "
+            f"{by_mean} |")
     return "\n".join(lines)
 
 
@@ -120,6 +183,13 @@ def write_outputs(records, json_path, out_dir, png=True, config=None) -> str:
     # PyTorch's hook has no column of its own in the table
     targets = "\n\nTargets missed:\n\n" + "\n".join(f"- {m}" for m in missed) if missed else \
         "\n\nEvery target met."
+    if len(_seeds(records)) > 1:  # the means beside the runs, in their own JSON too
+        summaries = seed_summary(records)
+        with open(os.path.join(os.path.dirname(os.path.abspath(json_path)), "seeds.json"),
+                  "w") as f:
+            json.dump(summaries, f, indent=1)
+        text += (f"\n\nMeans over seeds {', '.join(map(str, _seeds(records)))} (each seed's "
+                 f"gap against the exact run of that seed):\n\n" + seed_table(summaries))
     with open(os.path.join(out_dir, "convergence.md"), "w") as f:
         f.write(header + text + targets + "\n")
     if png:
@@ -128,11 +198,14 @@ def write_outputs(records, json_path, out_dir, png=True, config=None) -> str:
 
 
 def plot(records, path):
+    """The curves of every task and method; with several seeds, the first seed's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    seeds = _seeds(records)
+    records = [r for r in records if r.get("seed", 0) == seeds[0]] if seeds else records
     task_names = list(dict.fromkeys(r["task"] for r in records))
     if not task_names:
         return
@@ -151,7 +224,7 @@ def plot(records, path):
             ax.plot(steps, values, color=color[r["method"]], label=r["method"],
                     linewidth=1.6 if r["method"] == EXACT else 1.1)
             ax.set_ylabel(r["metric"])
-        ax.set_title(name, fontsize=9)
+        ax.set_title(name if len(seeds) < 2 else f"{name} (seed {seeds[0]})", fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(task_names):]:

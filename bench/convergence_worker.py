@@ -241,6 +241,7 @@ def main(argv=None):
             if rank == 0:
                 with open(args.out, "a") as f:
                     f.write(json.dumps({"task": task.name, "method": method, "failed": True,
+                                        "seed": task.seed,
                                         "error": traceback.format_exc()[-2000:]}) + "\n")
             raise
         if rank == 0:

@@ -55,6 +55,75 @@ def test_the_markdown_lists_what_missed(tmp_path):
     assert "Every target met." in (tmp_path / "convergence.md").read_text()
 
 
+def _seeded(task, method, value, seed, nbytes=100.0):
+    return dict(_record(task, method, value, nbytes=nbytes), seed=seed)
+
+
+def test_seeds_judge_each_run_against_the_exact_run_of_its_seed():
+    """--seeds: a run's gap is to the exact run of its own seed; a miss on any seed is a miss; the
+    means over the seeds sit beside."""
+    records = report.compare([
+        _seeded("a", "exact", 0.80, 0, nbytes=1000), _seeded("a", "exact", 0.90, 1, nbytes=1000),
+        _seeded("a", "onebit", 0.795, 0), _seeded("a", "onebit", 0.875, 1),
+        _seeded("a", "hierarchical_1bit", 0.81, 0), _seeded("a", "hierarchical_1bit", 0.885, 1),
+        _seeded("a", "torch_powerSGD", 0.79, 0, nbytes=50),
+        _seeded("a", "torch_powerSGD", 0.95, 1, nbytes=50),
+        _seeded("a", "powersgd", 0.785, 0, nbytes=60), _seeded("a", "powersgd", 0.96, 1, nbytes=60)])
+    by = {(r["method"], r["seed"]): r for r in records}
+    assert by[("onebit", 0)]["gap"] == pytest.approx(0.005)
+    assert by[("onebit", 1)]["gap"] == pytest.approx(0.025)
+    assert by[("onebit", 1)]["exact_value"] == 0.90
+    missed = report.check_targets(records)
+    assert any(m.startswith("a onebit (seed 1): accuracy") for m in missed), missed
+    assert not any(m.startswith("a onebit (seed 0)") for m in missed), missed
+    assert any(m.startswith("a hierarchical_1bit (seed 1)") for m in missed), missed
+    # worse than PyTorch's hook at more bytes on seed 0 only
+    assert any(m.startswith("a powersgd (seed 0): worse than torch") for m in missed), missed
+    assert not any(m.startswith("a powersgd (seed 1)") for m in missed), missed
+    summary = {s["method"]: s for s in report.seed_summary(records)}
+    assert summary["onebit"]["gap"] == pytest.approx(0.015)
+    assert summary["onebit"]["worst_gap"] == pytest.approx(0.025)
+    assert (summary["onebit"]["seeds_met"], summary["onebit"]["mean_meets_target"]) == (1, False)
+    assert summary["hierarchical_1bit"]["gap"] == pytest.approx(0.0025)
+    assert (summary["hierarchical_1bit"]["seeds_met"],
+            summary["hierarchical_1bit"]["mean_meets_target"]) == (1, True)
+    assert summary["exact"]["value"] == pytest.approx(0.85) and "seeds_met" not in summary["exact"]
+    text = report.seed_table(report.seed_summary(records))
+    assert "| a | onebit | accuracy | 0.8350 | 0.8500 | +1.5 pt | +2.5 pt | 1/2 | MISSED |" in text
+    # a method that failed on one seed has no mean
+    failed = report.compare(records[:2] + [_seeded("a", "onebit", 0.795, 0),
+                                           {"task": "a", "method": "onebit", "failed": True,
+                                            "seed": 1}])
+    assert [s["method"] for s in report.seed_summary(failed)] == ["exact"]
+
+
+@pytest.mark.timeout(600)
+def test_smoke_run_over_two_seeds(tmp_path):
+    out = tmp_path / "conv"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "convergence.py"), "--smoke", "--no-png",
+         "--tasks", "regression_adam", "--steps", "4", "--methods", "exact,hierarchical_1bit",
+         "--seeds", "0,1", "--out-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads((out / "convergence.json").read_text())
+    assert sorted((r["method"], r["seed"]) for r in records) == [
+        ("exact", 0), ("exact", 1), ("hierarchical_1bit", 0), ("hierarchical_1bit", 1)]
+    exact = {r["seed"]: r["value"] for r in records if r["method"] == "exact"}
+    assert exact[0] != exact[1]  # other weights and batches
+    for r in records:
+        assert r["exact_value"] == exact[r["seed"]], r
+    summaries = json.loads((out / "seeds.json").read_text())
+    assert [(s["method"], s["seeds"]) for s in summaries] == [("exact", 2),
+                                                               ("hierarchical_1bit", 2)]
+    assert summaries[0]["value"] == pytest.approx((exact[0] + exact[1]) / 2)
+    assert "Means over seeds 0, 1" in (out / "convergence.md").read_text()
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "convergence.py"),
+                          "--seeds", "0,0", "--out-dir", str(tmp_path / "bad")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "repeats a seed" in bad.stderr
+
+
 def test_tasks_cover_what_the_suite_must():
     suite = list(tasks.TASKS.values())
     assert len([t for t in suite if not t.heldout]) >= 6 and any(t.heldout for t in suite)
