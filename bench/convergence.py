@@ -119,7 +119,9 @@ def _failed(path, task_name, seed):
 def parse_seeds(args) -> list[int]:
     """``--seeds 0,1,2`` (distinct integers) or ``--seed N``."""
     if args.seeds is None:
-        return [args.seed]
+        return [0 if args.seed is None else args.seed]
+    if args.seed is not None:
+        raise SystemExit("give --seed or --seeds, not both")
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
@@ -152,7 +154,7 @@ def parse_args(argv=None):
     p.add_argument("--fsdp", action="store_true",
                    help="the FSDP path instead of DDP's: exact DDP, FSDP2's HSDP and every fsdp:<method>")
     p.add_argument("--steps", type=int, help="override every task's steps")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=int, default=None,
                    help="initial weights and batch order (the data stay the same; default 0)")
     p.add_argument("--seeds", help="comma-separated seeds: every run once per seed, judged against "
                    "the exact run of its seed, and the means over seeds reported beside")

@@ -122,6 +122,10 @@ def test_smoke_run_over_two_seeds(tmp_path):
                           "--seeds", "0,0", "--out-dir", str(tmp_path / "bad")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "repeats a seed" in bad.stderr
+    both = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "convergence.py"),
+                           "--seed", "1", "--seeds", "0,1", "--out-dir", str(tmp_path / "bad")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert both.returncode != 0 and "not both" in both.stderr
 
 
 def test_tasks_cover_what_the_suite_must():
