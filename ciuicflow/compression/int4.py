@@ -19,7 +19,7 @@ class Int4Codec(Codec):
     name = "int4"
     granule = 2  # two values per byte
 
-    def payload_bytes(self, numel: int) -> int:
+    def payload_bytes(self, numel: int, chunk: int) -> int:
         return -(-numel // 2)
 
     def pack(self, x, error, chunk):

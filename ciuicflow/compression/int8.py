@@ -19,7 +19,7 @@ class Int8Codec(Codec):
     name = "int8"
     granule = 1
 
-    def payload_bytes(self, numel: int) -> int:
+    def payload_bytes(self, numel: int, chunk: int) -> int:
         return numel
 
     def pack(self, x, error, chunk):

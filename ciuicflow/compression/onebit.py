@@ -11,6 +11,7 @@ import torch
 
 from ciuicflow.compression.int4 import Int4Codec
 from ciuicflow.compression.int8 import Int8Codec
+from ciuicflow.compression.outliers import MAX_CHUNK, OneBitOutlierCodec
 from ciuicflow.compression.quantized import Codec, QuantizedCompressor, QuantizedErrors, \
     native_ops, quantized_all_reduce
 from ciuicflow.compression.registry import FAMILIES
@@ -23,7 +24,7 @@ class OneBitCodec(Codec):
     name = "onebit"
     granule = 8  # eight signs per byte
 
-    def payload_bytes(self, numel: int) -> int:
+    def payload_bytes(self, numel: int, chunk: int) -> int:
         return -(-numel // 8)
 
     def pack(self, x, error, chunk):
@@ -64,9 +65,36 @@ class OneBitCompressor(QuantizedCompressor):
     name = "onebit"
     codec = OneBitCodec()
     adaptive_codecs = {"int4": Int4InOneBitLayout(), "int8": Int8InOneBitLayout()}
+    option_names = QuantizedCompressor.option_names + ("outliers",)
     default_chunk_size = DEFAULT_CHUNK_SIZE
     default_error_decay = 0.5
     default_guard_threshold = _COST.guard_threshold
+    default_outliers = _COST.flat_values
+
+    def __init__(self, *, outliers="auto", **options):
+        """``outliers``: values each chunk of a concentrated window also sends
+        (``compression.outliers``): an int in [0, 16] on every route, or "auto" (the default):
+        the registry's ``flat_values`` (4) on the flat route where ``chunk_size`` <= 256, none on
+        the hierarchical route or the reduce-scatter form (where plain scale x sign kept accuracy
+        and the values measured worse: docs/convergence.md)."""
+        super().__init__(**options)
+        if outliers != "auto" and (isinstance(outliers, bool) or not isinstance(outliers, int)
+                                   or not 0 <= outliers <= 16):
+            raise ValueError(f"outliers must be an int in [0, 16] or 'auto', got {outliers!r}")
+        if outliers not in ("auto", 0) and self.chunk_size > MAX_CHUNK:
+            raise ValueError(f"outliers need chunk_size <= {MAX_CHUNK} (a position is one byte), "
+                             f"got chunk_size={self.chunk_size}")
+        self.outliers = outliers
+        count = self.default_outliers if outliers == "auto" else outliers
+        self._outlier_codec = OneBitOutlierCodec(count) \
+            if count and self.chunk_size <= MAX_CHUNK else None
+
+    def own_codec(self, route=None):
+        if self._outlier_codec is None:
+            return self.codec
+        if self.outliers == "auto" and getattr(route, "name", None) != "flat":
+            return self.codec
+        return self._outlier_codec
 
 
 def onebit_all_reduce(tensor: torch.Tensor, errors: QuantizedErrors, topology=None, *,

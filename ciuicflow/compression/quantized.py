@@ -80,18 +80,23 @@ class QuantizedCompressor(Compressor):
     def new_memory(self) -> QuantizedErrors:
         return QuantizedErrors()
 
-    def codec_for(self, adaptive: bool) -> Codec:
+    def codec_for(self, adaptive: bool, route=None) -> Codec:
         """The codec a tensor is sent with: the ``adaptive_optimizer`` one of ``adaptive_codecs``
-        for an adaptive optimizer's parameters (none for "same"), else this compressor's own."""
+        for an adaptive optimizer's parameters (none for "same"), else this compressor's own on
+        ``route`` (None: the reduce-scatter form)."""
         if adaptive and self.adaptive_optimizer in self.adaptive_codecs:
             return self.adaptive_codecs[self.adaptive_optimizer]
+        return self.own_codec(route)
+
+    def own_codec(self, route=None) -> Codec:
+        """This compressor's codec on ``route``; a subclass may pick one per route."""
         return self.codec
 
-    def _pick(self, adaptive: bool, traffic: Traffic | None) -> tuple[Codec, float]:
+    def _pick(self, adaptive: bool, traffic: Traffic | None, route=None) -> tuple[Codec, float]:
         """(codec, error decay) for one reduction; a reduction sent with the adaptive codec is
         counted in ``traffic``."""
-        codec = self.codec_for(adaptive)
-        if codec is self.codec:
+        codec = self.codec_for(adaptive, route)
+        if codec is self.own_codec(route):
             return codec, self.error_decay
         if traffic is not None:
             traffic.adaptive_codec_reductions += 1
@@ -100,7 +105,7 @@ class QuantizedCompressor(Compressor):
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
              traffic: Traffic | None = None) -> QuantizedStep:
         server = self.phases == 2 or (self.phases == "auto" and route.exchange_ranks > 2)
-        codec, decay = self._pick(adaptive, traffic)
+        codec, decay = self._pick(adaptive, traffic, route)
         return QuantizedStep(codec, errors, self.chunk_size, exact_mask, error_decay=decay,
                              server=server, guard_threshold=self.exact_step_threshold,
                              measure=self.measure, guard_half=self.guard_half)

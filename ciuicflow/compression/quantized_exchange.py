@@ -53,7 +53,8 @@ class Codec:
     name: str
     granule: int = 1
 
-    def payload_bytes(self, numel: int) -> int:
+    def payload_bytes(self, numel: int, chunk: int) -> int:
+        """Bytes of the payload of ``numel`` elements in chunks of ``chunk``."""
         raise NotImplementedError
 
     def pack(self, x: torch.Tensor, error: torch.Tensor, chunk: int):
@@ -174,7 +175,7 @@ class _Layout:
             return _Layout(numel, exact, world, 0, chunk_size, raw, server, 0)
         chunk, segment = even_chunks(codec, per_rank, chunk_size)
         return _Layout(numel, exact, world, segment, chunk, raw, server,
-                       codec.payload_bytes(segment))
+                       codec.payload_bytes(segment, chunk))
 
     @property
     def parts(self) -> int:
@@ -310,7 +311,8 @@ class QuantizedStep:
         """Write the decompressed result into x: the rows' mean (one phase) or the rows laid end to
         end (two phases: row j is segment j)."""
         codec, errors = self.codec, self.errors
-        nbytes, nscales = codec.payload_bytes, (lambda n: -(-n // layout.chunk))
+        nbytes = (lambda n: codec.payload_bytes(n, layout.chunk))
+        nscales = (lambda n: -(-n // layout.chunk))
         unpack = (lambda n, out: codec.unpack_mean(
             packed[:, :nbytes(n)].contiguous(), scales[:, :nscales(n)].contiguous(), n,
             layout.chunk, out)) if mean_of_rows else \

@@ -133,7 +133,7 @@ def quantized_reduce_scatter(codec: Codec, errors: ScatterErrors, output: torch.
                       raw.view(torch.uint8)], dim=1)
     received = torch.empty_like(send)
     all_to_all(received, send, hop, traffic)
-    nbytes = (codec.payload_bytes(padded), 4 * (padded // chunk), 4 * _FLAGS, 4 * raw.shape[1])
+    nbytes = (codec.payload_bytes(padded, chunk), 4 * (padded // chunk), 4 * _FLAGS, 4 * raw.shape[1])
     r_payload, r_scales, r_flags, r_raw = torch.split(received, nbytes, dim=1)
     r_flags = r_flags.contiguous().view(torch.float32)
     # the one host read: the flags pick the compressed or the exact path, the norms feed the guard

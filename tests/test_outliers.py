@@ -1,0 +1,217 @@
+"""The 1-bit codec with values in concentrated windows (compression.outliers) against a float64
+reference written from its rule, on fresh random inputs, odd sizes and every input dtype; and on
+real gloo processes, flat `onebit` through it (its error-feedback invariant)."""
+import pytest
+import torch
+
+from ciuicflow.compression import outliers
+from ciuicflow.compression.outliers import OneBitOutlierCodec
+from tests.dist_utils import run_distributed
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def reference(y, chunk, k):
+    """(decoded, hot chunks) of y (float64) by the rule, loop by loop: windows of 64 chunks, the
+    last one with any short rest; in a window whose largest 1% of y^2 holds > 0.4 of its energy,
+    each chunk sends its k largest |y| (bfloat16) and the mean |y| of the rest as its scale."""
+    n = y.numel()
+    nchunks = -(-n // chunk)
+    windows = max(1, nchunks // 64)
+    decoded = torch.zeros(n, dtype=torch.float64)
+    hot = torch.zeros(nchunks, dtype=torch.bool)
+    for w in range(windows):
+        first, end = w * 64, (nchunks if w == windows - 1 else (w + 1) * 64)
+        energy = y[first * chunk:min(end * chunk, n)].square()
+        top = max(1, int(energy.numel() * 0.01))
+        hot[first:end] = energy.sort(descending=True).values[:top].sum() > 0.4 * energy.sum()
+    for c in range(nchunks):
+        part = y[c * chunk:min((c + 1) * chunk, n)]
+        out = torch.empty_like(part)
+        if hot[c]:
+            picked = part.abs().argsort(descending=True)[:k]
+            rest = torch.ones(part.numel(), dtype=torch.bool)
+            rest[picked] = False
+            scale = part[rest].abs().mean() if rest.any() else torch.tensor(0.0, dtype=torch.float64)
+            out = torch.where(part >= 0, scale, -scale)
+            out[picked] = part[picked].to(torch.bfloat16).double()
+        else:
+            scale = part.abs().mean()
+            out = torch.where(part >= 0, scale, -scale)
+        decoded[c * chunk:c * chunk + part.numel()] = out
+    return decoded, hot
+
+
+def spiky(n, seed, concentrated_windows, chunk):
+    """Gaussian values; the chunks of the windows listed get a few large spikes (clearly
+    concentrated: far from the threshold either way)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen)
+    for w in concentrated_windows:
+        lo, hi = w * 64 * chunk, min((w + 1) * 64 * chunk, n)
+        x[lo:hi:97] *= 40
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, chunk, windows", [
+    (1, 8, [0]), (7, 8, [0]), (300, 64, [0]), (300, 64, []), (64 * 256 + 5, 256, [0]),
+    (3 * 64 * 256 + 1000, 256, [1]), (3 * 64 * 256 + 1000, 256, [2]), (5 * 64 * 24 + 7, 24, [0, 3]),
+])
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_pack_and_unpack_match_the_rule(dtype, n, chunk, windows, decay):
+    codec = OneBitOutlierCodec(4)
+    x = spiky(n, n + chunk, windows, chunk).to(dtype)
+    error = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.1
+    before = error.clone()
+    error_out = torch.empty(n)
+    payload, scales, sums = codec.pack_ef(x, error, decay, error_out, chunk)
+    assert torch.equal(error, before)  # the memory is read, the new one written elsewhere
+    assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes(n, chunk)
+    assert payload.numel() == -(-n // chunk) * (chunk // 8 + 12)
+    y = x.float() + (before * decay)  # as the native pack rounds it
+    want, hot = reference(y.double(), chunk, 4)
+    assert torch.equal(torch.signbit(scales), hot)  # the marker
+    out = codec.unpack(payload, scales, n, chunk, torch.full((n,), float("nan")))
+    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5)
+    # what was not sent is the memory, and the guard's sums say so
+    assert torch.allclose(error_out.double(), y.double() - out.double(), atol=1e-5)
+    assert sums[0].item() == pytest.approx(error_out.double().square().sum().item(), rel=1e-5)
+    assert sums[1].item() == pytest.approx(x.double().square().sum().item(), rel=1e-5)
+
+
+def test_the_memory_may_be_the_error_it_is_computed_from():
+    codec, n, chunk = OneBitOutlierCodec(4), 2 * 64 * 256 + 300, 256
+    x = spiky(n, 1, [0, 1], chunk)
+    error = torch.randn(n) * 0.1
+    y = x + error * 0.5
+    payload, scales, _ = codec.pack_ef(x, error, 0.5, error, chunk)  # in place, as the server's
+    out = codec.unpack(payload, scales, n, chunk, torch.empty(n))
+    assert torch.signbit(scales).all()
+    assert torch.allclose(out.double(), reference(y.double(), chunk, 4)[0], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(error, y - out, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("n, chunk", [(9, 8), (1000, 64), (2 * 64 * 256 + 77, 256)])
+def test_unpack_mean_is_the_mean_of_the_rows_and_the_same_every_time(rows, n, chunk):
+    codec = OneBitOutlierCodec(4)
+    payloads, scales = [], []
+    for r in range(rows):
+        windows = [0] if r % 2 == 0 else []  # hot chunks in some rows, not in others
+        error = torch.zeros(n)
+        p, s, _ = codec.pack_ef(spiky(n, 10 * r + n, windows, chunk), error, 1.0, error, chunk)
+        payloads.append(p)
+        scales.append(s)
+    payload, scale = torch.stack(payloads), torch.stack(scales)
+    want = torch.stack([codec.unpack(payload[r], scale[r], n, chunk, torch.empty(n)).double()
+                        for r in range(rows)]).mean(0)
+    got = codec.unpack_mean(payload, scale, n, chunk, torch.full((n,), float("nan")))
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    again = codec.unpack_mean(payload, scale, n, chunk, torch.empty(n))
+    assert torch.equal(got, again)
+
+
+def test_a_short_last_window_is_judged_with_the_one_before_it():
+    """A bucket's tail (biases: a few large values after a long Gaussian weight) does not make
+    its own window; judged alone it would send values."""
+    codec, chunk = OneBitOutlierCodec(4), 256
+    n = 64 * chunk + 3 * chunk
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    x[64 * chunk:] *= 0.01
+    x[64 * chunk::50] = 5.0  # concentrated within the tail, small against the window
+    error = torch.zeros(n)
+    _, scales, _ = codec.pack_ef(x, error, 1.0, error, chunk)
+    assert not torch.signbit(scales).any()
+
+
+def test_a_threshold_of_zero_sends_values_everywhere_and_of_one_nowhere(monkeypatch):
+    """The gate is what decides (a reference that ignored it would pass the tests above only
+    by luck of the inputs)."""
+    codec, n, chunk = OneBitOutlierCodec(4), 3 * 64 * 256, 256
+    x = torch.randn(n)
+    for threshold, marked in [(0.0, True), (1.0, False)]:
+        monkeypatch.setattr(outliers, "THRESHOLD", threshold)
+        error = torch.zeros(n)
+        _, scales, _ = codec.pack_ef(x, error, 1.0, error, chunk)
+        assert bool(torch.signbit(scales).all()) is marked and \
+            bool(torch.signbit(scales).any()) is marked
+
+
+def test_bad_options_raise_clear_errors():
+    from ciuicflow.compression.onebit import OneBitCompressor
+
+    with pytest.raises(ValueError, match="values"):
+        OneBitOutlierCodec(0)
+    with pytest.raises(ValueError, match="at most 256"):
+        OneBitOutlierCodec(4).payload_bytes(1000, 512)
+    with pytest.raises(ValueError, match="outliers"):
+        OneBitCompressor(outliers=-1)
+    with pytest.raises(ValueError, match="outliers"):
+        OneBitCompressor(outliers="many")
+    with pytest.raises(ValueError, match="chunk_size <= 256"):
+        OneBitCompressor(outliers=4, chunk_size=512)
+    assert OneBitCompressor(chunk_size=512).own_codec(None).name == "onebit"  # auto: plain
+
+
+def test_auto_sends_values_on_the_flat_route_only():
+    from ciuicflow.collectives.routes import FlatRoute, HierarchicalRoute
+    from ciuicflow.compression.onebit import OneBitCodec, OneBitCompressor
+
+    auto = OneBitCompressor()
+    assert isinstance(auto.own_codec(FlatRoute(None)), OneBitOutlierCodec)
+    assert isinstance(auto.own_codec(HierarchicalRoute(None)), OneBitCodec)
+    assert isinstance(auto.own_codec(None), OneBitCodec)  # FSDP's reduce-scatter
+    assert isinstance(OneBitCompressor(outliers=2).own_codec(HierarchicalRoute(None)),
+                      OneBitOutlierCodec)
+    assert isinstance(OneBitCompressor(outliers=0).own_codec(FlatRoute(None)), OneBitCodec)
+    # an adaptive optimizer's tensors keep their codec
+    assert auto.codec_for(True, FlatRoute(None)).name == "int4"
+
+
+# -- on real processes -----------------------------------------------------------------------
+
+
+def _flat_invariant(rank, world, steps, numel, chunk, phases):
+    from ciuicflow.collectives.primitives import Traffic
+    from ciuicflow.collectives.routes import FlatRoute
+    from ciuicflow.compression.onebit import OneBitCompressor
+    from ciuicflow.compression.quantized import QuantizedErrors, quantized_all_reduce
+    from ciuicflow.topology import Topology
+
+    topology = Topology.detect()
+    compressor = OneBitCompressor(chunk_size=chunk, error_decay=1.0, phases=phases)
+    assert isinstance(compressor.own_codec(FlatRoute(topology)), OneBitOutlierCodec)
+    errors, traffic, outputs = QuantizedErrors(), Traffic(), []
+    for step in range(steps):
+        x = spiky(numel, 1000 * rank + step, [0, 2], chunk)
+        quantized_all_reduce(compressor, x, errors, topology, hierarchical=False, traffic=traffic)
+        outputs.append(x)
+    return {"outputs": torch.stack(outputs), "worker": errors.worker.clone(),
+            "server": errors.server.clone(), "traffic": traffic.as_dict()}
+
+
+@pytest.mark.parametrize("phases", [2, 1])
+def test_flat_onebit_with_values_keeps_the_error_feedback_invariant(phases):
+    """sum_t out_t + mean(worker errors) + server errors == sum_t exact mean_t, per element, with
+    values sent (all of the memory carried, so nothing is forgotten); the results agree on every
+    rank; the bytes are the block layout's."""
+    world, steps, numel, chunk = 4, 4, 3 * 64 * 256 + 1234, 256
+    results = run_distributed(_flat_invariant, world, nodes=2, args=(steps, numel, chunk, phases))
+    for r in results[1:]:
+        assert torch.equal(r["outputs"], results[0]["outputs"])
+    exact = sum(torch.stack([spiky(numel, 1000 * r + s, [0, 2], chunk).double()
+                             for r in range(world)]).mean(0) for s in range(steps))
+    held = torch.stack([r["worker"].double() for r in results]).mean(0)[:numel]
+    server = torch.cat([r["server"].double() for r in results])
+    if phases == 2:
+        held += server[:numel]
+    else:
+        assert server.numel() == 0
+    sent = results[0]["outputs"].double().sum(0)
+    assert (sent + held - exact).abs().max().item() < 1e-4 * steps
+    assert held.abs().max().item() > 0.1
+    # 1.5 bits per element with the scale: 21.3x against float32, less a little padding
+    traffic = results[0]["traffic"]
+    ratio = traffic["exact_inter_bytes"] / traffic["inter_bytes"]
+    assert (19 if phases == 2 else 19 * 2 / world) < ratio < 21.4, traffic
