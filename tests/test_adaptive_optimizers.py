@@ -110,13 +110,17 @@ def test_adaptive_optimizer_tensors_go_as_int4_by_default():
         same = by["same"]
         assert _bytes_and_codecs(by["default"]) == _bytes_and_codecs(by["int4"]), hook  # the default: int4
         assert by["default"]["gap"] == by["int4"]["gap"], hook
-        for policy, payload_ratio in (("int4", (0.15, 0.5)), ("int8", (0.1, 0.3))):
+        # int4 sends about 4x the payload of 1-bit (4 bits per element against 1, plus scales), int8
+        # about 8x. On the flat route 1-bit also sends 4 values per 256-element chunk (1.5 bits per
+        # element), so there the factors are about 2.7x and 5x. Measured (2026-12-03): hierarchical
+        # 0.35 / 0.19; flat 0.57 / 0.31, and 0.36 / 0.20 if the flat route's values are left out.
+        bounds = {"hierarchical_1bit": (("int4", (0.15, 0.45)), ("int8", (0.1, 0.25))),
+                  "onebit": (("int4", (0.45, 0.7)), ("int8", (0.25, 0.4)))}[hook]
+        for policy, payload_ratio in bounds:
             adam = by[policy]
             # the buckets of the 10 compressed steps went with that codec (several per step), said once
             assert adam["stats"]["adaptive_codec_reductions"] > 2 * 10, (hook, policy)
             assert adam["warned"] and not same["warned"], (hook, policy)
-            # int4 sends about 4x the payload of 1-bit (4 bits per element against 1, plus scales),
-            # int8 about 8x
             ratio = adam["stats"]["compression_ratio"] / same["stats"]["compression_ratio"]
             assert payload_ratio[0] < ratio < payload_ratio[1], (hook, policy, ratio)
             # and stays closer to exact training (measured: int8 0.024 of exact training's movement

@@ -162,6 +162,8 @@ def test_auto_sends_values_on_the_flat_route_only():
     assert isinstance(auto.own_codec(FlatRoute(None)), OneBitOutlierCodec)
     assert isinstance(auto.own_codec(HierarchicalRoute(None)), OneBitCodec)
     assert isinstance(auto.own_codec(None), OneBitCodec)  # FSDP's reduce-scatter
+    # HSDP's replicas exchange node sums, as the hierarchical route's second level does
+    assert isinstance(auto.own_codec(FlatRoute(None, node_summed=True)), OneBitCodec)
     assert isinstance(OneBitCompressor(outliers=2).own_codec(HierarchicalRoute(None)),
                       OneBitOutlierCodec)
     assert isinstance(OneBitCompressor(outliers=0).own_codec(FlatRoute(None)), OneBitCodec)

@@ -61,9 +61,15 @@ class FlatRoute:
     """Every rank of the group in one hop."""
 
     name = "flat"
+    # True where what enters the exchange is already a node's sum (the hierarchical route's second
+    # level, or HSDP's replicas after FSDP2's reduce-scatter inside the node): compressors' "auto"
+    # defaults then follow the hierarchical route's (compression/onebit.py)
+    node_summed = False
 
-    def __init__(self, topology):
+    def __init__(self, topology, *, node_summed: bool | None = None):
         self.topology = topology
+        if node_summed is not None:
+            self.node_summed = bool(node_summed)
 
     @property
     def exchange_ranks(self) -> int:
@@ -104,6 +110,7 @@ class HierarchicalRoute(FlatRoute):
     """Node sum, a step over the nodes, node gather (flat where nodes are uneven or alone)."""
 
     name = "hierarchical"
+    node_summed = True
 
     @property
     def exchange_ranks(self) -> int:

@@ -74,9 +74,10 @@ class OneBitCompressor(QuantizedCompressor):
     def __init__(self, *, outliers="auto", **options):
         """``outliers``: values each chunk of a concentrated window also sends
         (``compression.outliers``): an int in [0, 16] on every route, or "auto" (the default):
-        the registry's ``flat_values`` (4) on the flat route where ``chunk_size`` <= 256, none on
-        the hierarchical route or the reduce-scatter form (where plain scale x sign kept accuracy
-        and the values measured worse: docs/convergence.md)."""
+        the registry's ``flat_values`` (4) on the flat route where ``chunk_size`` <= 256, none where
+        the exchange carries node sums (the hierarchical route, HSDP's replicas in ciuicflow.fsdp)
+        or in the reduce-scatter form (where plain scale x sign kept accuracy and the values
+        measured worse on the hierarchical route: docs/convergence.md)."""
         super().__init__(**options)
         if outliers != "auto" and (isinstance(outliers, bool) or not isinstance(outliers, int)
                                    or not 0 <= outliers <= 16):
@@ -92,7 +93,7 @@ class OneBitCompressor(QuantizedCompressor):
     def own_codec(self, route=None):
         if self._outlier_codec is None:
             return self.codec
-        if self.outliers == "auto" and getattr(route, "name", None) != "flat":
+        if self.outliers == "auto" and (route is None or route.node_summed):
             return self.codec
         return self._outlier_codec
 
