@@ -125,6 +125,23 @@ def test_a_short_last_window_is_judged_with_the_one_before_it():
     assert not torch.signbit(scales).any()
 
 
+@pytest.mark.parametrize("share", [0.39, 0.41])
+def test_the_gate_is_exact_at_its_threshold(share):
+    """A window whose largest 1% are all equal holds exactly top x its largest: the shortcut that
+    skips the topk of windows under that bound must not decide such a window either way."""
+    chunk = 256
+    numel = outliers.WINDOW_CHUNKS * chunk
+    top = int(numel * outliers.TOP_SHARE)
+    y = torch.ones(numel)
+    # top elements of energy a each, the rest 1: top a / (top a + rest) = share
+    a = share * (numel - top) / ((1 - share) * top)
+    y[torch.randperm(numel, generator=torch.Generator().manual_seed(3))[:top]] = a ** 0.5
+    verdict = outliers._concentrated(y.view(-1, chunk), numel, chunk)
+    assert verdict.shape == (outliers.WINDOW_CHUNKS,)
+    assert bool(verdict.all()) == (share > outliers.THRESHOLD)
+    assert bool(verdict.any()) == (share > outliers.THRESHOLD)
+
+
 def test_a_threshold_of_zero_sends_values_everywhere_and_of_one_nowhere(monkeypatch):
     """The gate is what decides (a reference that ignored it would pass the tests above only
     by luck of the inputs)."""
