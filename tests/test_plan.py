@@ -80,7 +80,8 @@ def test_under_adam_the_one_bit_methods_cost_their_int4_codec():
         if not ours.startswith("fsdp"):  # (FSDP's parameter all-gathers do not change)
             # int4: 4.125 bits per element; 1-bit 1.125 (hierarchical) or 1.5 (flat: 4 values
             # reserved per chunk, compression.outliers)
-            assert under_adam.inter_node_bytes_per_node > 2.5 * pl.estimate(
+            factor = 2.5 if ours == "onebit" else 3
+            assert under_adam.inter_node_bytes_per_node > factor * pl.estimate(
                 ours, _cluster(), sgd).inter_node_bytes_per_node, ours
     assert pl.estimate("hierarchical_1bit", _cluster(), adam).inter_node_bytes_per_node == pytest.approx(
         1e6 * (4 / 8 + 4 / 256))
