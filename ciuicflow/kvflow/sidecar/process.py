@@ -3,6 +3,7 @@ for the kv-demo, benchmarks and scripts."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -26,13 +27,42 @@ def log_tail(path: str, n: Optional[int] = 3000) -> str:
 
 
 _handed_out: set = set()
+_random = random.Random()      # its own generator: a test seeding `random` must not make two runs pick alike
+
+
+def _ephemeral_range() -> tuple:
+    """The kernel's range for ``bind(0)`` and outgoing connections (Linux; the IANA range elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(x) for x in fh.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now and never returned before by this process: the kernel may hand the same
-    ephemeral port to two ``bind(0)`` calls in a row once the first socket is closed, and two sidecars told
-    to listen on one port make one of them fail to start."""
-    for _ in range(1000):
+    """A port free on 127.0.0.1 now, never returned before by this process, and outside the kernel's
+    ephemeral range. Why outside: a port picked now is bound later by a child process, and meanwhile any
+    ``bind(0)`` (a sidecar's data plane) or outgoing connection may be handed the same ephemeral port, so the
+    child fails with "Address already in use". Ports below the ephemeral range are only ever taken by name."""
+    low, _high = _ephemeral_range()
+    first = 10000 if low > 12000 else 1024
+    if low - first >= 1000:
+        for _ in range(1000):
+            port = _random.randrange(first, low)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
+    for _ in range(1000):          # no room below the ephemeral range: the kernel's choice, never repeated
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
