@@ -142,6 +142,23 @@ def test_the_gate_is_exact_at_its_threshold(share):
     assert bool(verdict.any()) == (share > outliers.THRESHOLD)
 
 
+def test_the_gate_matches_a_plain_topk_on_heavy_and_light_tails():
+    """Both shortcuts (an upper bound that rules windows out, a lower bound that rules them in)
+    give the verdicts of the topk they skip, on windows on either side of the threshold."""
+    chunk, gen = 256, torch.Generator().manual_seed(11)
+    elements = outliers.WINDOW_CHUNKS * chunk
+    top = int(elements * outliers.TOP_SHARE)
+    verdicts = []
+    for df in (0.8, 1.2, 1.6, 2.0, 2.5, 3.0, 30.0):
+        y = torch.randn(8, elements, generator=gen) / \
+            torch.rand(8, elements, generator=gen).pow(1 / df)  # Pareto-like tails: heavier as df falls
+        energy = y.square()
+        expected = energy.topk(top, dim=1).values.sum(1) > outliers.THRESHOLD * energy.sum(1)
+        assert torch.equal(outliers._top_holds(energy, elements, chunk), expected), df
+        verdicts += expected.tolist()
+    assert any(verdicts) and not all(verdicts)  # both sides of the threshold were tried
+
+
 def test_a_threshold_of_zero_sends_values_everywhere_and_of_one_nowhere(monkeypatch):
     """The gate is what decides (a reference that ignored it would pass the tests above only
     by luck of the inputs)."""

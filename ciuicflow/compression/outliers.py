@@ -189,8 +189,11 @@ def _top_holds(energy: torch.Tensor, elements: int, chunk: int) -> torch.Tensor:
     worth = sums.gather(1, order) / maxima.clamp(min=torch.finfo(maxima.dtype).tiny)
     taken = torch.minimum((top - (worth.cumsum(1) - worth)).clamp(min=0), worth)
     bound = (taken * maxima).sum(1)
-    held = torch.zeros_like(limit, dtype=torch.bool)
-    candidates = torch.nonzero(bound * (1 + 1e-3) > limit).view(-1)
+    # A lower bound too: the chunks' largest elements are ``top`` distinct elements or fewer, so
+    # the top ``top`` hold at least the largest of them; a window above the limit by it passes.
+    surely = maxima[:, :top].sum(1) > limit * (1 + 1e-3)
+    held = surely.clone()
+    candidates = torch.nonzero((bound * (1 + 1e-3) > limit) & ~surely).view(-1)
     if candidates.numel():
         rows = energy.index_select(0, candidates)
         held[candidates] = rows.topk(top, dim=1).values.sum(1) > limit[candidates]
