@@ -258,9 +258,9 @@ def _check_onebit_invariant(results, world, nodes, steps, hierarchical, chunk_si
     traffic = results[0]["traffic"]
     if not exclude_every and numel > 4000:
         exchange = nodes if hierarchical else world
-        # one phase sends (W-1) compressed tensors where two send 2(W-1)/W; the flat route's
-        # chunks also reserve 4 values (24 bits each, compression.outliers)
-        bits = 1 + 32 / chunk_size + (0 if hierarchical or chunk_size > 256 else 96 / chunk_size)
+        # one phase sends (W-1) compressed tensors where two send 2(W-1)/W; the chunks also
+        # reserve 4 values (24 bits each, compression.outliers)
+        bits = 1 + 32 / chunk_size + (0 if chunk_size > 256 else 96 / chunk_size)
         floor = 0.8 * 32 / bits * (1 if two_phase else 2 / exchange)
         assert traffic["exact_inter_bytes"] / traffic["inter_bytes"] > floor, (case, traffic)
 

@@ -4,7 +4,7 @@ A chunk's scale is the mean |value| of its elements (the L2-optimal scale for si
 so a chunk spanning elements of different size sends the small ones a large +-scale (noise) and
 the large ones too little (delay): the chunk is short by default (docs/hooks.md, "Defaults, and
 why", has the measurements). 256 elements per scale (the registry's default) cost 1/8 bit per
-element: 28x against float32. On the flat route, chunks of concentrated windows also send their 4
+element: 28x against float32. In DDP's hooks, chunks of concentrated windows also send their 4
 largest values (``compression.outliers``; every chunk reserves them: 1.5 bits per element, 21x).
 """
 from __future__ import annotations
@@ -71,15 +71,15 @@ class OneBitCompressor(QuantizedCompressor):
     default_chunk_size = DEFAULT_CHUNK_SIZE
     default_error_decay = 0.5
     default_guard_threshold = _COST.guard_threshold
-    default_outliers = _COST.flat_values
+    default_outliers = _COST.values
 
     def __init__(self, *, outliers="auto", **options):
         """``outliers``: values each chunk of a concentrated window also sends
         (``compression.outliers``): an int in [0, 16] on every route, or "auto" (the default):
-        the registry's ``flat_values`` (4) on the flat route where ``chunk_size`` <= 256, none where
-        the exchange carries node sums (the hierarchical route, HSDP's replicas in ciuicflow.fsdp)
-        or in the reduce-scatter form (where plain scale x sign kept accuracy and the values
-        measured worse on the hierarchical route: docs/convergence.md)."""
+        the registry's ``values`` (4) on DDP's routes, flat and hierarchical, where ``chunk_size``
+        <= 256 (they took the CNN of bench/convergence.py from 1.5-3.5 points below exact flat,
+        and up to 1.35 hierarchical, to within a point on every seed: docs/convergence.md); none
+        in ciuicflow.fsdp (HSDP's replicas and the reduce-scatter), not measured with them."""
         super().__init__(**options)
         if outliers != "auto" and (isinstance(outliers, bool) or not isinstance(outliers, int)
                                    or not 0 <= outliers <= 16):
@@ -95,7 +95,11 @@ class OneBitCompressor(QuantizedCompressor):
     def own_codec(self, route=None):
         if self._outlier_codec is None:
             return self.codec
-        if self.outliers == "auto" and (route is None or route.node_summed):
+        # "auto": DDP's routes, flat and hierarchical, send values; ciuicflow.fsdp's exchanges
+        # (the reduce-scatter, route None, and HSDP's replicas, a flat route over node sums) do
+        # not: they were not measured with them (docs/convergence.md)
+        if self.outliers == "auto" and (route is None or (route.node_summed
+                                                          and route.name == "flat")):
             return self.codec
         return self._outlier_codec
 

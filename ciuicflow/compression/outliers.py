@@ -29,6 +29,8 @@ chunks are redone here in torch ops (1-2% of a tensor's elements are values).
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ciuicflow.compression.quantized_exchange import Codec, native_ops
@@ -37,6 +39,22 @@ WINDOW_CHUNKS = 64
 TOP_SHARE = 0.01
 THRESHOLD = 0.4
 MAX_CHUNK = 256  # positions are one byte
+ENERGY_BLOCK = 64 * WINDOW_CHUNKS * MAX_CHUNK  # y^2 is formed this many elements at a time
+
+# Scratch buffers reused across calls, one set per thread (hooks may pack on a worker thread). A
+# fresh tensor of a bucket's size costs a page fault per 4 KiB on first touch (large blocks come
+# from mmap and go back to the system when freed): that made the gate cost 8x the native pack.
+_scratch = threading.local()
+
+
+def _buffer(name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A float32 buffer of at least ``numel`` elements on ``like``'s device, kept for this thread
+    (its contents are whatever the last call left)."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < numel or buf.device != like.device:
+        buf = torch.empty(numel, dtype=torch.float32, device=like.device)
+        setattr(_scratch, name, buf)
+    return buf[:numel]
 
 
 class OneBitOutlierCodec(Codec):
@@ -79,7 +97,8 @@ class OneBitOutlierCodec(Codec):
             return payload.view(-1), scales, sums
         # y = what was packed: the new memory plus what the signs decode to (error_out may be the
         # memory it was computed from, so y cannot be rebuilt from the inputs)
-        y = x.new_zeros(nchunks * chunk, dtype=torch.float32)
+        y = _buffer("y", nchunks * chunk, x)
+        y[n:].zero_()
         native_ops().onebit_unpack(signs, scales, n, chunk, out=y[:n])
         y[:n] += error_out
         hot = torch.nonzero(_concentrated(y.view(nchunks, chunk), n, chunk)).view(-1)
@@ -159,13 +178,16 @@ def _concentrated(y: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:
     more than ``THRESHOLD`` of the window's energy? (bool [nchunks])"""
     nchunks = y.shape[0]
     windows = max(1, nchunks // WINDOW_CHUNKS)
-    energy = y.view(-1).square()
+    flat = y.view(-1)
     full = (windows - 1) * WINDOW_CHUNKS * chunk  # the windows before the last, all full
+    window = WINDOW_CHUNKS * chunk
     verdicts = []
-    if full:
-        e = energy[:full].view(windows - 1, -1)
-        verdicts.append(_top_holds(e, e.shape[1], chunk))
-    last = energy[full:].view(1, -1)
+    step = max(window, ENERGY_BLOCK // window * window)
+    for start in range(0, full, step):  # y^2 a block at a time, in a reused buffer
+        part = flat[start:min(full, start + step)]
+        e = torch.mul(part, part, out=_buffer("energy", part.numel(), y)).view(-1, window)
+        verdicts.append(_top_holds(e, window, chunk))
+    last = flat[full:].square().view(1, -1)
     verdicts.append(_top_holds(last, numel - full, chunk))
     per_window = torch.cat(verdicts)
     counts = torch.full((windows,), WINDOW_CHUNKS, device=y.device)

@@ -33,8 +33,8 @@ class Cost:
     chunk_size: int = 0
     rank: int = 0
     guard_threshold: float = 0.0
-    flat_values: int = 0  # values per chunk the flat route also sends, 24 bits each
-    #                        (compression.outliers), in concentrated windows: a fixed reservation
+    values: int = 0  # values per chunk DDP's hooks also send, 24 bits each
+    #                   (compression.outliers), in concentrated windows: a fixed reservation
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,8 @@ ENTRIES = (
           {"hierarchical": "hierarchical_1bit", "flat": "onebit"},
           "1-bit signs with a scale per chunk and error feedback",
           Cost("quantized", payload_bits=1, adaptive_family="int4", chunk_size=256,
-               guard_threshold=4.0, flat_values=4),
-          "the most compression with SGD (about 28x hierarchical, 21x flat); under Adam-family optimizers "
+               guard_threshold=4.0, values=4),
+          "the most compression with SGD (about 21x; 28x in ciuicflow.fsdp); under Adam-family optimizers "
           "its buckets go as int4 (about 7.5x); watch the accuracy guard"),
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",
           {"hierarchical": "hierarchical_powersgd", "flat": "powersgd"},

@@ -108,16 +108,16 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
                     parts, buckets)
 
 
-def _packed_bytes_per_element(method_cost, w: Workload, flat: bool = False) -> float:
+def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False) -> float:
     """A quantising method's bytes per element: the values (with the codec it sends an adaptive
-    optimizer's gradients with, under one), one float32 scale per chunk and, on the flat route,
-    the values each chunk reserves (``Cost.flat_values``, 3 bytes each, chunks of <= 256)."""
+    optimizer's gradients with, under one), one float32 scale per chunk and, with ``values`` (DDP's
+    hooks), the values each chunk reserves (``Cost.values``, 3 bytes each, chunks of <= 256)."""
     bits = method_cost.payload_bits
     chunk = w.chunk_size or method_cost.chunk_size
     if w.optimizer == "adam" and method_cost.adaptive_family:
         bits = registry.FAMILIES[method_cost.adaptive_family].cost.payload_bits
-    elif flat and method_cost.flat_values and chunk <= 256:
-        return bits / 8 + (4 + 3 * method_cost.flat_values) / chunk
+    elif values and method_cost.values and chunk <= 256:
+        return bits / 8 + (4 + 3 * method_cost.values) / chunk
     return bits / 8 + 4 / chunk
 
 
@@ -125,7 +125,7 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
     """A quantising method (1-bit, int8): the two-phase exchange of compression.quantized."""
     g, n, p = c.gpus_per_node, c.nodes, c.world
     elems = w.params
-    per_elem = _packed_bytes_per_element(method_cost, w, flat=not hierarchical)
+    per_elem = _packed_bytes_per_element(method_cost, w, values=True)
     if hierarchical and n > 1 and g > 1:
         nbytes = elems * w.grad_bytes
         rs = _scatter_or_gather(g, nbytes, c.intra_bw, c.intra_latency)
