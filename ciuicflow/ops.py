@@ -33,6 +33,7 @@ __all__ = [
     "onebit_pack_ef",
     "onebit_unpack",
     "onebit_unpack_mean",
+    "onebit_chunk_energy",
     "orthogonalize_",
     "int8_pack",
     "int8_unpack",
@@ -85,6 +86,16 @@ def onebit_pack_ef(
         ``(sum(error_out**2), sum(x**2))``.
     """
     return torch.ops.ciuicflow.onebit_pack_ef(x, error, float(error_decay), error_out, chunk_size)
+
+
+def onebit_chunk_energy(packed: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
+                        chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """Per chunk, the energy of what a pack packed: ``y = onebit_unpack(packed, scales) + error``
+    (``error``: float32, the numel of the vector); returns float32 ``[ceil(n/chunk_size), 2]``
+    holding each chunk's ``(sum y**2, max y**2)`` over its elements (padding excluded). The
+    outlier gate's measure (``compression.outliers``), in one pass. CPU tensors only.
+    """
+    return torch.ops.ciuicflow.onebit_chunk_energy(packed, scales, error, chunk_size)
 
 
 def onebit_unpack(
@@ -234,6 +245,11 @@ def _onebit_unpack_into_fake(packed, scales, numel, chunk_size, out):
 @torch.library.register_fake("ciuicflow::onebit_unpack_mean_into")
 def _onebit_unpack_mean_into_fake(packed, scales, numel, chunk_size, out):
     return None
+
+
+@torch.library.register_fake("ciuicflow::onebit_chunk_energy")
+def _onebit_chunk_energy_fake(packed, scales, error, chunk_size):
+    return scales.new_empty((scales.numel(), 2), dtype=torch.float32)
 
 
 @torch.library.register_fake("ciuicflow::orthogonalize_")

@@ -110,6 +110,35 @@ def test_onebit_pack_ef_checks_its_error_buffers():
     ops.onebit_pack(torch.empty(0), torch.empty(0), 8)  # empty tensors share nothing
 
 
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk", [8, 24, 256])
+def test_onebit_chunk_energy_matches_reference(n, chunk):
+    """Per chunk (sum y^2, max y^2) of y = the decoded pack + its new error, against float64 (the
+    outlier gate's measure; CPU only). Spikes make the maxima differ from chunk to chunk."""
+    x, error = fresh(n, torch.float32, "cpu", seed=n * 7 + chunk)
+    x[::97] *= 50
+    packed, scales = ops.onebit_pack(x, error, chunk)
+    y = ref.onebit_unpack(packed, scales, n, chunk) + error.double()
+    nchunks = -(-n // chunk)
+    padded = torch.zeros(nchunks * chunk, dtype=torch.float64)
+    padded[:n] = y.square()
+    want = torch.stack([padded.view(nchunks, chunk).sum(1), padded.view(nchunks, chunk).amax(1)], 1)
+    got = ops.onebit_chunk_energy(packed, scales, error, chunk)
+    assert got.dtype == torch.float32 and got.shape == (nchunks, 2)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-30)
+
+
+def test_onebit_chunk_energy_checks_its_arguments():
+    packed, scales = ops.onebit_pack(torch.randn(20), torch.zeros(20), 8)
+    with pytest.raises(RuntimeError, match="error must be a 1-D float32"):
+        ops.onebit_chunk_energy(packed, scales, torch.zeros(20, dtype=torch.float64), 8)
+    with pytest.raises(RuntimeError, match="packed has 3 bytes per vector, numel 30 needs 4"):
+        ops.onebit_chunk_energy(packed, scales, torch.zeros(30), 8)
+    with pytest.raises(RuntimeError, match="chunk_size must be a positive multiple of 8"):
+        ops.onebit_chunk_energy(packed, scales, torch.zeros(20), 12)
+    assert ops.onebit_chunk_energy(packed[:0], scales[:0], torch.zeros(0), 8).shape == (0, 2)
+
+
 def ref_error_before(x, n, chunk):
     # fresh() is deterministic, so the error the op saw can be regenerated.
     return fresh(n, x.dtype, "cpu", seed=n * 31 + chunk)[1].double()

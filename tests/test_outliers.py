@@ -125,6 +125,14 @@ def test_a_short_last_window_is_judged_with_the_one_before_it():
     assert not torch.signbit(scales).any()
 
 
+def gate(y, numel, chunk):
+    """The gate's verdict per chunk on a given y (whole chunks; padding 0)."""
+    rows = y.view(-1, chunk)
+    energy = rows.square()
+    return outliers._concentrated(torch.stack([energy.sum(1), energy.amax(1)], 1), numel, chunk,
+                                  lambda idx: (rows.index_select(0, idx), None))
+
+
 @pytest.mark.parametrize("share", [0.39, 0.41])
 def test_the_gate_is_exact_at_its_threshold(share):
     """A window whose largest 1% are all equal holds exactly top x its largest: the shortcut that
@@ -136,7 +144,7 @@ def test_the_gate_is_exact_at_its_threshold(share):
     # top elements of energy a each, the rest 1: top a / (top a + rest) = share
     a = share * (numel - top) / ((1 - share) * top)
     y[torch.randperm(numel, generator=torch.Generator().manual_seed(3))[:top]] = a ** 0.5
-    verdict = outliers._concentrated(y.view(-1, chunk), numel, chunk)
+    verdict = gate(y, numel, chunk)
     assert verdict.shape == (outliers.WINDOW_CHUNKS,)
     assert bool(verdict.all()) == (share > outliers.THRESHOLD)
     assert bool(verdict.any()) == (share > outliers.THRESHOLD)
@@ -154,7 +162,10 @@ def test_the_gate_matches_a_plain_topk_on_heavy_and_light_tails():
             torch.rand(8, elements, generator=gen).pow(1 / df)  # Pareto-like tails: heavier as df falls
         energy = y.square()
         expected = energy.topk(top, dim=1).values.sum(1) > outliers.THRESHOLD * energy.sum(1)
-        assert torch.equal(outliers._top_holds(energy, elements, chunk), expected), df
+        per_chunk = energy.view(8, -1, chunk)
+        got = outliers._top_holds(per_chunk.sum(2), per_chunk.amax(2), elements,
+                                  lambda rows: energy[rows])
+        assert torch.equal(got, expected), df
         verdicts += expected.tolist()
     assert any(verdicts) and not all(verdicts)  # both sides of the threshold were tried
 

@@ -29,8 +29,6 @@ chunks are redone here in torch ops (1-2% of a tensor's elements are values).
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ciuicflow.compression.quantized_exchange import Codec, native_ops
@@ -39,22 +37,7 @@ WINDOW_CHUNKS = 64
 TOP_SHARE = 0.01
 THRESHOLD = 0.4
 MAX_CHUNK = 256  # positions are one byte
-ENERGY_BLOCK = 64 * WINDOW_CHUNKS * MAX_CHUNK  # y^2 is formed this many elements at a time
-
-# Scratch buffers reused across calls, one set per thread (hooks may pack on a worker thread). A
-# fresh tensor of a bucket's size costs a page fault per 4 KiB on first touch (large blocks come
-# from mmap and go back to the system when freed): that made the gate cost 8x the native pack.
-_scratch = threading.local()
-
-
-def _buffer(name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A float32 buffer of at least ``numel`` elements on ``like``'s device, kept for this thread
-    (its contents are whatever the last call left)."""
-    buf = getattr(_scratch, name, None)
-    if buf is None or buf.numel() < numel or buf.device != like.device:
-        buf = torch.empty(numel, dtype=torch.float32, device=like.device)
-        setattr(_scratch, name, buf)
-    return buf[:numel]
+ENERGY_BLOCK = 64 * WINDOW_CHUNKS * MAX_CHUNK  # y^2 of windows that need a topk, this many at a time
 
 
 class OneBitOutlierCodec(Codec):
@@ -96,15 +79,18 @@ class OneBitOutlierCodec(Codec):
         if n == 0:
             return payload.view(-1), scales, sums
         # y = what was packed: the new memory plus what the signs decode to (error_out may be the
-        # memory it was computed from, so y cannot be rebuilt from the inputs)
-        y = _buffer("y", nchunks * chunk, x)
-        y[n:].zero_()
-        native_ops().onebit_unpack(signs, scales, n, chunk, out=y[:n])
-        y[:n] += error_out
-        hot = torch.nonzero(_concentrated(y.view(nchunks, chunk), n, chunk)).view(-1)
+        # memory it was computed from, so y cannot be rebuilt from the inputs); formed only for the
+        # chunks that need it
+        sign_rows = padded.view(nchunks, sign_bytes)
+
+        def chunks_y(idx):
+            return _chunks_y(sign_rows, scales, error_out, n, chunk, idx)
+
+        energy = _chunk_energy(signs, scales, error_out, chunk)
+        hot = torch.nonzero(_concentrated(energy, n, chunk, chunks_y)).view(-1)
         if hot.numel() == 0:
             return payload.view(-1), scales, sums
-        yh = y.view(nchunks, chunk).index_select(0, hot)
+        yh, sign = chunks_y(hot)
         full = n // chunk  # chunks without padding; only the last chunk can hold some
         real = (n - hot * chunk).clamp(max=chunk)  # elements of each chunk that are not padding
         size = yh.abs()
@@ -121,8 +107,9 @@ class OneBitOutlierCodec(Codec):
         rest_scale = rest / (real - picked_real).clamp(min=1)
         # the new memory, in place of yh: y minus what it decodes to (+-the rest's scale, and the
         # bfloat16 value where picked); written by whole rows, as boolean masks cost 10x the rest
-        column_scale = rest_scale.view(-1, 1)
-        left = yh.sub_(torch.where(yh >= 0, column_scale, -column_scale))
+        left = yh.sub_(sign.mul_(rest_scale.view(-1, 1)))
+        if padded_hot:
+            left[-1, tail:] = 0.0
         left.scatter_(1, positions, picked.sub_(values.float()))
         if padded_hot:
             error_out[full * chunk:] = left[-1, :tail]
@@ -134,8 +121,9 @@ class OneBitOutlierCodec(Codec):
         scales[hot] = -rest_scale  # the marker: its sign bit (-0.0 included)
         payload[hot, sign_bytes:sign_bytes + 2 * k] = values.view(torch.uint8)
         payload[hot, sign_bytes + 2 * k:] = positions.to(torch.uint8)
-        if sums is not None:
-            sums[0] = torch.linalg.vector_norm(error_out, dtype=torch.float64).square()
+        if sums is not None:  # the memory changed: its energy again (float32 sums: a float64
+            # copy of the tensor cost 10x, and the guard needs no more than float32's precision)
+            sums[0] = torch.linalg.vector_norm(error_out).double().square()
         return payload.view(-1), scales, sums
 
     def unpack(self, payload, scales, numel, chunk, out):
@@ -173,35 +161,94 @@ class OneBitOutlierCodec(Codec):
         return out
 
 
-def _concentrated(y: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:
-    """Per chunk of ``y`` [nchunks, chunk]: does its window's largest ``TOP_SHARE`` of y^2 hold
-    more than ``THRESHOLD`` of the window's energy? (bool [nchunks])"""
-    nchunks = y.shape[0]
+def _chunk_energy(signs, scales, error, chunk):
+    """float32 [nchunks, 2]: per chunk (sum y^2, max y^2) of y = scale x sign + error, what a
+    plain pack packed. One native pass on CPU; torch ops elsewhere (``_chunk_energy_torch``)."""
+    if error.device.type == "cpu":
+        return native_ops().onebit_chunk_energy(signs, scales, error, chunk)
+    return _chunk_energy_torch(signs, scales, error, chunk)
+
+
+def _chunk_energy_torch(signs, scales, error, chunk):
+    """``_chunk_energy`` in torch ops (the reference of the native one)."""
+    n, nchunks = error.numel(), scales.numel()
+    y = error.new_zeros(nchunks * chunk)
+    native_ops().onebit_unpack(signs, scales, n, chunk, out=y[:n])
+    y[:n] += error
+    energy = y.view(nchunks, chunk).square()
+    return torch.stack([energy.sum(1), energy.amax(1)], dim=1)
+
+
+def _chunks_y(sign_rows, scales, error, numel, chunk, idx):
+    """(y, sign), float32 [len(idx), chunk] each, for the chunks ``idx`` (ascending): y = scale x
+    sign + error, as the plain pack left them; sign is +-1 from the packed bits. Padding past
+    ``numel`` is 0 in y."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=sign_rows.device)
+    bits = sign_rows.index_select(0, idx).unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
+    sign = bits.view(idx.numel(), chunk).to(torch.float32).mul_(2).sub_(1)
+    full = numel // chunk
+    tail = numel - full * chunk
+    padded = bool(tail) and idx.numel() > 0 and int(idx[-1]) == full
+    whole = idx[:-1] if padded else idx
+    rows = error.new_zeros(idx.numel(), chunk)
+    if whole.numel():
+        torch.index_select(error[:full * chunk].view(full, chunk), 0, whole,
+                           out=rows[:whole.numel()])
+    if padded:
+        rows[-1, :tail] = error[full * chunk:]
+    y = rows.addcmul_(sign, scales.index_select(0, idx).view(-1, 1))  # +-scale exactly, then + e
+    if padded:
+        y[-1, tail:] = 0.0
+    return y, sign
+
+
+def _concentrated(energy: torch.Tensor, numel: int, chunk: int, chunks_y) -> torch.Tensor:
+    """Per chunk: does its window's largest ``TOP_SHARE`` of y^2 hold more than ``THRESHOLD`` of
+    the window's energy? (bool [nchunks]). ``energy``: ``_chunk_energy``'s [nchunks, 2];
+    ``chunks_y(idx)``: (y, sign) of the chunks idx, for the windows the bounds cannot decide."""
+    nchunks = energy.shape[0]
     windows = max(1, nchunks // WINDOW_CHUNKS)
-    flat = y.view(-1)
-    full = (windows - 1) * WINDOW_CHUNKS * chunk  # the windows before the last, all full
-    window = WINDOW_CHUNKS * chunk
+    full = (windows - 1) * WINDOW_CHUNKS  # chunks of the windows before the last, all full
+
+    def window_energy(first, count):
+        def rows(which):  # y^2 of windows ``which`` (of ``count`` chunks from ``first``)
+            idx = (first[which].view(-1, 1) + torch.arange(count, device=energy.device)).view(-1)
+            return chunks_y(idx)[0].square_().view(which.numel(), -1)
+        return rows
+
     verdicts = []
-    step = max(window, ENERGY_BLOCK // window * window)
-    for start in range(0, full, step):  # y^2 a block at a time, in a reused buffer
-        part = flat[start:min(full, start + step)]
-        e = torch.mul(part, part, out=_buffer("energy", part.numel(), y)).view(-1, window)
-        verdicts.append(_top_holds(e, window, chunk))
-    last = flat[full:].square().view(1, -1)
-    verdicts.append(_top_holds(last, numel - full, chunk))
+    if full:
+        firsts = torch.arange(0, full, WINDOW_CHUNKS, device=energy.device)
+        part = energy[:full].view(windows - 1, WINDOW_CHUNKS, 2)
+        verdicts.append(_top_holds(part[..., 0], part[..., 1], WINDOW_CHUNKS * chunk,
+                                   window_energy(firsts, WINDOW_CHUNKS)))
+    last = energy[full:].view(1, -1, 2)
+    verdicts.append(_top_holds(last[..., 0], last[..., 1], numel - full * chunk,
+                               window_energy(torch.tensor([full], device=energy.device),
+                                             nchunks - full)))
     per_window = torch.cat(verdicts)
-    counts = torch.full((windows,), WINDOW_CHUNKS, device=y.device)
-    counts[-1] = nchunks - (windows - 1) * WINDOW_CHUNKS
+    counts = torch.full((windows,), WINDOW_CHUNKS, device=energy.device)
+    counts[-1] = nchunks - full
     return per_window.repeat_interleave(counts, output_size=nchunks)
 
 
-def _top_holds(energy: torch.Tensor, elements: int, chunk: int) -> torch.Tensor:
-    """Per row (a window of whole chunks) of ``energy``: do its largest ``TOP_SHARE`` of
-    ``elements`` hold more than ``THRESHOLD`` of it?"""
+def _top_holds(sums: torch.Tensor, maxima: torch.Tensor, elements: int, energy_rows) -> torch.Tensor:
+    """Per row (a window of whole chunks; ``sums`` and ``maxima`` [rows, chunks] its chunks' sum
+    and largest of y^2): do its largest ``TOP_SHARE`` of ``elements`` hold more than ``THRESHOLD``
+    of its energy? ``energy_rows(rows)``: y^2 of those windows, for the topk where the bounds
+    cannot decide."""
     top = max(1, int(elements * TOP_SHARE))
-    per_chunk = energy.view(energy.shape[0], -1, chunk)
-    sums, maxima = per_chunk.sum(2), per_chunk.amax(2)
     limit = THRESHOLD * sums.sum(1)
+    held = torch.zeros_like(limit, dtype=torch.bool)
+    # First the coarsest bound, ``top`` times the window's largest: it rules out most windows of
+    # a gradient that is not concentrated, before the sort below (which cost more than the rest)
+    open_rows = torch.nonzero(top * maxima.amax(1) * (1 + 1e-3) > limit).view(-1)
+    if open_rows.numel() == 0:
+        return held
+    if open_rows.numel() < limit.numel():
+        held[open_rows] = _top_holds(sums[open_rows], maxima[open_rows], elements,
+                                     lambda rows: energy_rows(open_rows[rows]))
+        return held
     # The topk costs 10x the rest of the pack, so windows that cannot pass skip it. An upper bound
     # of the top ``top``'s energy: no element is above its chunk's largest, and no chunk gives more
     # than its sum; the best split of ``top`` elements over the chunks under those caps fills the
@@ -214,9 +261,11 @@ def _top_holds(energy: torch.Tensor, elements: int, chunk: int) -> torch.Tensor:
     # A lower bound too: the chunks' largest elements are ``top`` distinct elements or fewer, so
     # the top ``top`` hold at least the largest of them; a window above the limit by it passes.
     surely = maxima[:, :top].sum(1) > limit * (1 + 1e-3)
-    held = surely.clone()
+    held |= surely
     candidates = torch.nonzero((bound * (1 + 1e-3) > limit) & ~surely).view(-1)
-    if candidates.numel():
-        rows = energy.index_select(0, candidates)
-        held[candidates] = rows.topk(top, dim=1).values.sum(1) > limit[candidates]
+    per_block = max(1, ENERGY_BLOCK // max(1, elements))  # bounds the y^2 held at once
+    for start in range(0, candidates.numel(), per_block):
+        which = candidates[start:start + per_block]
+        rows = energy_rows(which)
+        held[which] = rows.topk(top, dim=1).values.sum(1) > limit[which]
     return held

@@ -7,12 +7,11 @@
 
 #include <algorithm>
 
+#include "cpu_common.h"
 #include "intq_common.h"
 
 namespace ciuicflow {
 namespace {
-
-constexpr int64_t kGrainElements = 1 << 16;  // below this, threads cost more than they save
 
 template <typename F, typename scalar_t>
 void pack_chunk(const scalar_t* x, float* err, uint8_t* bytes, float* scale, int64_t len) {

@@ -14,19 +14,11 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_common.h"
 #include "onebit_common.h"
 
 namespace ciuicflow {
 namespace {
-
-constexpr int64_t kGrainElements = 1 << 16;  // below this, threads cost more than they save
-
-// Hot loops are compiled twice, for AVX2 and for baseline x86-64, and picked at load time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CIUICFLOW_HOT __attribute__((target_clones("avx2", "default")))
-#else
-#define CIUICFLOW_HOT
-#endif
 
 // Eight flags (one 0/1 byte each) -> one byte, flag k in bit k: the multiply gathers each
 // byte's low bit into the top byte.
