@@ -428,6 +428,55 @@ def test_shared_memory_node_sum_and_its_fallback(break_attach):
                 if name.startswith("ciuicflow-") and not name.startswith("ciuicflow-kv-")]
 
 
+def _kept_outputs(rank, world):
+    from ciuicflow.collectives import node_shm as shm
+    from ciuicflow.collectives.routes import EXACT, HierarchicalRoute
+    from ciuicflow.compression.onebit import OneBitCompressor
+    from ciuicflow.topology import Topology
+
+    route = HierarchicalRoute(Topology.detect())
+    gaps, kept = [], []
+
+    def check(result, flat, case, numel):
+        kept.append(result.data_ptr() != flat.data_ptr())
+        return (result.double() - _exact_mean(world, case, numel)).abs().max().item()
+
+    # two keys: the first result survives the second reduction, and its key's next call
+    a, b = _input(rank, 1, 4099), _input(rank, 2, 300_001)
+    result_a = route.reduce(a, EXACT, None, keep=0)
+    result_b = route.reduce(b, EXACT, None, keep=1)
+    gaps += [check(result_a, a, 1, 4099), check(result_b, b, 2, 300_001)]
+    c = _input(rank, 3, 5000)  # a larger tensor under key 0: its area grows
+    gaps.append(check(route.reduce(c, EXACT, None, keep=0), c, 3, 5000))
+    gaps.append(check(result_b, b, 2, 300_001))
+    # a compressed step gives the same bits kept or not (same memory, same input)
+    compressor = OneBitCompressor()
+    memories = [compressor.new_memory(), compressor.new_memory()]
+    same = []
+    for case in (4, 5):
+        step = [compressor.step(m, route, None, False, None) for m in memories]
+        in_place = _input(rank, case, 70_000)
+        route.reduce(in_place, step[0], None)
+        x = _input(rank, case, 70_000)
+        same.append(torch.equal(route.reduce(x, step[1], None, keep=2), in_place))
+    # over the budget: written into the tensor
+    shm.KEEP_BYTES = 0
+    d = _input(rank, 6, 1000)
+    over = route.reduce(d, EXACT, None, keep=3)
+    gaps.append(check(over, d, 6, 1000))
+    return max(gaps), kept, same
+
+
+def test_kept_outputs_are_the_means_and_outlive_other_keys():
+    """With a key (a DDP bucket's), the node's output is handed back instead of copied into the
+    tensor; it stays the mean while other keys are reduced, and a compressed step gives the same
+    bits either way; past the budget the tensor holds the mean as before."""
+    for worst, kept, same in run_distributed(_kept_outputs, 4, nodes=2):
+        assert worst < 1e-5
+        assert kept == [True, True, True, True, False]
+        assert same == [True, True]
+
+
 # -- 1-bit: error decay and the accuracy guard -----------------------------------------------------
 
 

@@ -16,6 +16,13 @@ Inputs and output live in separate areas, so two barriers per call are enough: a
 output area only after the next call's first barrier, by which time every rank has copied the last
 output out. Sums run in a fixed order, so every rank ends with the same bits.
 
+A caller that names its tensor (``keep``: a DDP bucket's key) gets an output area of its own and,
+in step 4, a view of it instead of a copy: DDP copies a hook's result into the gradients anyway, so
+the copy back into the bucket (the whole tensor, per rank) is saved. That area is rewritten only by
+the next call with the same key, after its first barrier, when every rank of the node has moved on
+to that call (for DDP: the next backward pass, its gradients long copied out). Kept areas hold at
+most ``KEEP_BYTES`` per node; past that, outputs are copied as above.
+
 The segment is a file in /dev/shm, created by local rank 0 and unlinked as soon as every local
 rank has mapped it (nothing is left behind if a process dies). A random token written into it
 proves that the ranks which the topology puts on one node really share memory; if any of them
@@ -39,6 +46,7 @@ _NAME_BYTES = 256
 _SHM_DIR = "/dev/shm"
 
 _NODES: dict = {}  # intra-node group -> NodeSegment, or None where shared memory is unusable
+KEEP_BYTES = 1 << 30  # kept output areas per node (a model's gradients, for DDP's buckets)
 
 
 def _round_up(value: int, multiple: int = _ALIGN) -> int:
@@ -58,14 +66,21 @@ class NodeSegment:
         self._token = torch.zeros(1)
         self._header = _round_up(_TOKEN_BYTES + 4 * local_size)  # token, then the flags
         self._slot = 0  # bytes per area (input slot or output) in the current mapping
+        self._kept: dict = {}  # key -> its own output area (uint8 tensor over a shared mapping)
+        self._output_kept: torch.Tensor | None = None  # the current call's, if kept
+        self._keep_failed = False  # a kept area could not be made: outputs are copied
 
     # -- the collective operations -----------------------------------------------------------
 
-    def node_sum(self, flat: torch.Tensor, shard_len: int, with_flag: bool):
+    def node_sum(self, flat: torch.Tensor, shard_len: int, with_flag: bool, keep=None):
         """Step 1-2 for ``flat``: return (this rank's shard of the node sum, a view into the
-        segment; the node's non-finite flag or None)."""
+        segment; the node's non-finite flag or None). ``keep``: the key of an output area of
+        its own (module docstring), the same on every local rank, or None."""
         padded, numel, me = shard_len * self.local_size, flat.numel(), self.local_rank
         inputs, output, flags = self._areas(flat.dtype, padded)
+        self._output_kept = self._kept_area(keep, flat.dtype, padded)
+        if self._output_kept is not None:
+            output = self._output_kept
         start, end = me * shard_len, (me + 1) * shard_len
         # The other ranks read only their own shards of this slot: this rank's shard is summed
         # straight from flat (where flat holds all of it), which saves 1/L of the copy.
@@ -89,11 +104,15 @@ class NodeSegment:
         flag = flags.max().view(1) if with_flag else None
         return shard, flag
 
-    def gather(self, flat: torch.Tensor, shard_len: int) -> None:
-        """Step 4: every rank's shard, back into ``flat`` (after ``node_sum`` of the same)."""
+    def gather(self, flat: torch.Tensor, shard_len: int) -> torch.Tensor:
+        """Step 4 (after ``node_sum`` of the same): every rank's shard, back into ``flat``, which
+        is returned; or, where ``node_sum`` kept the output, a view of it (``flat`` untouched)."""
         self._barrier()
+        if self._output_kept is not None:
+            return self._output_kept[:flat.numel()]
         _, output, _ = self._areas(flat.dtype, shard_len * self.local_size)
         flat.copy_(output[:flat.numel()])
+        return flat
 
     def _barrier(self) -> None:
         dist.all_reduce(self._token, group=self.group)  # returns once every local rank is here
@@ -115,8 +134,37 @@ class NodeSegment:
         flags = self._bytes[_TOKEN_BYTES:_TOKEN_BYTES + 4 * self.local_size].view(torch.float32)
         return data[:self.local_size], data[self.local_size], flags
 
+    def _kept_area(self, key, dtype: torch.dtype, padded: int) -> torch.Tensor | None:
+        """The output area of ``key`` ([padded] of dtype), made (a collective) where missing or
+        too small and the budget allows; None: no key, or over budget."""
+        if key is None:
+            return None
+        nbytes = _round_up(padded * torch.empty(0, dtype=dtype).element_size())
+        area = self._kept.get(key)
+        if area is None or area.numel() < nbytes:
+            held = sum(a.numel() for k, a in self._kept.items() if k != key)
+            if held + nbytes > KEEP_BYTES or self._keep_failed:  # alike on every local rank
+                return None
+            try:
+                mapping = self._share(nbytes)
+            except Unavailable as exc:  # raised on every local rank alike: keep no more
+                warnings.warn(f"ciuicflow: outputs are copied, not kept, from now on ({exc})",
+                              RuntimeWarning)
+                self._keep_failed = True
+                return None
+            self._kept[key] = area = torch.frombuffer(mapping, dtype=torch.uint8)
+        return area[:nbytes].view(dtype)[:padded]
+
     def _remap(self, nbytes: int) -> None:
         nbytes = max(nbytes, 2 * (self._bytes.numel() if self._bytes is not None else 0), 1 << 20)
+        mapping = self._share(nbytes)
+        self._map = mapping
+        self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._slot = (nbytes - self._header) // (self.local_size + 1) // _ALIGN * _ALIGN
+
+    def _share(self, nbytes: int) -> mmap.mmap:
+        """A new mapping of ``nbytes`` that every local rank shares (a collective); its first bytes
+        hold a random token, which each rank checks."""
         mapping, created = None, None
         try:
             name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
@@ -147,9 +195,7 @@ class NodeSegment:
                 os.unlink(created)
         if not bool(ok.item()):
             raise Unavailable(f"segment {path or '(not created)'} not shared by every local rank")
-        self._map = mapping
-        self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
-        self._slot = (nbytes - self._header) // (self.local_size + 1) // _ALIGN * _ALIGN
+        return mapping
 
 
 def _attach(path: str, nbytes: int) -> mmap.mmap:

@@ -9,8 +9,11 @@
 
 A route offers compressors two services, which is all they need to know of the topology:
 
-- ``reduce(flat, step, traffic)``: average ``flat`` in place, running ``step`` on the hop the route
-  compresses. A step is called as ``step(x, hop, flag, offset, traffic) -> mean of x over the hop``;
+- ``reduce(flat, step, traffic, keep=None) -> result``: average ``flat`` in place, running ``step``
+  on the hop the route compresses, and return it; with ``keep`` (a DDP bucket's key), the result
+  may instead be a tensor the route keeps under that key (the node's shared output, valid until
+  the next call with that key; ``flat``'s contents are then unspecified): the caller uses what is
+  returned. A step is called as ``step(x, hop, flag, offset, traffic) -> mean of x over the hop``;
   ``offset`` is where ``x`` starts in ``flat``; ``flag`` (for steps with ``needs_flag``) is a
   one-element tensor, nonzero when the node's sum holds a non-finite value anywhere, the same on
   every rank of the node, so compressed steps can agree on an exact fallback (None on a flat
@@ -90,20 +93,22 @@ class FlatRoute:
     def sum(self, values: torch.Tensor, traffic: Traffic | None) -> torch.Tensor:
         return all_reduce(values, Hop.flat(self.topology), traffic)
 
-    def reduce(self, flat: torch.Tensor, step, traffic: Traffic | None, op: str = "mean") -> None:
+    def reduce(self, flat: torch.Tensor, step, traffic: Traffic | None, op: str = "mean",
+               keep=None) -> torch.Tensor:
         world = self.topology.world_size
         if world == 1 or flat.numel() == 0:
-            return
+            return flat
         if step is EXACT:
             if op == "mean":
                 flat.div_(world)
             all_reduce(flat, Hop.flat(self.topology), traffic)
-            return
+            return flat
         result = step(flat, Hop.flat(self.topology), None, 0, traffic)
         if result is not flat:
             flat.copy_(result)
         if op == "sum":
             flat.mul_(world)
+        return flat
 
 
 class HierarchicalRoute(FlatRoute):
@@ -134,22 +139,21 @@ class HierarchicalRoute(FlatRoute):
                           ring_all_reduce_bytes(shard_bytes, topology.num_nodes))
 
     def sum(self, values: torch.Tensor, traffic: Traffic | None) -> torch.Tensor:
-        self.reduce(values, EXACT, traffic, op="sum")
-        return values
+        return self.reduce(values, EXACT, traffic, op="sum")
 
-    def reduce(self, flat: torch.Tensor, step, traffic: Traffic | None, op: str = "mean") -> None:
+    def reduce(self, flat: torch.Tensor, step, traffic: Traffic | None, op: str = "mean",
+               keep=None) -> torch.Tensor:
         topology = self.topology
         numel, world = flat.numel(), topology.world_size
         if world == 1 or numel == 0:
-            return
+            return flat
         if topology.num_nodes == 1 or (step is EXACT and not topology.hierarchical):
             if op == "mean":
                 flat.div_(world)
             all_reduce(flat, Hop.flat(topology), traffic)
-            return
+            return flat
         if not topology.hierarchical:  # one rank per node, or uneven nodes: the step spans all
-            super().reduce(flat, step, traffic, op)
-            return
+            return super().reduce(flat, step, traffic, op)
 
         local, nodes = topology.local_world_size, topology.num_nodes
         shard_len = -(-numel // local)
@@ -157,7 +161,7 @@ class HierarchicalRoute(FlatRoute):
         if divide_first:
             flat.div_(local)
         shard_bytes = shard_len * flat.element_size()
-        segment, shard, flag = _node_sum(flat, topology, shard_len, step.needs_flag, traffic)
+        segment, shard, flag = _node_sum(flat, topology, shard_len, step.needs_flag, traffic, keep)
         if op == "mean" and not divide_first:
             shard.div_(local)
 
@@ -174,9 +178,8 @@ class HierarchicalRoute(FlatRoute):
         if segment is not None:
             if result is not shard:
                 shard.copy_(result)
-            segment.gather(flat, shard_len)
             add_traffic(traffic, Hop.intra(topology), (local - 1) * shard_bytes)
-            return
+            return segment.gather(flat, shard_len)
         # The result may be a view of flat (CPU path), which the all-gather overwrites: send a copy.
         if local * shard_len == numel:
             all_gather(flat, result.clone(), Hop.intra(topology), traffic)
@@ -184,6 +187,7 @@ class HierarchicalRoute(FlatRoute):
             gathered = flat.new_empty(local * shard_len)
             all_gather(gathered, _padded_shard(result, shard_len), Hop.intra(topology), traffic)
             flat.copy_(gathered[:numel])
+        return flat
 
 
 ROUTES = {route.name: route for route in (FlatRoute, HierarchicalRoute)}
@@ -210,14 +214,14 @@ def node_sum_method(tensor: torch.Tensor, topology) -> str:
     return choice
 
 
-def _node_sum(flat, topology, shard_len, needs_flag, traffic):
+def _node_sum(flat, topology, shard_len, needs_flag, traffic, keep=None):
     """(the shared segment or None, this rank's shard of the node's sum, the node's flag)."""
     local = topology.local_world_size
     method = node_sum_method(flat, topology)
     if method == "shared_memory":
         segment = node_shm.node_segment(topology)
         try:
-            shard, flag = segment.node_sum(flat, shard_len, needs_flag)
+            shard, flag = segment.node_sum(flat, shard_len, needs_flag, keep)
             # what the ranks read of each other's slots: a reduce-scatter's worth
             add_traffic(traffic, Hop.intra(topology), (local - 1) * shard_len * flat.element_size())
             return segment, shard, flag

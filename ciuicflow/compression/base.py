@@ -44,6 +44,9 @@ class Context:
     key: int = 0
     seed: int = 0
     adaptive: bool = False
+    # a key under which the route may keep the result instead of writing it into the tensor
+    # (``collectives.routes``: a DDP bucket's, whose hook returns whatever holds the mean)
+    keep: object = None
 
 
 class GuardedMemory:
@@ -149,8 +152,10 @@ class Compressor:
         return None
 
     def exchange(self, flat: torch.Tensor, memory, route, context: Context,
-                 traffic) -> None:
-        """Average ``flat`` (1-D, contiguous, floating point) in place over the route."""
+                 traffic) -> torch.Tensor | None:
+        """Average ``flat`` (1-D, contiguous, floating point) in place over the route; return
+        what holds the mean: ``flat`` (or None), or, with ``context.keep``, possibly a tensor the
+        route keeps (``route.reduce``'s result)."""
         raise NotImplementedError
 
     def _set_guard(self, guard: str, threshold: float) -> None:
@@ -167,5 +172,5 @@ class ExactCompressor(Compressor):
     name = "allreduce"
     compresses = False
 
-    def exchange(self, flat, memory, route, context, traffic) -> None:
-        route.reduce(flat, EXACT, traffic)
+    def exchange(self, flat, memory, route, context, traffic) -> torch.Tensor:
+        return route.reduce(flat, EXACT, traffic, keep=context.keep)

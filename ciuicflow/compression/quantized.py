@@ -110,9 +110,9 @@ class QuantizedCompressor(Compressor):
                              server=server, guard_threshold=self.exact_step_threshold,
                              measure=self.measure, guard_half=self.guard_half)
 
-    def exchange(self, flat, memory, route, context: Context, traffic) -> None:
-        route.reduce(flat, self.step(memory, route, context.exact_mask, context.adaptive, traffic),
-                     traffic)
+    def exchange(self, flat, memory, route, context: Context, traffic) -> torch.Tensor:
+        return route.reduce(flat, self.step(memory, route, context.exact_mask, context.adaptive,
+                                            traffic), traffic, keep=context.keep)
 
     # -- the reduce-scatter form (FSDP sharded over every rank) ---------------------------------
 

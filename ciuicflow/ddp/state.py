@@ -156,25 +156,29 @@ class AllReduceState:
         route = self._route(route_name)
         traffic = Traffic()
         past_warmup = self.compressor.compresses and step >= self.warmup_steps
+        result = info.buffer
         if info.buffer.numel() and route.topology.world_size > 1:
-            if not (past_warmup and self._reduce_compressed(info, route, step, traffic)):
+            # the route may hand back its own copy of the mean (node_shm's kept output) instead
+            # of writing it into the bucket: DDP copies the hook's result into the gradients
+            result = past_warmup and self._reduce_compressed(info, route, step, traffic)
+            if result is False:
                 route.add_exact(traffic, info.buffer)
-                route.reduce(info.buffer, EXACT, traffic)
+                result = route.reduce(info.buffer, EXACT, traffic, keep=info.index)
         self._ledger.record(traffic, past_warmup, start)
         if info.is_last:
             self._ledger.end_step(past_warmup)
             if past_warmup:
                 self._memories.end_of_step(self._ledger.warn_once)
-        return info.buffer
+        return result
 
-    def _reduce_compressed(self, info: BucketView, route, step: int, traffic: Traffic) -> bool:
-        """Compress this bucket if its memory is at hand; False: reduce it exactly this step."""
+    def _reduce_compressed(self, info: BucketView, route, step: int, traffic: Traffic):
+        """Compress this bucket if its memory is at hand and return what holds the mean; False:
+        reduce it exactly this step."""
         names = self._param_names(info)
         hierarchical = route.name == "hierarchical"
         memory = self._memories.get(info, hierarchical, names)
         if memory is not None:
-            self._compress(info, memory, route, step, traffic)
-            return True
+            return self._compress(info, memory, route, step, traffic, keep=info.index)
         pieces = self._memories.pieces(info, hierarchical, names)
         if pieces is None:
             self._warn_once("layout", "ciuicflow: a DDP bucket does not match the checkpoint's "
@@ -194,7 +198,7 @@ class AllReduceState:
             self._memories.mark_used(key)
             for p, n, (offset, _) in zip(layout["params"], sizes, layout["segments"]):
                 info.buffer[where[p]:where[p] + n].copy_(buffer[offset:offset + n])
-        return True
+        return info.buffer
 
     def _param_names(self, info: BucketView):
         if not self._names:
@@ -202,14 +206,17 @@ class AllReduceState:
         names = [self._names.get(id(p)) for p in info.parameters]
         return None if None in names else names
 
-    def _compress(self, info: BucketView, memory, route, step: int, traffic: Traffic) -> None:
+    def _compress(self, info: BucketView, memory, route, step: int, traffic: Traffic,
+                  keep=None) -> torch.Tensor:
+        """What holds the mean: ``info.buffer``, or with ``keep`` maybe the route's copy."""
         adaptive = stepped_adaptively(info.parameters)
         context = Context(tuple(info.segments), self._exact_mask(info, route.name == "hierarchical"),
-                          step, info.index, self.seed, adaptive)
+                          step, info.index, self.seed, adaptive, keep)
         self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive)
         route.add_exact(traffic, info.buffer)
-        self.compressor.exchange(info.buffer, memory, route, context, traffic)
+        result = self.compressor.exchange(info.buffer, memory, route, context, traffic)
         self._check_guard(info, memory.relative_error)
+        return info.buffer if result is None else result
 
     def _exact_mask(self, info: BucketView, hierarchical: bool) -> torch.Tensor | None:
         """True where the bucket holds a parameter matching an ``exclude`` pattern."""
