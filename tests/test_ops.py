@@ -139,6 +139,13 @@ def test_onebit_chunk_energy_checks_its_arguments():
     assert ops.onebit_chunk_energy(packed[:0], scales[:0], torch.zeros(0), 8).shape == (0, 2)
 
 
+def test_onebit_chunk_energy_opcheck():
+    """Its schema, fake kernel and autograd registration agree (it traces under torch.compile)."""
+    x, error = fresh(1001, torch.float32, "cpu", seed=5)
+    packed, scales = ops.onebit_pack(x, error, 24)
+    torch.library.opcheck(torch.ops.ciuicflow.onebit_chunk_energy, (packed, scales, error, 24))
+
+
 def ref_error_before(x, n, chunk):
     # fresh() is deterministic, so the error the op saw can be regenerated.
     return fresh(n, x.dtype, "cpu", seed=n * 31 + chunk)[1].double()

@@ -170,6 +170,27 @@ def test_the_gate_matches_a_plain_topk_on_heavy_and_light_tails():
     assert any(verdicts) and not all(verdicts)  # both sides of the threshold were tried
 
 
+@pytest.mark.parametrize("n, chunk, windows", [
+    (7, 8, [0]), (64 * 256 + 5, 256, [0]), (3 * 64 * 256 + 1000, 256, [2]), (5 * 64 * 24 + 7, 24, [0, 3]),
+    (4 * 64 * 256, 256, []),
+])
+def test_the_native_energy_and_the_torch_one_give_the_same_pack(monkeypatch, n, chunk, windows):
+    """The gate's energy comes from a native op on CPU and from torch ops elsewhere (CUDA): both
+    give the same bytes, scales and memory."""
+    codec = OneBitOutlierCodec(4)
+    x = spiky(n, 5 * n + chunk, windows, chunk)
+    error = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.1
+    outputs = []
+    for energy in (outliers._chunk_energy, outliers._chunk_energy_torch):
+        monkeypatch.setattr(outliers, "_chunk_energy", energy)
+        error_out = torch.empty(n)
+        payload, scales, sums = codec.pack_ef(x, error, 0.5, error_out, chunk)
+        outputs.append((payload, scales, error_out, sums))
+    for native, torch_ops in zip(*outputs):
+        assert torch.equal(native, torch_ops)
+    assert bool(torch.signbit(outputs[0][1]).any()) is bool(windows)
+
+
 def test_a_threshold_of_zero_sends_values_everywhere_and_of_one_nowhere(monkeypatch):
     """The gate is what decides (a reference that ignored it would pass the tests above only
     by luck of the inputs)."""
