@@ -191,6 +191,25 @@ def test_the_native_energy_and_the_torch_one_give_the_same_pack(monkeypatch, n, 
     assert bool(torch.signbit(outputs[0][1]).any()) is bool(windows)
 
 
+def test_the_memory_follows_the_sent_sign_where_y_rounds_to_zero():
+    """An element far below its chunk's scale, negative: its plain memory y + scale rounds to the
+    scale, so y rebuilt from it is +0 while its bit says negative. In a chunk that sends values the
+    memory must follow the bit the receiver decodes (an earlier version took the rebuilt y's sign
+    and put 2 x the chunk's scale in the memory there)."""
+    codec, chunk = OneBitOutlierCodec(4), 256
+    n = 64 * chunk
+    x = spiky(n, 21, [0], chunk)
+    tiny = [5, 300, 7000]
+    x[tiny] = -1e-12
+    error = torch.zeros(n)
+    payload, scales, _ = codec.pack_ef(x, error, 1.0, error, chunk)
+    assert torch.signbit(scales).all()
+    out = codec.unpack(payload, scales, n, chunk, torch.empty(n))
+    gap = (out.double() + error.double() - x.double()).abs()
+    assert gap[tiny].max() < 1e-5
+    assert gap.max() < 1e-4
+
+
 def test_a_threshold_of_zero_sends_values_everywhere_and_of_one_nowhere(monkeypatch):
     """The gate is what decides (a reference that ignored it would pass the tests above only
     by luck of the inputs)."""
