@@ -30,14 +30,14 @@ _handed_out: set = set()
 _random = random.Random()      # its own generator: a test seeding `random` must not make two runs pick alike
 
 
-def _ephemeral_range() -> tuple:
-    """The kernel's range for ``bind(0)`` and outgoing connections (Linux; the IANA range elsewhere)."""
+def _ephemeral_low() -> int:
+    """Where the kernel's range for ``bind(0)`` and outgoing connections starts (Linux; the IANA
+    range elsewhere)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
-            low, high = (int(x) for x in fh.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 49152, 65535
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def _bindable(port: int) -> bool:
@@ -54,7 +54,7 @@ def free_port() -> int:
     ephemeral range. Why outside: a port picked now is bound later by a child process, and meanwhile any
     ``bind(0)`` (a sidecar's data plane) or outgoing connection may be handed the same ephemeral port, so the
     child fails with "Address already in use". Ports below the ephemeral range are only ever taken by name."""
-    low, _high = _ephemeral_range()
+    low = _ephemeral_low()
     first = 10000 if low > 12000 else 1024
     if low - first >= 1000:
         for _ in range(1000):
