@@ -34,11 +34,12 @@ from __future__ import annotations
 import torch
 
 from ciuicflow.compression.quantized_exchange import Codec, native_ops
+from ciuicflow.compression.registry import VALUES_MAX_CHUNK
 
 WINDOW_CHUNKS = 64
 TOP_SHARE = 0.01
 THRESHOLD = 0.4
-MAX_CHUNK = 256  # positions are one byte
+MAX_CHUNK = VALUES_MAX_CHUNK  # positions are one byte
 ENERGY_BLOCK = 64 * WINDOW_CHUNKS * MAX_CHUNK  # squares formed this many at a time (a bounded buffer)
 
 

@@ -34,7 +34,11 @@ class Cost:
     rank: int = 0
     guard_threshold: float = 0.0
     values: int = 0  # values per chunk DDP's hooks also send, 24 bits each
-    #                   (compression.outliers), in concentrated windows: a fixed reservation
+    #                   (compression.outliers), in concentrated windows: a fixed reservation,
+    #                   in chunks of at most VALUES_MAX_CHUNK elements
+
+# a value's position within its chunk is one byte (compression.outliers)
+VALUES_MAX_CHUNK = 256
 
 
 @dataclass(frozen=True)

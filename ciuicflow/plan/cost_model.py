@@ -111,12 +111,13 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
 def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False) -> float:
     """A quantising method's bytes per element: the values (with the codec it sends an adaptive
     optimizer's gradients with, under one), one float32 scale per chunk and, with ``values`` (DDP's
-    hooks), the values each chunk reserves (``Cost.values``, 3 bytes each, chunks of <= 256)."""
+    hooks), the values each chunk reserves (``Cost.values``, 3 bytes each, in chunks of at most
+    ``registry.VALUES_MAX_CHUNK``)."""
     bits = method_cost.payload_bits
     chunk = w.chunk_size or method_cost.chunk_size
     if w.optimizer == "adam" and method_cost.adaptive_family:
         bits = registry.FAMILIES[method_cost.adaptive_family].cost.payload_bits
-    elif values and method_cost.values and chunk <= 256:
+    elif values and method_cost.values and chunk <= registry.VALUES_MAX_CHUNK:
         return bits / 8 + (4 + 3 * method_cost.values) / chunk
     return bits / 8 + 4 / chunk
 
