@@ -78,7 +78,7 @@ class OneBitCompressor(QuantizedCompressor):
         (``compression.outliers``): an int in [0, 16] on every route, or "auto" (the default):
         the registry's ``values`` (4) on DDP's routes, flat and hierarchical, where ``chunk_size``
         <= 256 (they took the CNN of bench/convergence.py from 1.5-3.5 points below exact flat,
-        and up to 1.35 hierarchical, to within a point on every seed: docs/convergence.md); none
+        and up to 1.35 hierarchical, to 0.1-1.1 and 0.35-0.7: docs/convergence.md); none
         in ciuicflow.fsdp (HSDP's replicas and the reduce-scatter), not measured with them."""
         super().__init__(**options)
         if outliers != "auto" and (isinstance(outliers, bool) or not isinstance(outliers, int)
