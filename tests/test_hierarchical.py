@@ -459,6 +459,15 @@ def _kept_outputs(rank, world):
         route.reduce(in_place, step[0], None)
         x = _input(rank, case, 70_000)
         same.append(torch.equal(route.reduce(x, step[1], None, keep=2), in_place))
+    # keys are each process's own: ranks that name one call differently still agree on an area
+    e = _input(rank, 7, 3000)
+    gaps.append(check(route.reduce(e, EXACT, None, keep=("mine", rank)), e, 7, 3000))
+    f = _input(rank, 8, 3000)  # and where one rank has an area under its key and another not
+    gaps.append(check(route.reduce(f, EXACT, None, keep=0 if rank % 2 else ("mine", rank)), f, 8,
+                      3000))
+    # a rank of each node without a key: nobody keeps
+    g = _input(rank, 9, 3000)
+    gaps.append(check(route.reduce(g, EXACT, None, keep=None if rank % 2 else 4), g, 9, 3000))
     # over the budget: written into the tensor
     shm.KEEP_BYTES = 0
     d = _input(rank, 6, 1000)
@@ -467,13 +476,46 @@ def _kept_outputs(rank, world):
     return max(gaps), kept, same
 
 
+def _two_models_one_backward(rank, world):
+    import ciuicflow
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    models = [DDP(torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Linear(300, 7)))
+              for _ in range(2)]
+    for model in models:
+        ciuicflow.register(model, "hierarchical_allreduce")
+    worst = 0.0
+    for step in range(3):
+        inputs = [_input(rank, 10 * step + m, 16 * 40).view(16, 40) for m in range(2)]
+        for model in models:
+            model.zero_grad()
+        sum(model(x).square().mean() for model, x in zip(models, inputs)).backward()
+        for model, x in zip(models, inputs):  # the mean of every rank's gradient, by hand
+            plain = [p.detach().clone().requires_grad_() for p in model.module.parameters()]
+            out = torch.nn.functional.linear(torch.nn.functional.linear(x, plain[0], plain[1]),
+                                             plain[2], plain[3])
+            grads = torch.autograd.grad(out.square().mean(), plain)
+            for p, g in zip(model.module.parameters(), grads):
+                dist.all_reduce(g)
+                worst = max(worst, (p.grad - g / world).abs().max().item())
+    return worst
+
+
+def test_two_models_in_one_backward_get_their_own_means():
+    """Two DDP models reduced in one backward pass (DDP copies both results out only at its end):
+    each bucket's kept output is its own, so neither model receives the other's gradients."""
+    for worst in run_distributed(_two_models_one_backward, 4, nodes=2):
+        assert worst < 1e-5
+
+
 def test_kept_outputs_are_the_means_and_outlive_other_keys():
     """With a key (a DDP bucket's), the node's output is handed back instead of copied into the
     tensor; it stays the mean while other keys are reduced, and a compressed step gives the same
     bits either way; past the budget the tensor holds the mean as before."""
     for worst, kept, same in run_distributed(_kept_outputs, 4, nodes=2):
         assert worst < 1e-5
-        assert kept == [True, True, True, True, False]
+        assert kept == [True, True, True, True, True, True, False, False]
         assert same == [True, True]
 
 

@@ -16,12 +16,15 @@ Inputs and output live in separate areas, so two barriers per call are enough: a
 output area only after the next call's first barrier, by which time every rank has copied the last
 output out. Sums run in a fixed order, so every rank ends with the same bits.
 
-A caller that names its tensor (``keep``: a DDP bucket's key) gets an output area of its own and,
-in step 4, a view of it instead of a copy: DDP copies a hook's result into the gradients anyway, so
-the copy back into the bucket (the whole tensor, per rank) is saved. That area is rewritten only by
-the next call with the same key, after its first barrier, when every rank of the node has moved on
-to that call (for DDP: the next backward pass, its gradients long copied out). Kept areas hold at
-most ``KEEP_BYTES`` per node; past that, outputs are copied as above.
+A caller that names its tensor (``keep``: a DDP bucket's key, unique to its state and bucket) gets
+an output area of its own and, in step 4, a view of it instead of a copy: DDP copies a hook's result
+into the gradients anyway, so the copy back into the bucket (the whole tensor, per rank) is saved.
+That area is rewritten only by the next call with the same key, after its first barrier, when every
+rank of the node has moved on to that call (for DDP: the next backward pass of that model, its
+gradients long copied out). Keys are this process's own: at the first barrier the local ranks agree
+(the barrier's all-reduce carries it) whether this call keeps its output and whether a new area is
+made, so ranks whose keys differ never disagree on a collective. Kept areas hold at most
+``KEEP_BYTES`` per rank; past that, outputs are copied as above.
 
 The segment is a file in /dev/shm, created by local rank 0 and unlinked as soon as every local
 rank has mapped it (nothing is left behind if a process dies). A random token written into it
@@ -63,10 +66,11 @@ class NodeSegment:
         self.root = dist.get_global_rank(group, 0)
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None
-        self._token = torch.zeros(1)
+        self._token = torch.zeros(4)  # the barriers' all-reduce; the first one carries a vote
         self._header = _round_up(_TOKEN_BYTES + 4 * local_size)  # token, then the flags
         self._slot = 0  # bytes per area (input slot or output) in the current mapping
-        self._kept: dict = {}  # key -> its own output area (uint8 tensor over a shared mapping)
+        self._kept: dict = {}  # key -> (its output area: uint8 over a shared mapping, serial)
+        self._areas_made = 0  # kept areas made so far: the same count on every local rank
         self._output_kept: torch.Tensor | None = None  # the current call's, if kept
         self._keep_failed = False  # a kept area could not be made: outputs are copied
 
@@ -74,13 +78,10 @@ class NodeSegment:
 
     def node_sum(self, flat: torch.Tensor, shard_len: int, with_flag: bool, keep=None):
         """Step 1-2 for ``flat``: return (this rank's shard of the node sum, a view into the
-        segment; the node's non-finite flag or None). ``keep``: the key of an output area of
-        its own (module docstring), the same on every local rank, or None."""
+        segment; the node's non-finite flag or None). ``keep``: a key (this process's) for an
+        output area of its own (module docstring), or None."""
         padded, numel, me = shard_len * self.local_size, flat.numel(), self.local_rank
         inputs, output, flags = self._areas(flat.dtype, padded)
-        self._output_kept = self._kept_area(keep, flat.dtype, padded)
-        if self._output_kept is not None:
-            output = self._output_kept
         start, end = me * shard_len, (me + 1) * shard_len
         # The other ranks read only their own shards of this slot: this rank's shard is summed
         # straight from flat (where flat holds all of it), which saves 1/L of the copy.
@@ -94,7 +95,9 @@ class NodeSegment:
         mine[numel:].zero_()
         if with_flag:
             flags[me] = nonfinite_flag(flat)
-        self._barrier()
+        self._output_kept = self._kept_area(keep, flat.dtype, padded)  # holds the first barrier
+        if self._output_kept is not None:
+            output = self._output_kept
         terms = [flat[start:end] if slot == me and own_in_place else inputs[slot, start:end]
                  for slot in range(self.local_size)]
         shard = output[start:end]
@@ -114,8 +117,11 @@ class NodeSegment:
         flat.copy_(output[:flat.numel()])
         return flat
 
-    def _barrier(self) -> None:
-        dist.all_reduce(self._token, group=self.group)  # returns once every local rank is here
+    def _barrier(self, vote=(0.0, 0.0, 0.0, 0.0)) -> torch.Tensor:
+        """Returns once every local rank is here, with the sum of their votes."""
+        self._token.copy_(torch.tensor(vote, dtype=self._token.dtype))
+        dist.all_reduce(self._token, group=self.group)
+        return self._token
 
     # -- the segment -------------------------------------------------------------------------
 
@@ -135,24 +141,32 @@ class NodeSegment:
         return data[:self.local_size], data[self.local_size], flags
 
     def _kept_area(self, key, dtype: torch.dtype, padded: int) -> torch.Tensor | None:
-        """The output area of ``key`` ([padded] of dtype), made (a collective) where missing or
-        too small and the budget allows; None: no key, or over budget."""
-        if key is None:
-            return None
+        """Step 1's barrier, with the local ranks' vote on ``key``'s output area ([padded] of
+        dtype): the area, made (a collective) where any rank lacks one large enough, or None
+        where any rank has no key, is over budget or could not make one."""
         nbytes = _round_up(padded * torch.empty(0, dtype=dtype).element_size())
-        area = self._kept.get(key)
-        if area is None or area.numel() < nbytes:
-            held = sum(a.numel() for k, a in self._kept.items() if k != key)
-            if held + nbytes > KEEP_BYTES or self._keep_failed:  # alike on every local rank
-                return None
+        area, serial = self._kept.get(key, (None, 0)) if key is not None else (None, 0)
+        fits = area is not None and area.numel() >= nbytes
+        held = sum(a.numel() for k, (a, _) in self._kept.items() if k != key)
+        refuse = key is None or self._keep_failed or (not fits and held + nbytes > KEEP_BYTES)
+        votes = self._barrier((float(refuse), float(not fits), float(serial), float(serial) ** 2))
+        if votes[0] > 0:
+            return None
+        # one area on every rank: all fit, with the same serial (equal serials are the only ones
+        # whose sum squared is L times the sum of their squares)
+        same = float(votes[2]) ** 2 == self.local_size * float(votes[3])
+        if votes[1] > 0 or not same:  # every rank makes a new one together
             try:
                 mapping = self._share(nbytes)
             except Unavailable as exc:  # raised on every local rank alike: keep no more
                 warnings.warn(f"ciuicflow: outputs are copied, not kept, from now on ({exc})",
                               RuntimeWarning)
                 self._keep_failed = True
+                self._kept.pop(key, None)
                 return None
-            self._kept[key] = area = torch.frombuffer(mapping, dtype=torch.uint8)
+            self._areas_made += 1
+            area = torch.frombuffer(mapping, dtype=torch.uint8)
+            self._kept[key] = (area, self._areas_made)
         return area[:nbytes].view(dtype)[:padded]
 
     def _remap(self, nbytes: int) -> None:

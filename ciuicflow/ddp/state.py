@@ -159,11 +159,14 @@ class AllReduceState:
         result = info.buffer
         if info.buffer.numel() and route.topology.world_size > 1:
             # the route may hand back its own copy of the mean (node_shm's kept output) instead
-            # of writing it into the bucket: DDP copies the hook's result into the gradients
-            result = past_warmup and self._reduce_compressed(info, route, step, traffic)
+            # of writing it into the bucket: DDP copies the hook's result into the gradients.
+            # The key is this state's and bucket's (two models' buckets never share an area);
+            # not on DDP's first step, whose one bucket of every parameter is rebuilt after it.
+            keep = None if step == 0 else (id(self), info.index, info.buffer.numel())
+            result = past_warmup and self._reduce_compressed(info, route, step, traffic, keep)
             if result is False:
                 route.add_exact(traffic, info.buffer)
-                result = route.reduce(info.buffer, EXACT, traffic, keep=info.index)
+                result = route.reduce(info.buffer, EXACT, traffic, keep=keep)
         self._ledger.record(traffic, past_warmup, start)
         if info.is_last:
             self._ledger.end_step(past_warmup)
@@ -171,14 +174,14 @@ class AllReduceState:
                 self._memories.end_of_step(self._ledger.warn_once)
         return result
 
-    def _reduce_compressed(self, info: BucketView, route, step: int, traffic: Traffic):
+    def _reduce_compressed(self, info: BucketView, route, step: int, traffic: Traffic, keep=None):
         """Compress this bucket if its memory is at hand and return what holds the mean; False:
         reduce it exactly this step."""
         names = self._param_names(info)
         hierarchical = route.name == "hierarchical"
         memory = self._memories.get(info, hierarchical, names)
         if memory is not None:
-            return self._compress(info, memory, route, step, traffic, keep=info.index)
+            return self._compress(info, memory, route, step, traffic, keep)
         pieces = self._memories.pieces(info, hierarchical, names)
         if pieces is None:
             self._warn_once("layout", "ciuicflow: a DDP bucket does not match the checkpoint's "
