@@ -24,7 +24,8 @@ rank of the node has moved on to that call (for DDP: the next backward pass of t
 gradients long copied out). Keys are this process's own: at the first barrier the local ranks agree
 (the barrier's all-reduce carries it) whether this call keeps its output and whether a new area is
 made, so ranks whose keys differ never disagree on a collective. Kept areas hold at most
-``KEEP_BYTES`` per rank; past that, outputs are copied as above.
+``KEEP_BYTES`` (one copy per node: the ranks map the same areas); past that, outputs are copied
+as above.
 
 The segment is a file in /dev/shm, created by local rank 0 and unlinked as soon as every local
 rank has mapped it (nothing is left behind if a process dies). A random token written into it
