@@ -222,6 +222,28 @@ def test_the_guards_memory_norm_is_exact_on_a_large_tensor():
     assert sums[0].item() == pytest.approx(error.double().square().sum().item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("share", [0.38, 0.42])
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_both_energy_paths_decide_windows_near_the_threshold(monkeypatch, share, path):
+    """Windows whose largest 1% hold just under and just over the threshold: the native measure
+    and the torch one (CUDA's) each give the rule's verdict, so a measure a few percent off fails."""
+    if path == "torch":
+        monkeypatch.setattr(outliers, "_chunk_energy", outliers._chunk_energy_torch)
+    codec, chunk = OneBitOutlierCodec(4), 256
+    n = 2 * outliers.WINDOW_CHUNKS * chunk
+    window = outliers.WINDOW_CHUNKS * chunk
+    top = int(window * outliers.TOP_SHARE)
+    a = share * (window - top) / ((1 - share) * top)  # top elements of energy a, the rest 1
+    x = torch.ones(n)
+    gen = torch.Generator().manual_seed(4)
+    for w in range(2):
+        x[w * window + torch.randperm(window, generator=gen)[:top]] = a ** 0.5
+    error = torch.zeros(n)
+    _, scales, _ = codec.pack_ef(x, error, 1.0, error, chunk)
+    assert bool(torch.signbit(scales).all()) == bool(torch.signbit(scales).any()) \
+        == (share > outliers.THRESHOLD)
+
+
 def test_a_threshold_of_zero_sends_values_everywhere_and_of_one_nowhere(monkeypatch):
     """The gate is what decides (a reference that ignored it would pass the tests above only
     by luck of the inputs)."""
