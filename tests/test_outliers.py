@@ -282,7 +282,7 @@ def test_auto_sends_values_in_ddp_routes_only():
     assert isinstance(auto.own_codec(HierarchicalRoute(None)), OneBitOutlierCodec)
     assert isinstance(auto.own_codec(None), OneBitCodec)  # FSDP's reduce-scatter
     # HSDP's replicas in ciuicflow.fsdp (a flat route over node sums): not measured with values
-    assert isinstance(auto.own_codec(FlatRoute(None, node_summed=True)), OneBitCodec)
+    assert isinstance(auto.own_codec(FlatRoute(None, hsdp_replicas=True)), OneBitCodec)
     assert isinstance(OneBitCompressor(outliers=2).own_codec(HierarchicalRoute(None)),
                       OneBitOutlierCodec)
     assert isinstance(OneBitCompressor(outliers=0).own_codec(FlatRoute(None)), OneBitCodec)

@@ -64,15 +64,13 @@ class FlatRoute:
     """Every rank of the group in one hop."""
 
     name = "flat"
-    # True where what enters the exchange is already a node's sum (the hierarchical route's second
-    # level, or HSDP's replicas after FSDP2's reduce-scatter inside the node): compressors' "auto"
-    # defaults then follow the hierarchical route's (compression/onebit.py)
-    node_summed = False
 
-    def __init__(self, topology, *, node_summed: bool | None = None):
+    def __init__(self, topology, *, hsdp_replicas: bool = False):
+        """``hsdp_replicas``: the group is HSDP's replicas (one rank per node, each holding its
+        node's shard sum after FSDP2's reduce-scatter), which a compressor's "auto" defaults may
+        treat apart (compression/onebit.py)."""
         self.topology = topology
-        if node_summed is not None:
-            self.node_summed = bool(node_summed)
+        self.hsdp_replicas = bool(hsdp_replicas)
 
     @property
     def exchange_ranks(self) -> int:
@@ -115,7 +113,6 @@ class HierarchicalRoute(FlatRoute):
     """Node sum, a step over the nodes, node gather (flat where nodes are uneven or alone)."""
 
     name = "hierarchical"
-    node_summed = True
 
     @property
     def exchange_ranks(self) -> int:

@@ -98,8 +98,7 @@ class OneBitCompressor(QuantizedCompressor):
         # "auto": DDP's routes, flat and hierarchical, send values; ciuicflow.fsdp's exchanges
         # (the reduce-scatter, route None, and HSDP's replicas, a flat route over node sums) do
         # not: they were not measured with them (docs/convergence.md)
-        if self.outliers == "auto" and (route is None or (route.node_summed
-                                                          and route.name == "flat")):
+        if self.outliers == "auto" and (route is None or route.hsdp_replicas):
             return self.codec
         return self._outlier_codec
 

@@ -119,9 +119,8 @@ class FSDPState:
         self.seed = int(seed)
         group = mesh.get_group() if self.scatter else mesh["replicate"].get_group()
         self.topology = Topology.detect(group)  # collective, once
-        # the replicas exchange node sums (FSDP2 reduced inside the node first), as the
-        # hierarchical route's second level does
-        self.route = FlatRoute(self.topology, node_summed=not self.scatter)
+        # the replicas exchange node sums (FSDP2 reduced inside the node first)
+        self.route = FlatRoute(self.topology, hsdp_replicas=not self.scatter)
         self.groups: list[_Group] = []
         self._ledger = Ledger()
         watch()  # which parameters an adaptive optimizer steps (compression.optimizer_watch)
