@@ -35,6 +35,7 @@ __all__ = [
     "onebit_unpack_mean",
     "onebit_chunk_energy",
     "orthogonalize_",
+    "node_sum_into",
     "int8_pack",
     "int8_unpack",
     "int8_unpack_mean",
@@ -96,6 +97,20 @@ def onebit_chunk_energy(packed: torch.Tensor, scales: torch.Tensor, error: torch
     outlier gate's measure (``compression.outliers``), in one pass. CPU tensors only.
     """
     return torch.ops.ciuicflow.onebit_chunk_energy(packed, scales, error, chunk_size)
+
+
+def node_sum_into(terms: list[torch.Tensor], divisor: float, out: torch.Tensor) -> torch.Tensor:
+    """``out = (terms[0] + terms[1] + ...) / divisor`` in one pass, summed in list order (the same
+    bits as ``torch.add`` then ``add_`` then ``div_``; float16 and bfloat16 round at each step as
+    torch does), and a float32 ``[1]``: 1 where ``out`` holds inf or NaN (an input did, or the sum
+    overflowed), else 0. The intra-node step's node sum (``collectives.node_shm``).
+
+    Args:
+        terms: one or more contiguous 1-D tensors of ``out``'s dtype and numel.
+        divisor: positive; 1 skips the division.
+        out: contiguous 1-D float32, float16 or bfloat16 tensor. CPU tensors only.
+    """
+    return torch.ops.ciuicflow.node_sum_into(list(terms), float(divisor), out)
 
 
 def onebit_unpack(
@@ -250,6 +265,11 @@ def _onebit_unpack_mean_into_fake(packed, scales, numel, chunk_size, out):
 @torch.library.register_fake("ciuicflow::onebit_chunk_energy")
 def _onebit_chunk_energy_fake(packed, scales, error, chunk_size):
     return scales.new_empty((scales.numel(), 2), dtype=torch.float32)
+
+
+@torch.library.register_fake("ciuicflow::node_sum_into")
+def _node_sum_into_fake(terms, divisor, out):
+    return out.new_empty((1,), dtype=torch.float32)
 
 
 @torch.library.register_fake("ciuicflow::orthogonalize_")

@@ -146,6 +146,82 @@ def test_onebit_chunk_energy_opcheck():
     torch.library.opcheck(torch.ops.ciuicflow.onebit_chunk_energy, (packed, scales, error, 24))
 
 
+NODE_SUM_SIZES = [1, 7, 8, 9, 31, 1000, 65537, 200_003]  # the last two span several threads' ranges
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("terms", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", NODE_SUM_SIZES)
+def test_node_sum_into_is_torchs_sum_bit_for_bit(dtype, terms, n):
+    """The intra-node step's sum: (t0 + t1 + ...) / divisor in list order, the same bits as torch's
+    add, add_, div_ (which the ranks rely on to hold identical means), and within a rounding per
+    step of the float64 sum."""
+    from ciuicflow.collectives.node_shm import _sum_into_torch
+
+    gen = torch.Generator().manual_seed(n * 11 + terms)
+    inputs = [(torch.randn(n, generator=gen) * 10 ** torch.randint(-3, 4, (n,), generator=gen))
+              .to(dtype) for _ in range(terms)]
+    for divisor in (1.0, 2.0, 3.0):
+        out = torch.full((n,), float("nan"), dtype=dtype)
+        flag = ops.node_sum_into(inputs, divisor, out)
+        want = torch.empty(n, dtype=dtype)
+        want_flag = _sum_into_torch(inputs, divisor, want)
+        assert torch.equal(out, want), (dtype, terms, n, divisor)
+        assert flag.dtype == torch.float32 and flag.shape == (1,) and float(flag) == 0.0
+        assert float(want_flag) == 0.0
+        exact = torch.stack([t.double() for t in inputs]).sum(0) / divisor
+        steps = terms + (divisor != 1)
+        eps = torch.finfo(dtype).eps
+        assert ((out.double() - exact).abs()
+                <= steps * eps * torch.stack([t.double().abs() for t in inputs]).sum(0)
+                / divisor + steps * torch.finfo(dtype).tiny).all()  # subnormals: absolute
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_node_sum_into_flags_a_non_finite_anywhere(dtype, bad):
+    """Every position, lane tails and the last element included, in any term; and finite
+    inputs whose sum overflows (compressing that would not survive either)."""
+    n = 70_001
+    for terms in (1, 2, 3, 4, 5):  # each count has a loop of its own
+        for position in (0, 5, 7, 8, 65535, 65536, n - 1):
+            for which in {0, terms - 1}:
+                inputs = [torch.randn(n).to(dtype) for _ in range(terms)]
+                inputs[which][position] = bad
+                out = torch.empty(n, dtype=dtype)
+                flag = ops.node_sum_into(inputs, 3.0, out)
+                assert float(flag) == 1.0, (terms, position, which)
+                assert not torch.isfinite(out[position])
+    big = torch.finfo(dtype).max
+    inputs = [torch.full((10,), big, dtype=dtype), torch.full((10,), big, dtype=dtype)]
+    assert float(ops.node_sum_into(inputs, 2.0, torch.empty(10, dtype=dtype))) == 1.0
+
+
+def test_node_sum_into_checks_its_arguments():
+    out = torch.empty(8)
+    with pytest.raises(RuntimeError, match="needs at least one term"):
+        ops.node_sum_into([], 1.0, out)
+    with pytest.raises(RuntimeError, match="term 1 must be a contiguous 1-D tensor of 8"):
+        ops.node_sum_into([torch.ones(8), torch.ones(9)], 1.0, out)
+    with pytest.raises(RuntimeError, match="term 1 must be a contiguous"):
+        ops.node_sum_into([torch.ones(8), torch.ones(16)[::2]], 1.0, out)
+    with pytest.raises(RuntimeError, match="term 0 is BFloat16, out is Float"):
+        ops.node_sum_into([torch.ones(8, dtype=torch.bfloat16)], 1.0, out)
+    with pytest.raises(RuntimeError, match="out must be float32, float16 or bfloat16"):
+        ops.node_sum_into([torch.ones(8, dtype=torch.float64)], 1.0, out.double())
+    with pytest.raises(RuntimeError, match="divisor must be positive"):
+        ops.node_sum_into([torch.ones(8)], 0.0, out)
+    with pytest.raises(RuntimeError, match="divisor must be positive"):
+        ops.node_sum_into([torch.ones(8)], float("inf"), out)
+    assert float(ops.node_sum_into([torch.ones(0)], 1.0, torch.empty(0))) == 0.0
+
+
+def test_node_sum_into_opcheck():
+    """Its schema, fake kernel and autograd registration agree."""
+    terms = [torch.randn(1001) for _ in range(3)]
+    torch.library.opcheck(torch.ops.ciuicflow.node_sum_into, (terms, 3.0, torch.empty(1001)))
+
+
 def ref_error_before(x, n, chunk):
     # fresh() is deterministic, so the error the op saw can be regenerated.
     return fresh(n, x.dtype, "cpu", seed=n * 31 + chunk)[1].double()

@@ -5,10 +5,12 @@ more than the arithmetic (an all-reduce of 26 MB over 2 ranks took 40 ms here, i
 77 ms). Ranks of one host can instead read each other's tensors in a shared segment, as GPUs of one
 node do over NVLink:
 
-1. every local rank copies its tensor (and its non-finite flag) into its own slot, all but its
-   own shard, which no other rank reads;
+1. every local rank copies its tensor into its own slot, all but its own shard, which no other
+   rank reads;
 2. barrier; local rank i sums shard i of every slot (its own from its tensor), in slot order,
-   into the output area;
+   into the output area, divided by L for a mean, in one native pass (``ops.node_sum_into``) that
+   also tells whether the shard holds inf/NaN; where the caller needs that flag for the whole
+   node, one 4-byte all-reduce agrees on it;
 3. (the caller runs the inter-node step on that shard, in place)
 4. barrier; every rank copies the whole output area back into its tensor.
 
@@ -68,7 +70,7 @@ class NodeSegment:
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None
         self._token = torch.zeros(4)  # the barriers' all-reduce; the first one carries a vote
-        self._header = _round_up(_TOKEN_BYTES + 4 * local_size)  # token, then the flags
+        self._header = _round_up(_TOKEN_BYTES)  # the token
         self._slot = 0  # bytes per area (input slot or output) in the current mapping
         self._kept: dict = {}  # key -> (its output area: uint8 over a shared mapping, serial)
         self._areas_made = 0  # kept areas made so far: the same count on every local rank
@@ -77,12 +79,13 @@ class NodeSegment:
 
     # -- the collective operations -----------------------------------------------------------
 
-    def node_sum(self, flat: torch.Tensor, shard_len: int, with_flag: bool, keep=None):
-        """Step 1-2 for ``flat``: return (this rank's shard of the node sum, a view into the
-        segment; the node's non-finite flag or None). ``keep``: a key (this process's) for an
-        output area of its own (module docstring), or None."""
+    def node_sum(self, flat: torch.Tensor, shard_len: int, with_flag: bool, keep=None,
+                 divisor: float = 1.0):
+        """Step 1-2 for ``flat``: return (this rank's shard of the node sum divided by
+        ``divisor``, a view into the segment; the node's non-finite flag or None). ``keep``: a
+        key (this process's) for an output area of its own (module docstring), or None."""
         padded, numel, me = shard_len * self.local_size, flat.numel(), self.local_rank
-        inputs, output, flags = self._areas(flat.dtype, padded)
+        inputs, output = self._areas(flat.dtype, padded)
         start, end = me * shard_len, (me + 1) * shard_len
         # The other ranks read only their own shards of this slot: this rank's shard is summed
         # straight from flat (where flat holds all of it), which saves 1/L of the copy.
@@ -94,19 +97,19 @@ class NodeSegment:
         else:
             mine[:numel].copy_(flat)
         mine[numel:].zero_()
-        if with_flag:
-            flags[me] = nonfinite_flag(flat)
         self._output_kept = self._kept_area(keep, flat.dtype, padded)  # holds the first barrier
         if self._output_kept is not None:
             output = self._output_kept
         terms = [flat[start:end] if slot == me and own_in_place else inputs[slot, start:end]
                  for slot in range(self.local_size)]
         shard = output[start:end]
-        torch.add(terms[0], terms[1], out=shard)  # in slot order: the same bits on every run
-        for term in terms[2:]:
-            shard.add_(term)
-        flag = flags.max().view(1) if with_flag else None
-        return shard, flag
+        # in slot order: the same bits on every run; a non-finite sum means a non-finite input
+        # (or an overflow, which compressing would not survive either)
+        flag = _sum_into(terms, divisor, shard)
+        if with_flag:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            return shard, flag
+        return shard, None
 
     def gather(self, flat: torch.Tensor, shard_len: int) -> torch.Tensor:
         """Step 4 (after ``node_sum`` of the same): every rank's shard, back into ``flat``, which
@@ -114,7 +117,7 @@ class NodeSegment:
         self._barrier()
         if self._output_kept is not None:
             return self._output_kept[:flat.numel()]
-        _, output, _ = self._areas(flat.dtype, shard_len * self.local_size)
+        _, output = self._areas(flat.dtype, shard_len * self.local_size)
         flat.copy_(output[:flat.numel()])
         return flat
 
@@ -127,7 +130,7 @@ class NodeSegment:
     # -- the segment -------------------------------------------------------------------------
 
     def _areas(self, dtype: torch.dtype, padded: int):
-        """[L, padded] inputs, [padded] output, [L] float32 flags, growing the segment (a
+        """[L, padded] inputs and the [padded] output, growing the segment (a
         collective, which every local rank reaches for the same tensor size) when needed.
 
         Each area starts at the same place whatever the size of the tensor: a rank that has moved
@@ -138,8 +141,7 @@ class NodeSegment:
             self._remap(self._header + (self.local_size + 1) * _round_up(nbytes))
         data = self._bytes[self._header:self._header + (self.local_size + 1) * self._slot]
         data = data.view(self.local_size + 1, self._slot)[:, :nbytes].view(dtype)
-        flags = self._bytes[_TOKEN_BYTES:_TOKEN_BYTES + 4 * self.local_size].view(torch.float32)
-        return data[:self.local_size], data[self.local_size], flags
+        return data[:self.local_size], data[self.local_size]
 
     def _kept_area(self, key, dtype: torch.dtype, padded: int) -> torch.Tensor | None:
         """Step 1's barrier, with the local ranks' vote on ``key``'s output area ([padded] of
@@ -211,6 +213,30 @@ class NodeSegment:
         if not bool(ok.item()):
             raise Unavailable(f"segment {path or '(not created)'} not shared by every local rank")
         return mapping
+
+
+def _sum_into(terms, divisor: float, out: torch.Tensor) -> torch.Tensor:
+    """``ops.node_sum_into`` (one pass), or the same in torch ops where the native build is
+    missing (exact reductions work without it)."""
+    try:
+        from ciuicflow import ops
+    except ImportError:
+        return _sum_into_torch(terms, divisor, out)
+    return ops.node_sum_into(terms, divisor, out)
+
+
+def _sum_into_torch(terms, divisor: float, out: torch.Tensor) -> torch.Tensor:
+    """``ops.node_sum_into``'s sum, bit for bit, in torch ops (three passes or more); its flag
+    also fires where finite values sum past float32's range (``nonfinite_flag``)."""
+    if len(terms) == 1:
+        out.copy_(terms[0])
+    else:
+        torch.add(terms[0], terms[1], out=out)
+    for term in terms[2:]:
+        out.add_(term)
+    if divisor != 1:
+        out.div_(divisor)
+    return nonfinite_flag(out)
 
 
 def _attach(path: str, nbytes: int) -> mmap.mmap:

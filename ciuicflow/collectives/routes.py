@@ -158,9 +158,8 @@ class HierarchicalRoute(FlatRoute):
         if divide_first:
             flat.div_(local)
         shard_bytes = shard_len * flat.element_size()
-        segment, shard, flag = _node_sum(flat, topology, shard_len, step.needs_flag, traffic, keep)
-        if op == "mean" and not divide_first:
-            shard.div_(local)
+        segment, shard, flag = _node_sum(flat, topology, shard_len, step.needs_flag, traffic, keep,
+                                         local if op == "mean" and not divide_first else 1)
 
         if step is EXACT:
             if op == "mean":
@@ -211,14 +210,15 @@ def node_sum_method(tensor: torch.Tensor, topology) -> str:
     return choice
 
 
-def _node_sum(flat, topology, shard_len, needs_flag, traffic, keep=None):
-    """(the shared segment or None, this rank's shard of the node's sum, the node's flag)."""
+def _node_sum(flat, topology, shard_len, needs_flag, traffic, keep=None, divisor=1):
+    """(the shared segment or None, this rank's shard of the node's sum divided by ``divisor``,
+    the node's flag)."""
     local = topology.local_world_size
     method = node_sum_method(flat, topology)
     if method == "shared_memory":
         segment = node_shm.node_segment(topology)
         try:
-            shard, flag = segment.node_sum(flat, shard_len, needs_flag, keep)
+            shard, flag = segment.node_sum(flat, shard_len, needs_flag, keep, divisor)
             # what the ranks read of each other's slots: a reduce-scatter's worth
             add_traffic(traffic, Hop.intra(topology), (local - 1) * shard_len * flat.element_size())
             return segment, shard, flag
@@ -226,8 +226,12 @@ def _node_sum(flat, topology, shard_len, needs_flag, traffic, keep=None):
             node_shm.disable(topology, exc)
             method = "all_reduce"
     if method == "all_reduce":
-        return (None, *_node_sum_by_all_reduce(flat, topology, shard_len, needs_flag, traffic))
-    return (None, *_node_sum_by_reduce_scatter(flat, topology, shard_len, needs_flag, traffic))
+        shard, flag = _node_sum_by_all_reduce(flat, topology, shard_len, needs_flag, traffic)
+    else:
+        shard, flag = _node_sum_by_reduce_scatter(flat, topology, shard_len, needs_flag, traffic)
+    if divisor != 1:
+        shard.div_(divisor)
+    return None, shard, flag
 
 
 def _node_sum_by_all_reduce(flat, topology, shard_len, needs_flag, traffic):

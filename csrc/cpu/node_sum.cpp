@@ -1,0 +1,137 @@
+// The node sum of the intra-node step (ciuicflow/collectives/node_shm.py): each local rank sums its
+// shard of every rank's input, divides by the node's rank count and learns whether the result holds
+// an inf or NaN. In torch ops that is L-1 adds, a division and a non-finite check, each a pass
+// over memory; here it is one read of the inputs and one write of the output.
+//
+// The result is bit for bit what torch gives for the same sequence: torch.add(t0, t1), then add_
+// of each further term in order, then div_(divisor); for float16 and bfloat16 every step rounds to
+// the tensor's type, as torch's ops do.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/full.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace ciuicflow {
+namespace {
+
+// out[i] = (((t0[i] + t1[i]) + t2[i]) + ...) / divisor over [begin, end); whether any out[i] is
+// not finite. divisor 1 skips the division (x / 1 is x).
+template <typename T>
+bool sum_range(const std::vector<const T*>& terms, float divisor, T* out, int64_t begin,
+               int64_t end) {
+  const size_t count = terms.size();
+  bool nonfinite = false;
+  for (int64_t i = begin; i < end; ++i) {
+    T acc = terms[0][i];
+    for (size_t t = 1; t < count; ++t) acc = static_cast<T>(static_cast<float>(acc) +
+                                                            static_cast<float>(terms[t][i]));
+    if (divisor != 1.0f) acc = static_cast<T>(static_cast<float>(acc) / divisor);
+    out[i] = acc;
+    nonfinite |= !std::isfinite(static_cast<float>(acc));
+  }
+  return nonfinite;
+}
+
+// float32, the hot case (L = 2, 3, 4 ranks per node written out so that each loop vectorizes):
+// whether any out[i] is not finite, tested as !(|x| <= FLT_MAX), which NaN fails too.
+CIUICFLOW_HOT bool sum_range_float(const std::vector<const float*>& terms, float divisor,
+                                   float* __restrict out, int64_t begin, int64_t end) {
+  const float* __restrict a = terms[0];
+  const float* __restrict b = terms.size() > 1 ? terms[1] : nullptr;
+  const float* __restrict c = terms.size() > 2 ? terms[2] : nullptr;
+  const float* __restrict d = terms.size() > 3 ? terms[3] : nullptr;
+  const bool divide = divisor != 1.0f;
+  int bad = 0;
+  switch (terms.size()) {
+    case 2:
+      for (int64_t i = begin; i < end; ++i) {
+        float acc = a[i] + b[i];
+        acc = divide ? acc / divisor : acc;
+        out[i] = acc;
+        bad |= !(std::fabs(acc) <= FLT_MAX);
+      }
+      return bad != 0;
+    case 3:
+      for (int64_t i = begin; i < end; ++i) {
+        float acc = (a[i] + b[i]) + c[i];
+        acc = divide ? acc / divisor : acc;
+        out[i] = acc;
+        bad |= !(std::fabs(acc) <= FLT_MAX);
+      }
+      return bad != 0;
+    case 4:
+      for (int64_t i = begin; i < end; ++i) {
+        float acc = ((a[i] + b[i]) + c[i]) + d[i];
+        acc = divide ? acc / divisor : acc;
+        out[i] = acc;
+        bad |= !(std::fabs(acc) <= FLT_MAX);
+      }
+      return bad != 0;
+    default:
+      return sum_range<float>(terms, divisor, out, begin, end);
+  }
+}
+
+// float32 takes the written-out loops, the other types the general one
+bool sum_any(const std::vector<const float*>& terms, float divisor, float* out, int64_t begin,
+             int64_t end) {
+  return sum_range_float(terms, divisor, out, begin, end);
+}
+
+template <typename T>
+bool sum_any(const std::vector<const T*>& terms, float divisor, T* out, int64_t begin,
+             int64_t end) {
+  return sum_range<T>(terms, divisor, out, begin, end);
+}
+
+at::Tensor node_sum_cpu(at::TensorList terms, double divisor, at::Tensor& out) {
+  const char* op = "node_sum_into";
+  TORCH_CHECK(terms.size() >= 1, op, ": needs at least one term");
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous(), op, ": out must be a contiguous 1-D tensor");
+  TORCH_CHECK(divisor > 0 && std::isfinite(divisor), op, ": divisor must be positive, got ",
+              divisor);
+  const auto dtype = out.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": out must be float32, float16 or bfloat16, got ", dtype);
+  const int64_t numel = out.numel();
+  for (size_t t = 0; t < terms.size(); ++t) {
+    const auto& term = terms[t];
+    TORCH_CHECK(term.dim() == 1 && term.is_contiguous() && term.numel() == numel, op, ": term ", t,
+                " must be a contiguous 1-D tensor of ", numel, " elements, got ", term.sizes());
+    TORCH_CHECK(term.scalar_type() == dtype, op, ": term ", t, " is ", term.scalar_type(),
+                ", out is ", dtype);
+    TORCH_CHECK(term.device() == out.device(), op, ": term ", t, " is on ", term.device(),
+                ", out on ", out.device());
+  }
+  std::atomic<bool> nonfinite{false};
+  const float div = static_cast<float>(divisor);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "node_sum_into", [&] {
+    std::vector<const scalar_t*> ptrs;
+    for (const auto& term : terms) ptrs.push_back(term.const_data_ptr<scalar_t>());
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, numel, kGrainElements, [&](int64_t begin, int64_t end) {
+      if (sum_any(ptrs, div, o, begin, end)) nonfinite.store(true, std::memory_order_relaxed);
+    });
+  });
+  return at::full({1}, nonfinite.load() ? 1.0f : 0.0f, out.options().dtype(at::kFloat));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ciuicflow, m) {
+  // terms: L tensors of one dtype and numel -> out = (sum in order) / divisor, and float32 [1]:
+  // 1 where out holds an inf or NaN, else 0
+  m.def("node_sum_into(Tensor[] terms, float divisor, Tensor(a!) out) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ciuicflow, CPU, m) { m.impl("node_sum_into", &node_sum_cpu); }
+
+}  // namespace ciuicflow
