@@ -145,6 +145,10 @@ def onebit_unpack_mean(
 
     The vectors are summed in row order, so every rank that holds the same rows gets the same bits
     (the server step of compressed all-reduce). ``out`` as in :func:`onebit_unpack`.
+
+    Rows need not be adjacent (only ``packed``'s last stride must be 1, else it is copied). On CPU
+    ``packed`` may also be ``[W, ceil(numel/chunk_size), B]`` blocks, ``B >= chunk_size / 8``, each
+    chunk's signs at the start of its block (the outlier codec's payload): read where they lie.
     """
     if out is not None:
         torch.ops.ciuicflow.onebit_unpack_mean_into(packed, scales, numel, chunk_size, out)

@@ -22,7 +22,8 @@ TORCH_LIBRARY(ciuicflow, m) {
   m.def("onebit_unpack(Tensor packed, Tensor scales, int numel, int chunk_size) -> Tensor");
   // _into writes into a caller's float32 buffer of numel elements (no allocation on the hot path)
   m.def("onebit_unpack_into(Tensor packed, Tensor scales, int numel, int chunk_size, Tensor(a!) out) -> ()");
-  // packed [W, nbytes], scales [W, nchunks] -> mean of the W decompressed vectors
+  // packed [W, nbytes], scales [W, nchunks] -> mean of the W decompressed vectors (on CPU packed
+  // may also be [W, nchunks, block bytes]: each chunk's signs at the start of its block)
   m.def("onebit_unpack_mean(Tensor packed, Tensor scales, int numel, int chunk_size) -> Tensor");
   m.def("onebit_unpack_mean_into(Tensor packed, Tensor scales, int numel, int chunk_size, Tensor(a!) out) -> ()");
   // Gram-Schmidt on the columns of m ([n, r] or [B, n, r]), in place

@@ -251,6 +251,44 @@ def test_onebit_unpack_mean_matches_reference(device, world, n):
     torch.testing.assert_close(out.cpu(), want.float(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 9, 255, 257, 2049, 65_537])
+@pytest.mark.parametrize("chunk", [8, 24, 256])
+def test_onebit_unpack_mean_reads_rows_apart_and_signs_in_blocks(world, n, chunk):
+    """What the exchange hands the unpack without copying it: rows of a larger buffer, and the
+    outlier codec's blocks (signs at each block's start, other bytes after them): the same bits
+    as contiguous rows, whatever the other bytes hold."""
+    gen = torch.Generator().manual_seed(world * 7919 + n + chunk)
+    nchunks, sign_bytes, extra = math.ceil(n / chunk), chunk // 8, 12
+    blocks = torch.randint(0, 256, (world, nchunks, sign_bytes + extra), dtype=torch.uint8,
+                           generator=gen)
+    scales = torch.rand(world, nchunks, generator=gen) + 0.1
+    packed = blocks[:, :, :sign_bytes].reshape(world, -1)[:, :math.ceil(n / 8)].contiguous()
+    want = ref.onebit_unpack_mean(packed, scales, n, chunk).float()
+    got = ops.onebit_unpack_mean(blocks[:, :, :sign_bytes], scales, n, chunk)
+    assert torch.equal(got, ops.onebit_unpack_mean(packed, scales, n, chunk))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    wide = torch.randint(0, 256, (world, packed.shape[1] + 37), dtype=torch.uint8, generator=gen)
+    wide[:, 5:5 + packed.shape[1]] = packed
+    apart = wide[:, 5:5 + packed.shape[1]]
+    assert world == 1 or not apart.is_contiguous()
+    assert torch.equal(ops.onebit_unpack_mean(apart, scales, n, chunk), got)
+
+
+def test_onebit_unpack_mean_checks_its_blocks():
+    blocks = torch.zeros(2, 3, 4, dtype=torch.uint8)
+    scales = torch.ones(2, 3)
+    ops.onebit_unpack_mean(blocks, scales, 20, 8)  # three chunks of 8, the last one partial
+    with pytest.raises(RuntimeError, match="needs 2 blocks and scales, got 3 and 3"):
+        ops.onebit_unpack_mean(blocks, scales, 16, 8)
+    with pytest.raises(RuntimeError, match="blocks of 4 bytes cannot hold 5 bytes"):
+        ops.onebit_unpack_mean(torch.zeros(2, 1, 4, dtype=torch.uint8), torch.ones(2, 1), 40, 40)
+    with pytest.raises(RuntimeError, match="blocks have 2 vectors, scales 1"):
+        ops.onebit_unpack_mean(blocks, scales[:1], 20, 8)
+    with pytest.raises(RuntimeError, match="blocks must be uint8"):
+        ops.onebit_unpack_mean(blocks.float(), scales, 20, 8)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_out_variants_overwrite_poisoned_buffers(device):
     n, chunk, world = 4099, 24, 3

@@ -137,7 +137,9 @@ class OneBitOutlierCodec(Codec):
         rows, nchunks = scales.shape
         sign_bytes, k = self._sign_bytes(chunk), self.values
         blocks = payload.view(rows, nchunks, -1)
-        signs = blocks[:, :, :sign_bytes].reshape(rows, -1)[:, :(numel + 7) // 8].contiguous()
+        signs = blocks[:, :, :sign_bytes]
+        if not signs.is_cpu:  # the native CPU op reads signs in their blocks; CUDA's, gathered
+            signs = signs.reshape(rows, -1)[:, :(numel + 7) // 8].contiguous()
         magnitude = scales.abs()
         native_ops().onebit_unpack_mean(signs, magnitude, numel, chunk, out=out)
         hot = torch.signbit(scales)

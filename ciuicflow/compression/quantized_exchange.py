@@ -313,10 +313,10 @@ class QuantizedStep:
         codec, errors = self.codec, self.errors
         nbytes = (lambda n: codec.payload_bytes(n, layout.chunk))
         nscales = (lambda n: -(-n // layout.chunk))
-        unpack = (lambda n, out: codec.unpack_mean(
-            packed[:, :nbytes(n)].contiguous(), scales[:, :nscales(n)].contiguous(), n,
+        unpack = (lambda n, out: codec.unpack_mean(  # rows apart: the codecs read them in place
+            packed[:, :nbytes(n)], scales[:, :nscales(n)].contiguous(), n,
             layout.chunk, out)) if mean_of_rows else \
-            (lambda n, out: codec.unpack(packed.view(-1)[:nbytes(n)],
+            (lambda n, out: codec.unpack(packed.reshape(-1)[:nbytes(n)],
                                          scales.view(-1)[:nscales(n)], n, layout.chunk, out))
         if compressed_at is None and x.dtype == torch.float32 and x.is_contiguous():
             if layout.numel:  # straight into x: the first numel elements of the padded layout
@@ -415,11 +415,14 @@ def _rows(rows: int, packed, scales, flags, raw) -> torch.Tensor:
 
 
 def _unrows(rows: torch.Tensor, layout: _Layout, with_flag: bool):
-    """Split what ``_rows`` built (one row per rank) back into its four parts."""
+    """Split what ``_rows`` built (one row per rank) back into its four parts. The payload stays
+    a view (rows apart: the bulk of the bytes, which the codecs' unpacks read in place); the
+    float parts are copied, as a float view needs aligned rows."""
     sizes = [layout.packed_bytes, 4 * layout.nscales, 12 if with_flag else 0, 4 * layout.raw]
     parts, start = [], 0
-    for size in sizes:
-        parts.append(rows[:, start:start + size].contiguous())
+    for index, size in enumerate(sizes):
+        part = rows[:, start:start + size]
+        parts.append(part if index == 0 else part.contiguous())
         start += size
     packed, scales, flags, raw = parts
     as_float = (lambda t: t.view(torch.float32) if t.shape[1] else

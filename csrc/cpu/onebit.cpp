@@ -338,13 +338,41 @@ void unpack_mean_sse(const uint8_t* packed, int64_t row_bytes, const float* scal
 }
 #endif
 
+// packed is [W, ceil(n/8)] (rows may lie apart: only the last stride must be 1), or [W, nchunks,
+// B] with B >= chunk_size / 8: each chunk's signs at the start of a block of B bytes, as the outlier
+// codec lays its payload out (compression/outliers.py), read where they lie instead of gathered.
 void onebit_unpack_mean_into_cpu(const at::Tensor& packed, const at::Tensor& scales,
                                        int64_t numel, int64_t chunk_size, at::Tensor& out) {
-  check_unpack_args("onebit_unpack_mean", packed, scales, numel, chunk_size, 2);
-  check_out("onebit_unpack_mean", out, numel, packed);
-  auto pc = packed.contiguous();
+  const char* op = "onebit_unpack_mean";
+  at::Tensor pc;
+  int64_t row_stride, chunk_stride;
+  if (packed.dim() == 3) {
+    check_chunk_size(chunk_size);
+    TORCH_CHECK(numel >= 0, op, ": numel must be >= 0, got ", numel);
+    TORCH_CHECK(packed.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat &&
+                    scales.dim() == 2, op, ": blocks must be uint8 and scales 2-D float32");
+    TORCH_CHECK(packed.size(0) == scales.size(0) && packed.size(0) > 0, op, ": blocks have ",
+                packed.size(0), " vectors, scales ", scales.size(0));
+    TORCH_CHECK(packed.size(1) == ceil_div(numel, chunk_size) &&
+                    scales.size(1) == packed.size(1), op, ": numel ", numel, " with chunk_size ",
+                chunk_size, " needs ", ceil_div(numel, chunk_size), " blocks and scales, got ",
+                packed.size(1), " and ", scales.size(1));
+    TORCH_CHECK(packed.size(2) >= chunk_size / 8, op, ": blocks of ", packed.size(2),
+                " bytes cannot hold ", chunk_size / 8, " bytes of signs");
+    TORCH_CHECK(packed.device() == scales.device(), op, ": packed is on ", packed.device(),
+                ", scales on ", scales.device());
+    pc = packed.stride(2) == 1 ? packed : packed.contiguous();
+    row_stride = pc.stride(0);
+    chunk_stride = pc.stride(1);
+  } else {
+    check_unpack_args(op, packed, scales, numel, chunk_size, 2);
+    pc = packed.stride(1) == 1 ? packed : packed.contiguous();
+    row_stride = pc.stride(0);
+    chunk_stride = chunk_size / 8;
+  }
+  check_out(op, out, numel, packed);
   auto sc = scales.contiguous();
-  const int64_t world = pc.size(0), nbytes = pc.size(1), nchunks = sc.size(1);
+  const int64_t world = pc.size(0), nchunks = sc.size(1);
   const uint8_t* p = pc.const_data_ptr<uint8_t>();
   const float* s = sc.const_data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -357,15 +385,16 @@ void onebit_unpack_mean_into_cpu(const at::Tensor& packed, const at::Tensor& sca
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t begin = c * chunk_size;
       const int64_t len = std::min(chunk_size, numel - begin);
+      const uint8_t* signs = p + c * chunk_stride;
       int64_t done = 0;
 #if defined(__x86_64__)
       done = len - len % 8;  // chunk_size is a multiple of 8: each chunk starts 32-byte aligned
-      unpack_mean_sse(p + begin / 8, nbytes, s + c, nchunks, world, inv_world, o + begin, done,
+      unpack_mean_sse(signs, row_stride, s + c, nchunks, world, inv_world, o + begin, done,
                       stream);
 #endif
       if (done < len) {  // the generic loop: sum the W vectors in rank order, then scale once
         for (int64_t w = 0; w < world; ++w) {
-          unpack_chunk(p + w * nbytes + (begin + done) / 8, s[w * nchunks + c], o + begin + done,
+          unpack_chunk(signs + w * row_stride + done / 8, s[w * nchunks + c], o + begin + done,
                        len - done, w > 0);
         }
         scale_chunk(o + begin + done, len - done, inv_world);
