@@ -72,6 +72,28 @@ def test_smoke_bytes_match_the_algorithms(smoke):
     assert "planner" in base and base["planner"]["predicted_inter_node_bytes"] > 0
 
 
+def test_rounds_combine_into_medians_and_ratios_within_rounds():
+    """--rounds: one record per method, medians over the runs that finished, a failed run counted
+    and left out, a method listed twice paired with the right round."""
+    from comm import _per_round_ratios, combine_rounds
+
+    def run(method, step, cpu=0.5):
+        return {"method": method, "step_seconds": step, "comm_seconds": step / 10, "cpu_seconds": cpu}
+
+    records = [run("no_comm", 1.0), run("h1", 1.4), run("no_comm", 1.2),  # round 0 (no_comm twice)
+               run("no_comm", 0.8), {"method": "h1", "failed": "boom"}, run("no_comm", 1.0),  # 1
+               run("no_comm", 0.9, 0.4), run("h1", 1.1, 0.7), run("no_comm", 0.9)]  # round 2
+    floor, h1 = combine_rounds(records, {"no_comm": 2, "h1": 1})
+    assert floor["method"] == "no_comm" and floor["step_seconds"] == 0.95  # median of six
+    assert floor["cpu_seconds"] == 0.5 and floor["failed_runs"] == 0
+    assert [r["round"] for r in floor["rounds"]] == [0, 0, 1, 1, 2, 2]
+    assert h1["step_seconds"] == 1.25 and h1["failed_runs"] == 1
+    assert [r["round"] for r in h1["rounds"]] == [0, 2]
+    assert _per_round_ratios(h1, floor) == pytest.approx([1.4 / 1.1, 1.1 / 0.9])
+    failed = combine_rounds([{"method": "x", "failed": "a"}, {"method": "x", "failed": "b"}])
+    assert failed == [{"method": "x", "failed": "a"}]
+
+
 def test_allreduce_cost_measures_the_compressor_and_the_exact_reduction(tmp_path):
     """bench/allreduce_cost.py --smoke: a record per method (the compressor's, then the exact
     baseline's), every rank measured, the table written, bad sizes refused."""
