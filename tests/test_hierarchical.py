@@ -476,7 +476,7 @@ def _kept_outputs(rank, world):
     return max(gaps), kept, same
 
 
-def _two_models_one_backward(rank, world):
+def _two_models_one_backward(rank, world, shared_state=False):
     import ciuicflow
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -484,9 +484,14 @@ def _two_models_one_backward(rank, world):
     models = [DDP(torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Linear(300, 7)))
               for _ in range(2)]
     for model in models:
-        ciuicflow.register(model, "hierarchical_allreduce")
-    worst = 0.0
-    for step in range(3):
+        if shared_state:  # the default state, one per hook: both models' buckets go through it
+            model.register_comm_hook(None, ciuicflow.hierarchical_allreduce)
+        else:
+            ciuicflow.register(model, "hierarchical_allreduce")
+    from ciuicflow.collectives import node_shm
+
+    worst, areas = 0.0, []
+    for step in range(4):
         inputs = [_input(rank, 10 * step + m, 16 * 40).view(16, 40) for m in range(2)]
         for model in models:
             model.zero_grad()
@@ -499,14 +504,18 @@ def _two_models_one_backward(rank, world):
             for p, g in zip(model.module.parameters(), grads):
                 dist.all_reduce(g)
                 worst = max(worst, (p.grad - g / world).abs().max().item())
-    return worst
+        areas.append(sum(len(segment._kept) for segment in node_shm._NODES.values() if segment))
+    return worst, areas
 
 
-def test_two_models_in_one_backward_get_their_own_means():
+@pytest.mark.parametrize("shared_state", [False, True])
+def test_two_models_in_one_backward_get_their_own_means(shared_state):
     """Two DDP models reduced in one backward pass (DDP copies both results out only at its end):
-    each bucket's kept output is its own, so neither model receives the other's gradients."""
-    for worst in run_distributed(_two_models_one_backward, 4, nodes=2):
+    each bucket's kept output is its own, so neither model receives the other's gradients; also
+    where both use the hook's default state and their buckets have the same index and size."""
+    for worst, areas in run_distributed(_two_models_one_backward, 4, nodes=2, args=(shared_state,)):
         assert worst < 1e-5
+        assert areas[1] >= 2 and areas[1:] == [areas[1]] * 3, areas  # one per model: no growth
 
 
 def test_kept_outputs_are_the_means_and_outlive_other_keys():

@@ -160,9 +160,12 @@ class AllReduceState:
         if info.buffer.numel() and route.topology.world_size > 1:
             # the route may hand back its own copy of the mean (node_shm's kept output) instead
             # of writing it into the bucket: DDP copies the hook's result into the gradients.
-            # The key is this state's and bucket's (two models' buckets never share an area);
-            # not on DDP's first step, whose one bucket of every parameter is rebuilt after it.
-            keep = None if step == 0 else (id(self), info.index, info.buffer.numel())
+            # The key is this state's and bucket's: the bucket's memory tells apart two models
+            # that share a state (the hook's default one) and a bucket layout, whose areas would
+            # otherwise collide in one backward pass. Not on DDP's first step, whose one bucket
+            # of every parameter is rebuilt after it.
+            keep = None if step == 0 else (id(self), info.index, info.buffer.numel(),
+                                           info.buffer.data_ptr())
             result = past_warmup and self._reduce_compressed(info, route, step, traffic, keep)
             if result is False:
                 route.add_exact(traffic, info.buffer)
