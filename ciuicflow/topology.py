@@ -20,6 +20,7 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch.distributed as dist
 
@@ -118,19 +119,27 @@ class Topology:
     def node(self) -> int:
         return self.node_of_rank[self.rank]
 
+    @cached_property
+    def _members(self) -> tuple[tuple[int, ...], ...]:
+        """Group ranks of each node, in local-rank (global-rank) order. Computed once: the hooks
+        ask for the layout several times per bucket and step, and it never changes."""
+        return tuple(
+            tuple(sorted((r for r, n in enumerate(self.node_of_rank) if n == node),
+                         key=lambda r: self.global_ranks[r]))
+            for node in range(self.num_nodes))
+
     def ranks_on_node(self, node: int) -> tuple[int, ...]:
         """Group ranks on ``node``, in local-rank (global-rank) order."""
-        members = [r for r, n in enumerate(self.node_of_rank) if n == node]
-        return tuple(sorted(members, key=lambda r: self.global_ranks[r]))
+        return self._members[node] if 0 <= node < len(self._members) else ()
 
     @property
     def local_rank(self) -> int:
         return self.ranks_on_node(self.node).index(self.rank)
 
-    @property
+    @cached_property
     def uniform(self) -> bool:
         """Every node holds the same number of ranks."""
-        return len({len(self.ranks_on_node(n)) for n in range(self.num_nodes)}) == 1
+        return len({len(members) for members in self._members}) == 1
 
     @property
     def local_world_size(self) -> int | None:
