@@ -40,43 +40,32 @@ bool sum_range(const std::vector<const T*>& terms, float divisor, T* out, int64_
   return nonfinite;
 }
 
-// float32, the hot case (L = 2, 3, 4 ranks per node written out so that each loop vectorizes):
+// float32 with kTerms terms, a compile-time count, so that the loop over elements vectorizes;
 // whether any out[i] is not finite, tested as !(|x| <= FLT_MAX), which NaN fails too.
-CIUICFLOW_HOT bool sum_range_float(const std::vector<const float*>& terms, float divisor,
-                                   float* __restrict out, int64_t begin, int64_t end) {
-  const float* __restrict a = terms[0];
-  const float* __restrict b = terms.size() > 1 ? terms[1] : nullptr;
-  const float* __restrict c = terms.size() > 2 ? terms[2] : nullptr;
-  const float* __restrict d = terms.size() > 3 ? terms[3] : nullptr;
+template <int kTerms>
+__attribute__((always_inline)) inline bool sum_fixed(const float* const* terms, float divisor,
+                                                     float* __restrict out, int64_t begin,
+                                                     int64_t end) {
   const bool divide = divisor != 1.0f;
   int bad = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    float acc = terms[0][i];
+    for (int t = 1; t < kTerms; ++t) acc += terms[t][i];  // in order: torch's bits
+    acc = divide ? acc / divisor : acc;
+    out[i] = acc;
+    bad |= !(std::fabs(acc) <= FLT_MAX);
+  }
+  return bad != 0;
+}
+
+// float32, the hot case: L = 2, 3 or 4 ranks per node, compiled for AVX2 and baseline x86-64
+CIUICFLOW_HOT bool sum_range_float(const std::vector<const float*>& terms, float divisor,
+                                   float* out, int64_t begin, int64_t end) {
   switch (terms.size()) {
-    case 2:
-      for (int64_t i = begin; i < end; ++i) {
-        float acc = a[i] + b[i];
-        acc = divide ? acc / divisor : acc;
-        out[i] = acc;
-        bad |= !(std::fabs(acc) <= FLT_MAX);
-      }
-      return bad != 0;
-    case 3:
-      for (int64_t i = begin; i < end; ++i) {
-        float acc = (a[i] + b[i]) + c[i];
-        acc = divide ? acc / divisor : acc;
-        out[i] = acc;
-        bad |= !(std::fabs(acc) <= FLT_MAX);
-      }
-      return bad != 0;
-    case 4:
-      for (int64_t i = begin; i < end; ++i) {
-        float acc = ((a[i] + b[i]) + c[i]) + d[i];
-        acc = divide ? acc / divisor : acc;
-        out[i] = acc;
-        bad |= !(std::fabs(acc) <= FLT_MAX);
-      }
-      return bad != 0;
-    default:
-      return sum_range<float>(terms, divisor, out, begin, end);
+    case 2: return sum_fixed<2>(terms.data(), divisor, out, begin, end);
+    case 3: return sum_fixed<3>(terms.data(), divisor, out, begin, end);
+    case 4: return sum_fixed<4>(terms.data(), divisor, out, begin, end);
+    default: return sum_range<float>(terms, divisor, out, begin, end);
   }
 }
 
