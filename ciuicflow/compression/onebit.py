@@ -79,7 +79,9 @@ class OneBitCompressor(QuantizedCompressor):
         the registry's ``values`` (4) on DDP's routes, flat and hierarchical, where ``chunk_size``
         <= 256 (they took the CNN of bench/convergence.py from 1.5-3.5 points below exact flat,
         and up to 1.35 hierarchical, to 0.1-1.1 and 0.35-0.7: docs/convergence.md); none
-        in ciuicflow.fsdp (HSDP's replicas and the reduce-scatter), not measured with them."""
+        in ciuicflow.fsdp: on HSDP's replicas they would hold the CNN's worst seed of three within
+        a point (1.6 -> 0.9 below exact) but take the bytes from 1/28 to 1/21 of HSDP's, past
+        the FSDP bench's 1/25 (docs/fsdp.md); FSDP's reduce-scatter was not measured with them."""
         super().__init__(**options)
         if outliers != "auto" and (isinstance(outliers, bool) or not isinstance(outliers, int)
                                    or not 0 <= outliers <= 16):
@@ -97,7 +99,7 @@ class OneBitCompressor(QuantizedCompressor):
             return self.codec
         # "auto": DDP's routes, flat and hierarchical, send values; ciuicflow.fsdp's exchanges
         # (the reduce-scatter, route None, and HSDP's replicas, a flat route over node sums) do
-        # not: they were not measured with them (docs/convergence.md)
+        # not (the constructor's docstring says why)
         if self.outliers == "auto" and (route is None or route.hsdp_replicas):
             return self.codec
         return self._outlier_codec
