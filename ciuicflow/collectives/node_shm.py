@@ -36,6 +36,7 @@ cannot map it, the node falls back to gloo's collectives, with a warning.
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import secrets
@@ -215,14 +216,19 @@ class NodeSegment:
         return mapping
 
 
-def _sum_into(terms, divisor: float, out: torch.Tensor) -> torch.Tensor:
+@functools.cache
+def _summer():
     """``ops.node_sum_into`` (one pass), or the same in torch ops where the native build is
-    missing (exact reductions work without it)."""
+    missing (exact reductions work without it); looked up once, not on every call."""
     try:
         from ciuicflow import ops
     except ImportError:
-        return _sum_into_torch(terms, divisor, out)
-    return ops.node_sum_into(terms, divisor, out)
+        return _sum_into_torch
+    return ops.node_sum_into
+
+
+def _sum_into(terms, divisor: float, out: torch.Tensor) -> torch.Tensor:
+    return _summer()(terms, divisor, out)
 
 
 def _sum_into_torch(terms, divisor: float, out: torch.Tensor) -> torch.Tensor:

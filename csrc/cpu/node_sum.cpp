@@ -6,7 +6,6 @@
 // The result is bit for bit what torch gives for the same sequence: torch.add(t0, t1), then add_
 // of each further term in order, then div_(divisor); for float16 and bfloat16 every step rounds to
 // the tensor's type, as torch's ops do.
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/full.h>
 #include <torch/library.h>
@@ -81,6 +80,19 @@ bool sum_any(const std::vector<const T*>& terms, float divisor, T* out, int64_t 
   return sum_range<T>(terms, divisor, out, begin, end);
 }
 
+// the sum over every thread's range of out: whether any element is not finite
+template <typename T>
+bool sum_into(at::TensorList terms, float divisor, at::Tensor& out) {
+  std::vector<const T*> ptrs;
+  for (const auto& term : terms) ptrs.push_back(term.const_data_ptr<T>());
+  T* o = out.data_ptr<T>();
+  std::atomic<bool> nonfinite{false};
+  at::parallel_for(0, out.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
+    if (sum_any(ptrs, divisor, o, begin, end)) nonfinite.store(true, std::memory_order_relaxed);
+  });
+  return nonfinite.load();
+}
+
 at::Tensor node_sum_cpu(at::TensorList terms, double divisor, at::Tensor& out) {
   const char* op = "node_sum_into";
   TORCH_CHECK(terms.size() >= 1, op, ": needs at least one term");
@@ -100,17 +112,14 @@ at::Tensor node_sum_cpu(at::TensorList terms, double divisor, at::Tensor& out) {
     TORCH_CHECK(term.device() == out.device(), op, ": term ", t, " is on ", term.device(),
                 ", out on ", out.device());
   }
-  std::atomic<bool> nonfinite{false};
   const float div = static_cast<float>(divisor);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "node_sum_into", [&] {
-    std::vector<const scalar_t*> ptrs;
-    for (const auto& term : terms) ptrs.push_back(term.const_data_ptr<scalar_t>());
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, numel, kGrainElements, [&](int64_t begin, int64_t end) {
-      if (sum_any(ptrs, div, o, begin, end)) nonfinite.store(true, std::memory_order_relaxed);
-    });
-  });
-  return at::full({1}, nonfinite.load() ? 1.0f : 0.0f, out.options().dtype(at::kFloat));
+  bool nonfinite;
+  switch (dtype) {  // the three types checked above, no others (float64 would round via float32)
+    case at::kFloat: nonfinite = sum_into<float>(terms, div, out); break;
+    case at::kHalf: nonfinite = sum_into<at::Half>(terms, div, out); break;
+    default: nonfinite = sum_into<at::BFloat16>(terms, div, out); break;
+  }
+  return at::full({1}, nonfinite ? 1.0f : 0.0f, out.options().dtype(at::kFloat));
 }
 
 }  // namespace
