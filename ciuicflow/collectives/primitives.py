@@ -1,7 +1,7 @@
 """The leaf of the collectives: counted collectives and what every algorithm shares.
 
 A ``Hop`` is a process group seen from this rank (its size, and the share of its traffic that
-leaves the node); ``Traffic`` counts the bytes sent, per hop; the four primitive collectives issue
+leaves the node); ``Traffic`` counts the bytes sent, per hop; the primitive collectives issue
 the torch.distributed call and count its bytes; ``nonfinite_flag`` is the one-element flag the
 compressors agree on before trusting a compressed step.
 """
@@ -143,4 +143,16 @@ def all_to_all(output: torch.Tensor, inp: torch.Tensor, hop: Hop,
     dist.all_to_all_single(output, inp, group=hop.group)
     if traffic is not None:
         traffic.add(hop, (hop.size - 1) / hop.size * _nbytes(inp))
+    return output
+
+
+def all_to_all_uneven(output: torch.Tensor, inp: torch.Tensor, output_splits: list,
+                      input_splits: list, hop: Hop, traffic: Traffic | None) -> torch.Tensor:
+    """``all_to_all`` with sizes per rank: ``input_splits[j]`` elements of ``inp`` go to rank j,
+    ``output_splits[i]`` of ``output`` come from rank i (each rank must know what it receives)."""
+    dist.all_to_all_single(output, inp, output_split_sizes=output_splits,
+                           input_split_sizes=input_splits, group=hop.group)
+    if traffic is not None:
+        me = dist.get_rank(hop.group)
+        traffic.add(hop, (sum(input_splits) - input_splits[me]) * inp.element_size())
     return output

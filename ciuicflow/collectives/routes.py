@@ -65,12 +65,8 @@ class FlatRoute:
 
     name = "flat"
 
-    def __init__(self, topology, *, hsdp_replicas: bool = False):
-        """``hsdp_replicas``: the group is HSDP's replicas (one rank per node, each holding its
-        node's shard sum after FSDP2's reduce-scatter), which a compressor's "auto" defaults may
-        treat apart (compression/onebit.py)."""
+    def __init__(self, topology):
         self.topology = topology
-        self.hsdp_replicas = bool(hsdp_replicas)
 
     @property
     def exchange_ranks(self) -> int:

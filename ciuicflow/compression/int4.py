@@ -25,10 +25,10 @@ class Int4Codec(Codec):
     def pack(self, x, error, chunk):
         return native_ops().int4_pack(x, error, chunk)
 
-    def unpack(self, payload, scales, numel, chunk, out):
+    def unpack(self, payload, scales, numel, chunk, out, side=None):
         return native_ops().int4_unpack(payload, scales, numel, chunk, out=out)
 
-    def unpack_mean(self, payload, scales, numel, chunk, out):
+    def unpack_mean(self, payload, scales, numel, chunk, out, side=None):
         return native_ops().int4_unpack_mean(payload, scales, numel, chunk, out=out)
 
 

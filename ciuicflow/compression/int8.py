@@ -26,10 +26,10 @@ class Int8Codec(Codec):
         values, scales = native_ops().int8_pack(x, error, chunk)
         return values.view(torch.uint8), scales  # rows of the exchange are bytes
 
-    def unpack(self, payload, scales, numel, chunk, out):
+    def unpack(self, payload, scales, numel, chunk, out, side=None):
         return native_ops().int8_unpack(payload.view(torch.int8), scales, numel, chunk, out=out)
 
-    def unpack_mean(self, payload, scales, numel, chunk, out):
+    def unpack_mean(self, payload, scales, numel, chunk, out, side=None):
         return native_ops().int8_unpack_mean(payload.view(torch.int8), scales, numel, chunk, out=out)
 
 

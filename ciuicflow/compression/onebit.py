@@ -4,8 +4,9 @@ A chunk's scale is the mean |value| of its elements (the L2-optimal scale for si
 so a chunk spanning elements of different size sends the small ones a large +-scale (noise) and
 the large ones too little (delay): the chunk is short by default (docs/hooks.md, "Defaults, and
 why", has the measurements). 256 elements per scale (the registry's default) cost 1/8 bit per
-element: 28x against float32. In DDP's hooks, chunks of concentrated windows also send their 4
-largest values (``compression.outliers``; every chunk reserves them: 1.5 bits per element, 21x).
+element: 28x against float32. On every all-reduce route, chunks of concentrated windows also send
+their 4 largest values (``compression.outliers``: 12 bytes more for such a chunk, none for the
+others: between 28x and 21x).
 """
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ class OneBitCodec(Codec):
         # one native pass; its sums cost nothing, so they come whether measured or not
         return native_ops().onebit_pack_ef(x, error, error_decay, error_out, chunk)
 
-    def unpack(self, payload, scales, numel, chunk, out):
+    def unpack(self, payload, scales, numel, chunk, out, side=None):
         return native_ops().onebit_unpack(payload, scales, numel, chunk, out=out)
 
-    def unpack_mean(self, payload, scales, numel, chunk, out):
+    def unpack_mean(self, payload, scales, numel, chunk, out, side=None):
         return native_ops().onebit_unpack_mean(payload, scales, numel, chunk, out=out)
 
 
@@ -75,13 +76,14 @@ class OneBitCompressor(QuantizedCompressor):
 
     def __init__(self, *, outliers="auto", **options):
         """``outliers``: values each chunk of a concentrated window also sends
-        (``compression.outliers``): an int in [0, 16] on every route, or "auto" (the default):
-        the registry's ``values`` (4) on DDP's routes, flat and hierarchical, where ``chunk_size``
-        <= 256 (they took the CNN of bench/convergence.py from 1.5-3.5 points below exact flat,
-        and up to 1.35 hierarchical, to 0.1-1.1 and 0.35-0.7: docs/convergence.md); none
-        in ciuicflow.fsdp: on HSDP's replicas they would hold the CNN's worst seed of three within
-        a point (1.6 -> 0.9 below exact) but take the bytes from 1/28 to 1/21 of HSDP's, past
-        the FSDP bench's 1/25 (docs/fsdp.md); FSDP's reduce-scatter was not measured with them."""
+        (``compression.outliers``): an int in [0, 16] on every all-reduce route, or "auto" (the
+        default): the registry's ``values`` (4) on every all-reduce route -- DDP's, flat and
+        hierarchical, and HSDP's replicas in ciuicflow.fsdp -- where ``chunk_size`` <= 256 (they
+        took the CNN of bench/convergence.py from 1.5-3.5 points below exact flat, up to 1.35
+        hierarchical and 1.55 on HSDP's replicas, to 0.1-1.1, 0.35-0.7 and 0-0.9:
+        docs/convergence.md, docs/fsdp.md). Only chunks that send values carry their bytes (12
+        at 4 values), so a gradient with no concentrated window costs what plain scale x sign
+        does. FSDP's compressed reduce-scatter (route None) sends none: not measured with them."""
         super().__init__(**options)
         if outliers != "auto" and (isinstance(outliers, bool) or not isinstance(outliers, int)
                                    or not 0 <= outliers <= 16):
@@ -97,10 +99,8 @@ class OneBitCompressor(QuantizedCompressor):
     def own_codec(self, route=None):
         if self._outlier_codec is None:
             return self.codec
-        # "auto": DDP's routes, flat and hierarchical, send values; ciuicflow.fsdp's exchanges
-        # (the reduce-scatter, route None, and HSDP's replicas, a flat route over node sums) do
-        # not (the constructor's docstring says why)
-        if self.outliers == "auto" and (route is None or route.hsdp_replicas):
+        # the reduce-scatter (route None) lays its rows out at fixed sizes: no side blocks there
+        if route is None:
             return self.codec
         return self._outlier_codec
 

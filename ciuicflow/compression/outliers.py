@@ -17,12 +17,14 @@ A short last window joins the one before it: judged alone, a bucket's tail of bi
 gains (a few hundred elements, a different scale from the weights before them) looked concentrated
 and cost the residual MLP 1.7 points.
 
-Layout, per chunk (of at most 256 elements, so a position is one byte): [chunk/8 sign bytes |
-``values`` bfloat16 values | ``values`` uint8 positions], every chunk the same size, so the payload
-of whole chunks laid end to end is the payload of their concatenation (the exchange's segments
-rely on it). A chunk that sends values has a negative scale (its sign bit set; the magnitude is
-the scale of its rest). At 4 values per 256-element chunk: 1.5 bits per element with the scale,
-21.3x fewer bytes than float32 (plain scale x sign: 1.125 bits, 28.4x).
+Layout: the plain 1-bit signs of every chunk (of at most 256 elements, so a position is one
+byte), chunk/8 bytes each, then a *side block* for each chunk that sends values, in chunk order:
+[``values`` bfloat16 values | ``values`` uint8 positions]. A chunk that sends values has a negative
+scale (its sign bit set; the magnitude is the scale of its rest), so a receiver knows from the
+scales which chunks have side blocks and how many: the exchange sends the signs in fixed-size rows
+and the side blocks in a second, variable-size exchange (``quantized_exchange``), only where some
+rank has one. Plain scale x sign: 1.125 bits per element, 28.4x fewer bytes than float32; a chunk
+with 4 values adds 12 bytes (1.5 bits per element where every chunk sends values, 21.3x).
 
 The signs, scales and the memory of the cold chunks come from the native one-pass pack, the gate's
 measure (each chunk's energy and largest square) from a native pass on CPU; y is rebuilt in torch
@@ -54,33 +56,36 @@ class OneBitOutlierCodec(Codec):
             raise ValueError(f"values must be in [1, 16], got {values}")
         self.values = int(values)
 
+    @property
+    def side_bytes(self) -> int:
+        """Bytes of a marked chunk's side block: its values and their positions."""
+        return 3 * self.values
+
     def _sign_bytes(self, chunk: int) -> int:
         if chunk > MAX_CHUNK:
             raise ValueError(f"a chunk that sends values holds at most {MAX_CHUNK} elements, "
                              f"got {chunk}")
         return chunk // 8
 
-    def block_bytes(self, chunk: int) -> int:
-        return self._sign_bytes(chunk) + 3 * self.values
-
     def payload_bytes(self, numel: int, chunk: int) -> int:
-        return -(-numel // chunk) * self.block_bytes(chunk)
+        """The fixed part: every chunk's signs (the side blocks follow it, ``pack_ef``)."""
+        return -(-numel // chunk) * self._sign_bytes(chunk)
 
     def pack(self, x, error, chunk):
         payload, scales, _ = self.pack_ef(x, error, 1.0, error, chunk, measure=False)
         return payload, scales
 
     def pack_ef(self, x, error, error_decay, error_out, chunk, measure=True):
+        """(payload, scales, sums): the payload is the signs (``payload_bytes``), then the side
+        blocks of the chunks whose scale is negative, in chunk order."""
         n, k = x.numel(), self.values
         sign_bytes = self._sign_bytes(chunk)
         signs, scales, sums = native_ops().onebit_pack_ef(x, error, error_decay, error_out, chunk)
         nchunks = scales.numel()
-        payload = signs.new_zeros(nchunks, self.block_bytes(chunk))
-        padded = signs.new_zeros(nchunks * sign_bytes)
-        padded[:signs.numel()] = signs
-        payload[:, :sign_bytes] = padded.view(nchunks, sign_bytes)
+        padded = signs if signs.numel() == nchunks * sign_bytes else \
+            _padded_bytes(signs, nchunks * sign_bytes)
         if n == 0:
-            return payload.view(-1), scales, sums
+            return padded, scales, sums
         # y = what was packed: the new memory plus what the signs decode to (error_out may be the
         # memory it was computed from, so y cannot be rebuilt from the inputs); formed only for the
         # chunks that need it
@@ -92,7 +97,7 @@ class OneBitOutlierCodec(Codec):
         energy = _chunk_energy(signs, scales, error_out, chunk)
         hot = torch.nonzero(_concentrated(energy, n, chunk, chunks_y)).view(-1)
         if hot.numel() == 0:
-            return payload.view(-1), scales, sums
+            return padded, scales, sums
         yh, sign = chunks_y(hot)
         full = n // chunk  # chunks without padding; only the last chunk can hold some
         real = (n - hot * chunk).clamp(max=chunk)  # elements of each chunk that are not padding
@@ -121,47 +126,62 @@ class OneBitOutlierCodec(Codec):
         if hot_full.numel():
             error_out[:full * chunk].view(full, chunk).index_copy_(0, hot_full, left)
         scales[hot] = -rest_scale  # the marker: its sign bit (-0.0 included)
-        payload[hot, sign_bytes:sign_bytes + 2 * k] = values.view(torch.uint8)
-        payload[hot, sign_bytes + 2 * k:] = positions.to(torch.uint8)
+        payload = padded.new_empty(padded.numel() + hot.numel() * self.side_bytes)
+        payload[:padded.numel()] = padded
+        side = payload[padded.numel():].view(hot.numel(), self.side_bytes)
+        side[:, :2 * k] = values.view(torch.uint8)
+        side[:, 2 * k:] = positions.to(torch.uint8)
         if sums is not None:  # the memory changed: its energy again
             sums[0] = _sum_of_squares(error_out)
-        return payload.view(-1), scales, sums
+        return payload, scales, sums
 
-    def unpack(self, payload, scales, numel, chunk, out):
-        self.unpack_mean(payload.view(1, -1), scales.view(1, -1), numel, chunk, out)
+    def unpack(self, payload, scales, numel, chunk, out, side=None):
+        """``payload``: the signs, then the side blocks (as ``pack_ef`` lays them out), unless
+        ``side`` holds those."""
+        if side is None:
+            fixed = scales.numel() * self._sign_bytes(chunk)
+            payload, side = payload[:fixed], payload[fixed:]
+        self.unpack_mean(payload.view(1, -1), scales.view(1, -1), numel, chunk, out, side=[side])
         return out
 
-    def unpack_mean(self, payload, scales, numel, chunk, out):
+    def unpack_mean(self, payload, scales, numel, chunk, out, side=None):
         """The native mean of the rows' scale x sign, then each row's values in row order, one
-        row at a time (within a row a position is written once: no order to depend on)."""
+        row at a time (within a row a position is written once: no order to depend on).
+        ``payload``: [rows, bytes] signs; ``side``: per row, its side blocks in chunk order (at
+        least as many as its marked chunks; a row without marked chunks may have None)."""
         rows, nchunks = scales.shape
         sign_bytes, k = self._sign_bytes(chunk), self.values
-        blocks = payload.view(rows, nchunks, -1)
-        signs = blocks[:, :, :sign_bytes]
-        if not signs.is_cpu:  # the native CPU op reads signs in their blocks; CUDA's, gathered
-            signs = signs.reshape(rows, -1)[:, :(numel + 7) // 8].contiguous()
+        signs = payload.reshape(rows, -1)[:, :(numel + 7) // 8]  # rows apart: read in place
+        if not signs.is_cpu:  # CUDA's native op reads contiguous rows
+            signs = signs.contiguous()
         magnitude = scales.abs()
         native_ops().onebit_unpack_mean(signs, magnitude, numel, chunk, out=out)
         hot = torch.signbit(scales)
         if not bool(hot.any()):
             return out
-        start = torch.arange(nchunks, device=out.device).view(-1, 1) * chunk
         for row in range(rows):
-            if not bool(hot[row].any()):
+            idx = torch.nonzero(hot[row]).view(-1)
+            if idx.numel() == 0:
                 continue
-            block = blocks[row]
-            values = block.new_empty(nchunks, 2 * k).copy_(block[:, sign_bytes:sign_bytes + 2 * k]) \
-                .view(torch.bfloat16)
-            positions = block[:, sign_bytes + 2 * k:].long()
-            bits = block.gather(1, positions // 8).long() >> (positions % 8) & 1
-            signed = magnitude[row].view(-1, 1) * (2 * bits - 1)  # what the mean holds there
+            block = side[row][:idx.numel() * self.side_bytes].view(idx.numel(), self.side_bytes)
+            values = block.new_empty(idx.numel(), 2 * k).copy_(block[:, :2 * k]) \
+                .view(torch.bfloat16)  # a copy: the blocks may lie at odd offsets
+            positions = block[:, 2 * k:].long()
+            sign_rows = payload[row, :nchunks * sign_bytes].view(nchunks, sign_bytes)
+            bits = sign_rows.index_select(0, idx).gather(1, positions // 8).long() \
+                >> (positions % 8) & 1
+            signed = magnitude[row, idx].view(-1, 1) * (2 * bits - 1)  # what the mean holds there
             change = (values.float() - signed) / rows
-            flat = start + positions
-            keep = hot[row].view(-1, 1) & (flat < numel)
-            # cold chunks and padding add an exact zero at a position of their own chunk
-            out.index_put_((torch.where(keep, flat, start).view(-1),),
-                           torch.where(keep, change, 0.0).view(-1), accumulate=True)
+            flat = idx.view(-1, 1) * chunk + positions
+            keep = flat < numel  # padding's positions are never picked; a trimmed chunk's are
+            out.index_put_((flat[keep],), change[keep], accumulate=True)
         return out
+
+
+def _padded_bytes(signs: torch.Tensor, length: int) -> torch.Tensor:
+    out = signs.new_zeros(length)
+    out[:signs.numel()] = signs
+    return out
 
 
 def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:

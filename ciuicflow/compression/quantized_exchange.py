@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ciuicflow.collectives.primitives import Hop, Traffic, all_gather, all_reduce, all_to_all, \
-    nonfinite_flag
+    all_to_all_uneven, nonfinite_flag
 from ciuicflow.compression.base import GuardedMemory, guard_due, guard_payload, snapshot, \
     update_guard
 
@@ -52,6 +52,8 @@ class Codec:
 
     name: str
     granule: int = 1
+    side_bytes: int = 0  # bytes of a side block: a chunk whose scale is negative has one (the
+    #                      payload's fixed part is followed by them; ``compression.outliers``)
 
     def payload_bytes(self, numel: int, chunk: int) -> int:
         """Bytes of the payload of ``numel`` elements in chunks of ``chunk``."""
@@ -82,12 +84,15 @@ class Codec:
             if measure else None
         return payload, scales, sums
 
-    def unpack(self, payload, scales, numel: int, chunk: int, out: torch.Tensor) -> torch.Tensor:
+    def unpack(self, payload, scales, numel: int, chunk: int, out: torch.Tensor,
+               side=None) -> torch.Tensor:
+        """``side``: the side blocks, for a codec that has them (else ignored)."""
         raise NotImplementedError
 
     def unpack_mean(self, payload, scales, numel: int, chunk: int,
-                    out: torch.Tensor) -> torch.Tensor:
-        """The mean of W packed vectors (rows of ``payload`` and ``scales``), summed in row order."""
+                    out: torch.Tensor, side=None) -> torch.Tensor:
+        """The mean of W packed vectors (rows of ``payload`` and ``scales``), summed in row order;
+        ``side``: each row's side blocks, for a codec that has them (else ignored)."""
         raise NotImplementedError
 
 
@@ -161,7 +166,8 @@ class _Layout:
     chunk: int    # elements per scale; a multiple of the codec's granule (whole bytes)
     raw: int      # exact elements per segment
     server: bool  # two phases (segments served by ranks) or one (the whole tensor)
-    packed_bytes: int  # payload bytes per segment
+    packed_bytes: int  # payload bytes per segment (the fixed part)
+    side_bytes: int = 0  # bytes of a side block (the codec's), 0 without
 
     @staticmethod
     def plan(codec: Codec, numel: int, exact: int, world: int, chunk_size: int,
@@ -172,10 +178,10 @@ class _Layout:
         per_rank = -(-numel // parts)
         raw = -(-exact // parts)
         if per_rank == 0:
-            return _Layout(numel, exact, world, 0, chunk_size, raw, server, 0)
+            return _Layout(numel, exact, world, 0, chunk_size, raw, server, 0, codec.side_bytes)
         chunk, segment = even_chunks(codec, per_rank, chunk_size)
         return _Layout(numel, exact, world, segment, chunk, raw, server,
-                       codec.payload_bytes(segment, chunk))
+                       codec.payload_bytes(segment, chunk), codec.side_bytes)
 
     @property
     def parts(self) -> int:
@@ -184,6 +190,12 @@ class _Layout:
     @property
     def nscales(self) -> int:
         return self.segment // self.chunk if self.segment else 0
+
+    @property
+    def flag_floats(self) -> int:
+        """The flag row: non-finite flag, ||worker error||, ||input||; with side blocks also the
+        blocks this row's segment has and the blocks the rank has in all."""
+        return 5 if self.side_bytes else 3
 
 
 
@@ -244,24 +256,30 @@ class QuantizedStep:
             packed, scales, sums = codec.pack_ef(xc, errors.worker[:layout.numel],
                                                  self.error_decay, worker_error[:layout.numel],
                                                  layout.chunk, measure=self.measure)
+            fixed = codec.payload_bytes(layout.numel, layout.chunk)
+            packed, side = packed[:fixed], packed[fixed:]
             packed = _padded(packed, parts * layout.packed_bytes)
             scales = _padded(scales, parts * layout.nscales)
             worker_error[layout.numel:].zero_()  # padding carries no error
             if self.measure:  # the flag row's ||worker error|| and ||input|| for the guard
                 norms = sums.sqrt().to(torch.float32)
         else:
-            packed = x.new_empty(0, dtype=torch.uint8)
+            packed = side = x.new_empty(0, dtype=torch.uint8)
             scales = x.new_empty(0, dtype=torch.float32)
         if flag is None:  # a flat route: this rank checks its own input. The pack's sum of x^2
             # (float64) is non-finite exactly where x holds inf/NaN (or squares past float32's
             # range: a false alarm that only makes the step exact), so no extra pass over x.
             flag = nonfinite_flag(x) if sums is None else torch.maximum(
                 nonfinite_flag(xe), (~torch.isfinite(sums[1:])).to(torch.float32))
-        # The flag row: non-finite flag, then ||worker error|| and ||input|| for the guard.
-        flags = torch.cat([flag.to(torch.float32).view(1), norms]).view(1, 3)
+        # The flag row: non-finite flag, then ||worker error|| and ||input|| for the guard (and the
+        # side blocks: per segment and in all; ``_Layout.flag_floats``).
+        flags = torch.cat([flag.to(torch.float32).view(1), norms]).view(1, 3).expand(parts, 3)
+        if layout.side_bytes:
+            marked = _marked(scales, parts)
+            flags = torch.cat([flags, marked.view(-1, 1), marked.sum().expand(parts, 1)], dim=1)
         raw = _padded(xe, parts * layout.raw)
         if self.server:
-            send = _rows(world, packed, scales, flags.expand(world, 3), raw)
+            send = _rows(world, packed, scales, flags, raw)
             received = torch.empty_like(send)
             all_to_all(received, send, hop, traffic)
         else:
@@ -272,9 +290,12 @@ class QuantizedStep:
 
         # The one host read of the exchange (a device sync on GPUs; with overlap=True it happens on
         # the hooks' worker thread, not in backward): the flags' sum picks the path, the largest
-        # norms (the same on every rank of the exchange) feed the guard.
-        flagged, largest_error, largest_input = torch.cat(
-            [r_flags[:, :1].sum(0), r_flags[:, 1:].max(0).values]).tolist()
+        # norms (the same on every rank of the exchange) feed the guard; with side blocks, how
+        # many every rank has (the same on every rank: whether they are exchanged) and how many
+        # each sends this rank.
+        read = torch.cat([r_flags[:, :1].sum(0), r_flags[:, 1:3].max(0).values,
+                          r_flags[:, 4:].sum(0), r_flags[:, 3:4].view(-1)]).tolist()
+        flagged, largest_error, largest_input = read[:3]
         if flagged > 0:  # a rank holds inf/NaN: exact this step, errors untouched
             if traffic is not None:
                 traffic.nonfinite_fallbacks += 1
@@ -283,41 +304,56 @@ class QuantizedStep:
         errors.worker, errors._spare = worker_error, errors.worker
         if self.measure:
             update_guard(errors, largest_error, largest_input)
+        r_side = None
+        if layout.side_bytes and read[3] > 0:  # some rank has side blocks: the second exchange
+            sent = _marked(scales, parts).tolist() if self.server else \
+                [side.numel() // layout.side_bytes]
+            r_side = _exchange_side(side, [int(c) for c in sent], [int(c) for c in read[4:]],
+                                    layout.side_bytes, hop, traffic)
         if not self.server:
             return self._finish(x, layout, compressed_at, exact_at, r_packed, r_scales,
-                                r_raw.sum(0).div_(world), mean_of_rows=True)
+                                r_raw.sum(0).div_(world), mean_of_rows=True, side=r_side)
 
         # Phase 2 (server of segment `me`): average, compress again with the server error, gather.
         me = dist.get_rank(hop.group)
         real = max(0, min(layout.segment, layout.numel - me * layout.segment))
         if layout.segment:
             mean = codec.unpack_mean(r_packed, r_scales, layout.segment, layout.chunk,
-                                     errors._mean)
+                                     errors._mean, side=_side_rows(r_side, r_scales, layout.side_bytes))
             mean[real:] = 0
             s_packed, s_scales, _ = codec.pack_ef(mean, errors.server, self.error_decay,
                                                   errors.server, layout.chunk, measure=False)
+            s_packed, s_side = s_packed[:layout.packed_bytes], s_packed[layout.packed_bytes:]
             errors.server[real:].zero_()
         else:
-            s_packed, s_scales = packed[:0], scales[:0]
+            s_packed, s_scales, s_side = packed[:0], scales[:0], side[:0]
         raw_mean = r_raw.sum(0).div_(world)
         send2 = _rows(1, s_packed, s_scales, None, raw_mean)
         gathered = send2.new_empty(world, send2.shape[1])
         all_gather(gathered, send2.view(-1), hop, traffic)
         g_packed, g_scales, _, g_raw = _unrows(gathered, layout, with_flag=False)
+        g_side = None
+        if layout.side_bytes:  # every rank has every server's scales: the same decision
+            counts = _marked(g_scales, world).tolist()
+            if sum(counts) > 0:
+                g_side = _exchange_side(s_side, [s_side.numel() // layout.side_bytes],
+                                        [int(c) for c in counts], layout.side_bytes, hop, traffic)
         return self._finish(x, layout, compressed_at, exact_at, g_packed, g_scales,
-                            g_raw.reshape(-1), mean_of_rows=False)
+                            g_raw.reshape(-1), mean_of_rows=False, side=g_side)
 
-    def _finish(self, x, layout, compressed_at, exact_at, packed, scales, raw, mean_of_rows):
+    def _finish(self, x, layout, compressed_at, exact_at, packed, scales, raw, mean_of_rows,
+                side=None):
         """Write the decompressed result into x: the rows' mean (one phase) or the rows laid end to
-        end (two phases: row j is segment j)."""
+        end (two phases: row j is segment j). ``side``: the rows' side blocks, in row order."""
         codec, errors = self.codec, self.errors
         nbytes = (lambda n: codec.payload_bytes(n, layout.chunk))
         nscales = (lambda n: -(-n // layout.chunk))
         unpack = (lambda n, out: codec.unpack_mean(  # rows apart: the codecs read them in place
             packed[:, :nbytes(n)], scales[:, :nscales(n)].contiguous(), n,
-            layout.chunk, out)) if mean_of_rows else \
+            layout.chunk, out, side=_side_rows(side, scales, layout.side_bytes))) if mean_of_rows else \
             (lambda n, out: codec.unpack(packed.reshape(-1)[:nbytes(n)],
-                                         scales.view(-1)[:nscales(n)], n, layout.chunk, out))
+                                         scales.view(-1)[:nscales(n)], n, layout.chunk, out,
+                                         side=side))
         if compressed_at is None and x.dtype == torch.float32 and x.is_contiguous():
             if layout.numel:  # straight into x: the first numel elements of the padded layout
                 unpack(layout.numel, x)
@@ -418,7 +454,8 @@ def _unrows(rows: torch.Tensor, layout: _Layout, with_flag: bool):
     """Split what ``_rows`` built (one row per rank) back into its four parts. The payload stays
     a view (rows apart: the bulk of the bytes, which the codecs' unpacks read in place); the
     float parts are copied, as a float view needs aligned rows."""
-    sizes = [layout.packed_bytes, 4 * layout.nscales, 12 if with_flag else 0, 4 * layout.raw]
+    sizes = [layout.packed_bytes, 4 * layout.nscales, 4 * layout.flag_floats if with_flag else 0,
+             4 * layout.raw]
     parts, start = [], 0
     for index, size in enumerate(sizes):
         part = rows[:, start:start + size]
@@ -428,3 +465,34 @@ def _unrows(rows: torch.Tensor, layout: _Layout, with_flag: bool):
     as_float = (lambda t: t.view(torch.float32) if t.shape[1] else
                 t.new_empty(t.shape[0], 0, dtype=torch.float32))
     return packed, as_float(scales), as_float(flags), as_float(raw)
+
+
+def _marked(scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """Chunks with a side block (a negative scale) in each of ``rows`` equal parts of ``scales``
+    (float32 [rows])."""
+    if scales.numel() == 0:
+        return scales.new_zeros(rows)
+    return torch.signbit(scales.view(rows, -1)).sum(1, dtype=torch.float32)
+
+
+def _exchange_side(side: torch.Tensor, sent: list, received: list, block: int, hop: Hop,
+                   traffic: Traffic | None) -> torch.Tensor:
+    """The side blocks' exchange: ``sent`` blocks to each rank (one count: the same blocks to
+    every rank), ``received[i]`` blocks from rank i; what came, in rank order."""
+    if len(sent) == 1:
+        sends, counts = [side] * hop.size, sent * hop.size
+    else:
+        counts = sent
+        sends = list(side.split([c * block for c in counts]))
+    output = side.new_empty(sum(received) * block)
+    all_to_all_uneven(output, torch.cat(sends), [c * block for c in received],
+                      [c * block for c in counts], hop, traffic)
+    return output
+
+
+def _side_rows(side, scales: torch.Tensor, block: int):
+    """The side blocks received (``_exchange_side``) cut per row of ``scales`` (whole rows: a
+    row's count includes any marked padding chunks); None without."""
+    if side is None:
+        return None
+    return list(side.split([int(c) * block for c in _marked(scales, scales.shape[0]).tolist()]))

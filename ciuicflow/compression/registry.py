@@ -33,9 +33,9 @@ class Cost:
     chunk_size: int = 0
     rank: int = 0
     guard_threshold: float = 0.0
-    values: int = 0  # values per chunk DDP's hooks also send, 24 bits each
-    #                   (compression.outliers), in concentrated windows: a fixed reservation,
-    #                   in chunks of at most VALUES_MAX_CHUNK elements
+    values: int = 0  # values a chunk of a concentrated window also sends on the all-reduce
+    #                   routes, 24 bits each (compression.outliers; only such chunks carry
+    #                   them), in chunks of at most VALUES_MAX_CHUNK elements
 
 # a value's position within its chunk is one byte (compression.outliers)
 VALUES_MAX_CHUNK = 256
@@ -93,7 +93,7 @@ ENTRIES = (
           "1-bit signs with a scale per chunk and error feedback",
           Cost("quantized", payload_bits=1, adaptive_family="int4", chunk_size=256,
                guard_threshold=4.0, values=4),
-          "the most compression with SGD (about 21x; 28x in ciuicflow.fsdp); under Adam-family optimizers "
+          "the most compression with SGD (21-28x: values where a gradient is concentrated); under Adam-family optimizers "
           "its buckets go as int4 (about 7.5x); watch the accuracy guard"),
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",
           {"hierarchical": "hierarchical_powersgd", "flat": "powersgd"},

@@ -120,7 +120,7 @@ class FSDPState:
         group = mesh.get_group() if self.scatter else mesh["replicate"].get_group()
         self.topology = Topology.detect(group)  # collective, once
         # the replicas exchange node sums (FSDP2 reduced inside the node first)
-        self.route = FlatRoute(self.topology, hsdp_replicas=not self.scatter)
+        self.route = FlatRoute(self.topology)
         self.groups: list[_Group] = []
         self._ledger = Ledger()
         watch()  # which parameters an adaptive optimizer steps (compression.optimizer_watch)

@@ -110,9 +110,11 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
 
 def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False) -> float:
     """A quantising method's bytes per element: the values (with the codec it sends an adaptive
-    optimizer's gradients with, under one), one float32 scale per chunk and, with ``values`` (DDP's
-    hooks), the values each chunk reserves (``Cost.values``, 3 bytes each, in chunks of at most
-    ``registry.VALUES_MAX_CHUNK``)."""
+    optimizer's gradients with, under one), one float32 scale per chunk and, with ``values`` (the
+    all-reduce routes: DDP's hooks, HSDP's replicas), the values a chunk of a concentrated window
+    sends (``Cost.values``, 3 bytes each, in chunks of at most ``registry.VALUES_MAX_CHUNK``),
+    counted for every chunk: an upper bound, reached where every window is concentrated (a
+    gradient with none costs the plain bytes; which windows are is known only from the data)."""
     bits = method_cost.payload_bits
     chunk = w.chunk_size or method_cost.chunk_size
     if w.optimizer == "adam" and method_cost.adaptive_family:
