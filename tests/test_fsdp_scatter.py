@@ -260,7 +260,8 @@ def _refusals(rank, world):
     mesh = _mesh()
     model, _, _ = _build(None, mesh)
     errors = {}
-    for method, options in (("hierarchical_1bit", {}), ("powersgd", {})):
+    for method, options in (("hierarchical_1bit", {}), ("powersgd", {}),
+                            ("onebit", {"outliers": 4})):
         with pytest.raises(ValueError) as caught:
             ciuicflow.fsdp.register(model, method, mesh=mesh, **options)
         errors[method] = str(caught.value)
@@ -271,3 +272,5 @@ def test_one_dimensional_mesh_refuses_what_it_cannot_do():
     errors = run_distributed(_refusals, 4, nodes=2, timeout=300)[0]
     assert "1-D mesh" in errors["hierarchical_1bit"] and "onebit" in errors["hierarchical_1bit"]
     assert "1-D mesh" in errors["powersgd"]
+    # values ride on the all-reduce routes only: asked for here, refused rather than dropped
+    assert "sends no values" in errors["onebit"]

@@ -113,13 +113,19 @@ class FSDPState:
             raise ValueError(f"with a 1-D mesh (FSDP over every rank) ciuicflow.fsdp compresses "
                              f"FSDP's reduce-scatter, with {scatter_methods()}; got {method!r}")
         self.compressor = self.method.entry.compressor_class()(**options)
+        if self.scatter and options.get("outliers") not in (None, "auto", 0):
+            # the reduce-scatter's rows have fixed sizes: it sends no values (compression.outliers)
+            raise ValueError(f"outliers={options['outliers']!r}: FSDP's compressed reduce-scatter "
+                             "(a 1-D mesh) sends no values; they are sent on HSDP's replicas "
+                             "(a 2-D mesh, hierarchical_1bit)")
         self.exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         self.mesh = mesh
         self.warmup_steps = int(warmup_steps)
         self.seed = int(seed)
         group = mesh.get_group() if self.scatter else mesh["replicate"].get_group()
         self.topology = Topology.detect(group)  # collective, once
-        # the replicas exchange node sums (FSDP2 reduced inside the node first)
+        # the replicas exchange node sums (FSDP2 reduced inside the node first); unused by the
+        # reduce-scatter
         self.route = FlatRoute(self.topology)
         self.groups: list[_Group] = []
         self._ledger = Ledger()
