@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ciuicflow.compression.quantized_exchange import Codec, native_ops
+from ciuicflow.compression.codec import Codec, native_ops
 from ciuicflow.compression.registry import VALUES_MAX_CHUNK
 
 WINDOW_CHUNKS = 64

@@ -33,67 +33,14 @@ import torch
 import torch.distributed as dist
 
 from ciuicflow.collectives.primitives import Hop, Traffic, all_gather, all_reduce, all_to_all, \
-    all_to_all_uneven, nonfinite_flag
+    nonfinite_flag
 from ciuicflow.compression.base import GuardedMemory, guard_due, guard_payload, snapshot, \
     update_guard
+from ciuicflow.compression.codec import Codec, native_ops
+from ciuicflow.compression.exchange_rows import count_marked, exchange_side, pack_rows, padded, \
+    side_per_row, unpack_rows
 
-
-def native_ops():
-    """``ciuicflow.ops``, loaded on first use: states and hooks that never compress work without
-    the native build."""
-    from ciuicflow import ops
-    return ops
-
-
-class Codec:
-    """How a quantiser lays values out in bytes (the native ops do the work).
-
-    ``granule``: a chunk holds a multiple of this many elements (whole bytes of payload)."""
-
-    name: str
-    granule: int = 1
-    side_bytes: int = 0  # bytes of a side block: a chunk whose scale is negative has one (the
-    #                      payload's fixed part is followed by them; ``compression.outliers``)
-
-    def payload_bytes(self, numel: int, chunk: int) -> int:
-        """Bytes of the payload of ``numel`` elements in chunks of ``chunk``."""
-        raise NotImplementedError
-
-    def pack(self, x: torch.Tensor, error: torch.Tensor, chunk: int):
-        """(payload uint8 [payload_bytes(n)], scales float32 [ceil(n / chunk)]); ``error`` (float32,
-        n elements) holds x + error on entry's behalf, minus what was packed, on return."""
-        raise NotImplementedError
-
-    def pack_ef(self, x: torch.Tensor, error: torch.Tensor, error_decay: float,
-                error_out: torch.Tensor, chunk: int, measure: bool = True):
-        """``pack`` of ``x + error_decay * error``, the new error in ``error_out`` (``error`` is
-        left as it was unless it is ``error_out``): (payload, scales, sums), where sums is float64
-        (sum error_out^2, sum x^2) on x's device, for the guard (None without ``measure``,
-        unless they come free).
-        Here in torch ops; a codec with a native one-pass version overrides it."""
-        if error_out is not error:
-            if error_decay == 1.0:
-                error_out.copy_(error)
-            else:
-                torch.mul(error, error_decay, out=error_out)
-        elif error_decay != 1.0:
-            error_out.mul_(error_decay)
-        payload, scales = self.pack(x, error_out, chunk)
-        sums = torch.stack([torch.linalg.vector_norm(error_out, dtype=torch.float32),
-                            torch.linalg.vector_norm(x, dtype=torch.float32)]).double().square() \
-            if measure else None
-        return payload, scales, sums
-
-    def unpack(self, payload, scales, numel: int, chunk: int, out: torch.Tensor,
-               side=None) -> torch.Tensor:
-        """``side``: the side blocks, for a codec that has them (else ignored)."""
-        raise NotImplementedError
-
-    def unpack_mean(self, payload, scales, numel: int, chunk: int,
-                    out: torch.Tensor, side=None) -> torch.Tensor:
-        """The mean of W packed vectors (rows of ``payload`` and ``scales``), summed in row order;
-        ``side``: each row's side blocks, for a codec that has them (else ignored)."""
-        raise NotImplementedError
+__all__ = ["Codec", "QuantizedErrors", "QuantizedStep", "even_chunks", "native_ops"]
 
 
 class QuantizedErrors(GuardedMemory):
@@ -258,8 +205,8 @@ class QuantizedStep:
                                                  layout.chunk, measure=self.measure)
             fixed = codec.payload_bytes(layout.numel, layout.chunk)
             packed, side = packed[:fixed], packed[fixed:]
-            packed = _padded(packed, parts * layout.packed_bytes)
-            scales = _padded(scales, parts * layout.nscales)
+            packed = padded(packed, parts * layout.packed_bytes)
+            scales = padded(scales, parts * layout.nscales)
             worker_error[layout.numel:].zero_()  # padding carries no error
             if self.measure:  # the flag row's ||worker error|| and ||input|| for the guard
                 norms = sums.sqrt().to(torch.float32)
@@ -275,18 +222,18 @@ class QuantizedStep:
         # side blocks: per segment and in all; ``_Layout.flag_floats``).
         flags = torch.cat([flag.to(torch.float32).view(1), norms]).view(1, 3).expand(parts, 3)
         if layout.side_bytes:
-            marked = _marked(scales, parts)
+            marked = count_marked(scales, parts)
             flags = torch.cat([flags, marked.view(-1, 1), marked.sum().expand(parts, 1)], dim=1)
-        raw = _padded(xe, parts * layout.raw)
+        raw = padded(xe, parts * layout.raw)
         if self.server:
-            send = _rows(world, packed, scales, flags, raw)
+            send = pack_rows(world, packed, scales, flags, raw)
             received = torch.empty_like(send)
             all_to_all(received, send, hop, traffic)
         else:
-            send = _rows(1, packed, scales, flags, raw)
+            send = pack_rows(1, packed, scales, flags, raw)
             received = send.new_empty(world, send.shape[1])
             all_gather(received, send.view(-1), hop, traffic)
-        r_packed, r_scales, r_flags, r_raw = _unrows(received, layout, with_flag=True)
+        r_packed, r_scales, r_flags, r_raw = unpack_rows(received, layout, with_flag=True)
 
         # The one host read of the exchange (a device sync on GPUs; with overlap=True it happens on
         # the hooks' worker thread, not in backward): the flags' sum picks the path, the largest
@@ -306,9 +253,9 @@ class QuantizedStep:
             update_guard(errors, largest_error, largest_input)
         r_side = None
         if layout.side_bytes and read[3] > 0:  # some rank has side blocks: the second exchange
-            sent = _marked(scales, parts).tolist() if self.server else \
+            sent = count_marked(scales, parts).tolist() if self.server else \
                 [side.numel() // layout.side_bytes]
-            r_side = _exchange_side(side, [int(c) for c in sent], [int(c) for c in read[4:]],
+            r_side = exchange_side(side, [int(c) for c in sent], [int(c) for c in read[4:]],
                                     layout.side_bytes, hop, traffic)
         if not self.server:
             return self._finish(x, layout, compressed_at, exact_at, r_packed, r_scales,
@@ -319,7 +266,8 @@ class QuantizedStep:
         real = max(0, min(layout.segment, layout.numel - me * layout.segment))
         if layout.segment:
             mean = codec.unpack_mean(r_packed, r_scales, layout.segment, layout.chunk,
-                                     errors._mean, side=_side_rows(r_side, r_scales, layout.side_bytes))
+                                     errors._mean,
+                                     side=side_per_row(r_side, r_scales, layout.side_bytes))
             mean[real:] = 0
             s_packed, s_scales, _ = codec.pack_ef(mean, errors.server, self.error_decay,
                                                   errors.server, layout.chunk, measure=False)
@@ -328,15 +276,15 @@ class QuantizedStep:
         else:
             s_packed, s_scales, s_side = packed[:0], scales[:0], side[:0]
         raw_mean = r_raw.sum(0).div_(world)
-        send2 = _rows(1, s_packed, s_scales, None, raw_mean)
+        send2 = pack_rows(1, s_packed, s_scales, None, raw_mean)
         gathered = send2.new_empty(world, send2.shape[1])
         all_gather(gathered, send2.view(-1), hop, traffic)
-        g_packed, g_scales, _, g_raw = _unrows(gathered, layout, with_flag=False)
+        g_packed, g_scales, _, g_raw = unpack_rows(gathered, layout, with_flag=False)
         g_side = None
         if layout.side_bytes:  # every rank has every server's scales: the same decision
-            counts = _marked(g_scales, world).tolist()
+            counts = count_marked(g_scales, world).tolist()
             if sum(counts) > 0:
-                g_side = _exchange_side(s_side, [s_side.numel() // layout.side_bytes],
+                g_side = exchange_side(s_side, [s_side.numel() // layout.side_bytes],
                                         [int(c) for c in counts], layout.side_bytes, hop, traffic)
         return self._finish(x, layout, compressed_at, exact_at, g_packed, g_scales,
                             g_raw.reshape(-1), mean_of_rows=False, side=g_side)
@@ -348,9 +296,10 @@ class QuantizedStep:
         codec, errors = self.codec, self.errors
         nbytes = (lambda n: codec.payload_bytes(n, layout.chunk))
         nscales = (lambda n: -(-n // layout.chunk))
+        rows_side = side_per_row(side, scales, layout.side_bytes) if mean_of_rows else None
         unpack = (lambda n, out: codec.unpack_mean(  # rows apart: the codecs read them in place
             packed[:, :nbytes(n)], scales[:, :nscales(n)].contiguous(), n,
-            layout.chunk, out, side=_side_rows(side, scales, layout.side_bytes))) if mean_of_rows else \
+            layout.chunk, out, side=rows_side)) if mean_of_rows else \
             (lambda n, out: codec.unpack(packed.reshape(-1)[:nbytes(n)],
                                          scales.view(-1)[:nscales(n)], n, layout.chunk, out,
                                          side=side))
@@ -424,75 +373,3 @@ class QuantizedStep:
                 cached = ((~exact).nonzero().view(-1), exact.nonzero().view(-1))
             self.errors._splits[key] = cached
         return cached
-
-
-def _padded(values: torch.Tensor, length: int) -> torch.Tensor:
-    """``values`` zero-padded to ``length``: itself when it has that length, else a copy."""
-    if values.numel() == length:
-        return values
-    out = values.new_zeros(length)
-    out[:values.numel()] = values
-    return out
-
-
-def _as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return t.contiguous().view(rows, -1).view(torch.uint8) if t.numel() else \
-        t.new_empty(rows, 0, dtype=torch.uint8)
-
-
-def _rows(rows: int, packed, scales, flags, raw) -> torch.Tensor:
-    """[rows, bytes]; a row: packed signs | float32 scales | float32 flag | float32 exact values."""
-    parts = [packed.view(rows, -1) if packed.numel() else packed.new_empty(rows, 0),
-             _as_bytes(scales, rows)]
-    if flags is not None:
-        parts.append(_as_bytes(flags, rows))
-    parts.append(_as_bytes(raw.to(torch.float32), rows))
-    return torch.cat(parts, dim=1)
-
-
-def _unrows(rows: torch.Tensor, layout: _Layout, with_flag: bool):
-    """Split what ``_rows`` built (one row per rank) back into its four parts. The payload stays
-    a view (rows apart: the bulk of the bytes, which the codecs' unpacks read in place); the
-    float parts are copied, as a float view needs aligned rows."""
-    sizes = [layout.packed_bytes, 4 * layout.nscales, 4 * layout.flag_floats if with_flag else 0,
-             4 * layout.raw]
-    parts, start = [], 0
-    for index, size in enumerate(sizes):
-        part = rows[:, start:start + size]
-        parts.append(part if index == 0 else part.contiguous())
-        start += size
-    packed, scales, flags, raw = parts
-    as_float = (lambda t: t.view(torch.float32) if t.shape[1] else
-                t.new_empty(t.shape[0], 0, dtype=torch.float32))
-    return packed, as_float(scales), as_float(flags), as_float(raw)
-
-
-def _marked(scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """Chunks with a side block (a negative scale) in each of ``rows`` equal parts of ``scales``
-    (float32 [rows])."""
-    if scales.numel() == 0:
-        return scales.new_zeros(rows)
-    return torch.signbit(scales.view(rows, -1)).sum(1, dtype=torch.float32)
-
-
-def _exchange_side(side: torch.Tensor, sent: list, received: list, block: int, hop: Hop,
-                   traffic: Traffic | None) -> torch.Tensor:
-    """The side blocks' exchange: ``sent`` blocks to each rank (one count: the same blocks to
-    every rank), ``received[i]`` blocks from rank i; what came, in rank order."""
-    if len(sent) == 1:
-        sends, counts = [side] * hop.size, sent * hop.size
-    else:
-        counts = sent
-        sends = list(side.split([c * block for c in counts]))
-    output = side.new_empty(sum(received) * block)
-    all_to_all_uneven(output, torch.cat(sends), [c * block for c in received],
-                      [c * block for c in counts], hop, traffic)
-    return output
-
-
-def _side_rows(side, scales: torch.Tensor, block: int):
-    """The side blocks received (``_exchange_side``) cut per row of ``scales`` (whole rows: a
-    row's count includes any marked padding chunks); None without."""
-    if side is None:
-        return None
-    return list(side.split([int(c) * block for c in _marked(scales, scales.shape[0]).tolist()]))
