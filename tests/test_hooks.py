@@ -258,6 +258,68 @@ def test_no_sync_static_graph_unused_parameters_and_default_state():
         assert default["topology"].startswith("2 node(s) x 2 rank(s)")
 
 
+def _two_models_default_states(rank, world):
+    """Two models with the hook's default state (state=None) against the same with a state each:
+    a GAN-like pair of different layouts stepped one after the other, and two same-layout models
+    reduced in one backward pass."""
+    import ciuicflow
+    import ciuicflow.ddp
+
+    def data(step, which):
+        gen = torch.Generator().manual_seed(1000 * rank + 10 * step + which)
+        return torch.randn(16, 20, generator=gen)
+
+    def build(case):
+        torch.manual_seed(0)
+        second = 48 if case == "separate" else 64  # other layouts / the same
+        return [torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 20)),
+                torch.nn.Sequential(torch.nn.Linear(20, second), torch.nn.Tanh(),
+                                    torch.nn.Linear(second, 20))]
+
+    out = {}
+    for case in ("separate", "together"):
+        for mode in ("default", "own"):
+            ciuicflow.ddp.hooks._DEFAULT_STATES.clear()
+            models = [DDP(m, bucket_cap_mb=0.002) for m in build(case)]  # several buckets each
+            for m in models:
+                m.register_comm_hook(None if mode == "default" else ciuicflow.OneBitState(),
+                                     ciuicflow.hierarchical_1bit)
+            optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+            for step in range(14):
+                for o in optimizers:
+                    o.zero_grad()
+                losses = [m(data(step, i)).square().mean() for i, m in enumerate(models)]
+                if case == "separate":  # one backward per model, as a GAN's two players
+                    for loss in losses:
+                        loss.backward()
+                else:
+                    sum(losses).backward()
+                for o in optimizers:
+                    o.step()
+            out[(case, mode)] = torch.cat([p.detach().reshape(-1) for m in models
+                                           for p in m.parameters()])
+            if mode == "default":
+                states = [ciuicflow.ddp.default_state("hierarchical_1bit", m.module)
+                          for m in models]
+                out[(case, "states")] = {"distinct": states[0] is not states[1],
+                                         "iters": [s.iter for s in states],
+                                         "compressed": [s.stats()["compressed_steps"]
+                                                        for s in states]}
+    return out
+
+
+def test_two_models_with_the_default_state_train_as_with_their_own():
+    """state=None gives each model its own default state: the same bits as a state per model.
+    (One state for both advanced its step counter twice per step, ending warm-up at step 5, and
+    dropped each model's error memory whenever the other model's step ended.)"""
+    for r in run_distributed(_two_models_default_states, 4, nodes=2, timeout=240):
+        for case in ("separate", "together"):
+            assert torch.equal(r[(case, "default")], r[(case, "own")]), case
+            states = r[(case, "states")]
+            assert states == {"distinct": True, "iters": [14, 14], "compressed": [4, 4]}, states
+
+
 # -- dtypes, overflow, exclusions ------------------------------------------------------------------
 
 

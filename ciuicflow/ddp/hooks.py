@@ -15,6 +15,7 @@ backward is still running; every collective of a bucket is issued by one thread 
 collectives at the end of backward come after ours on every rank.
 """
 import inspect
+import weakref
 from typing import Callable
 
 import torch
@@ -23,24 +24,79 @@ import torch.distributed as dist
 from ciuicflow.compression import registry
 from ciuicflow.ddp.state import DEFAULT_WARMUP_STEPS, AllReduceState, CompressingState
 
-# hook name -> (default process group it was built in, state)
-_DEFAULT_STATES: dict[str, tuple[object, AllReduceState]] = {}
+
+class _DefaultStates:
+    """The states of one hook registered with ``state=None``: one per model, told apart by the
+    parameters its buckets hold (a parameter belongs to one model). A state shared by two models
+    would mix them up: its step counter would advance once per model (warm-up ending early), two
+    same-layout buckets would share an error memory, and the memory of buckets not seen since the
+    last step -- the other model's -- would be dropped at every step.
+
+    DDP's first step reduces one bucket holding every parameter (its buckets are rebuilt after
+    it), so a bucket with no known parameter starts a new model; a bucket of index > 0 with none
+    (DDP modes that keep several buckets from the start) belongs to the model whose first step is
+    under way."""
+
+    def __init__(self, cls: type, world):
+        self.cls, self.world = cls, world
+        self.states: list[AllReduceState] = []
+        self._by_param: dict[int, AllReduceState] = {}  # id(parameter) -> its model's state
+        self._opening: AllReduceState | None = None  # a state whose first step is under way
+
+    def for_bucket(self, bucket: dist.GradBucket) -> AllReduceState:
+        params = bucket.parameters()
+        first = self._by_param.get(id(params[0])) if params else None
+        if first is not None and self._by_param.get(id(params[-1])) is first:
+            state = first  # the common case: a bucket of a known model
+        else:
+            state = self._claim(params, bucket.index())
+        if bucket.is_last() and self._opening is state:
+            self._opening = None
+        return state
+
+    def _claim(self, params, index: int) -> AllReduceState:
+        owners = {id(s): s for s in (self._by_param.get(id(p)) for p in params) if s is not None}
+        if len(owners) > 1:
+            raise RuntimeError(
+                "ciuicflow: a DDP bucket holds parameters of two models that share a hook's "
+                "default state (state=None); give each model its own state: "
+                "ciuicflow.register(model, method) or model.register_comm_hook(State(), hook)")
+        if owners:
+            state = next(iter(owners.values()))
+        elif index > 0 and self._opening is not None:
+            state = self._opening
+        else:
+            state = self._opening = self.cls()
+            self.states.append(state)
+        for p in params:
+            if id(p) not in self._by_param:
+                self._by_param[id(p)] = state
+                weakref.finalize(p, self._by_param.pop, id(p), None)
+        return state
 
 
-def default_state(hook_name: str) -> AllReduceState | None:
-    """The state that a hook registered with ``state=None`` built on first use (per process;
-    one per hook, so two models using the same hook with ``state=None`` would share it)."""
+_DEFAULT_STATES: dict[str, _DefaultStates] = {}  # hook name -> its default states
+
+
+def default_state(hook_name: str, model: torch.nn.Module | None = None) -> AllReduceState | None:
+    """The state a hook registered with ``state=None`` built for ``model`` (the module DDP wraps,
+    or the DDP module), per process; without ``model``, the one it built last. None if none."""
     entry = _DEFAULT_STATES.get(hook_name)
-    return entry[1] if entry else None
+    if entry is None or not entry.states:
+        return None
+    if model is None:
+        return entry.states[-1]
+    first = next(iter(model.parameters()), None)
+    return entry._by_param.get(id(first)) if first is not None else None
 
 
-def _state_for(state, cls, hook_name: str):
+def _state_for(state, cls, hook_name: str, bucket: dist.GradBucket):
     if state is None:
         world = dist.distributed_c10d._get_default_group()
         entry = _DEFAULT_STATES.get(hook_name)
-        if entry is None or entry[0] is not world:  # a new init_process_group: a new state
-            entry = _DEFAULT_STATES[hook_name] = (world, cls())
-        return entry[1]
+        if entry is None or entry.world is not world:  # a new init_process_group: new states
+            entry = _DEFAULT_STATES[hook_name] = _DefaultStates(cls, world)
+        return entry.for_bucket(bucket)
     if not isinstance(state, cls):
         raise TypeError(f"{hook_name} needs a {cls.__name__} (or None), got {type(state).__name__}")
     return state
@@ -70,7 +126,7 @@ def _hook(method: registry.Method, cls: type) -> Callable:
     name, route = method.name, method.route
 
     def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return _state_for(state, cls, name)._hook(bucket, route)
+        return _state_for(state, cls, name, bucket)._hook(bucket, route)
 
     hook.__name__ = hook.__qualname__ = name
     hook.__module__ = __name__
