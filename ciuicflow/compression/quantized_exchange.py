@@ -253,8 +253,7 @@ class QuantizedStep:
             update_guard(errors, largest_error, largest_input)
         r_side = None
         if layout.side_bytes and read[3] > 0:  # some rank has side blocks: the second exchange
-            sent = count_marked(scales, parts).tolist() if self.server else \
-                [side.numel() // layout.side_bytes]
+            sent = marked.tolist()  # per segment: to each server, or one count to every rank
             r_side = exchange_side(side, [int(c) for c in sent], [int(c) for c in read[4:]],
                                     layout.side_bytes, hop, traffic)
         if not self.server:

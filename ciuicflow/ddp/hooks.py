@@ -39,8 +39,9 @@ class _DefaultStates:
 
     def __init__(self, cls: type, world):
         self.cls, self.world = cls, world
-        self.states: list[AllReduceState] = []
+        # held only through its model's parameters: a state goes when its model does
         self._by_param: dict[int, AllReduceState] = {}  # id(parameter) -> its model's state
+        self._last = lambda: None  # a weak reference to the state built last
         self._opening: AllReduceState | None = None  # a state whose first step is under way
 
     def for_bucket(self, bucket: dist.GradBucket) -> AllReduceState:
@@ -67,7 +68,7 @@ class _DefaultStates:
             state = self._opening
         else:
             state = self._opening = self.cls()
-            self.states.append(state)
+            self._last = weakref.ref(state)
         for p in params:
             if id(p) not in self._by_param:
                 self._by_param[id(p)] = state
@@ -82,10 +83,10 @@ def default_state(hook_name: str, model: torch.nn.Module | None = None) -> AllRe
     """The state a hook registered with ``state=None`` built for ``model`` (the module DDP wraps,
     or the DDP module), per process; without ``model``, the one it built last. None if none."""
     entry = _DEFAULT_STATES.get(hook_name)
-    if entry is None or not entry.states:
+    if entry is None:
         return None
     if model is None:
-        return entry.states[-1]
+        return entry._last()
     first = next(iter(model.parameters()), None)
     return entry._by_param.get(id(first)) if first is not None else None
 

@@ -53,6 +53,8 @@ class OrderedWorker:
                     future.set_result(job())
             except BaseException as exc:  # the hook's caller sees it when it waits
                 future.set_exception(exc)
+            finally:  # the last job would otherwise keep its bucket's parameters (and model) alive
+                job = future = ready = None
 
 
 _WORKER = None
