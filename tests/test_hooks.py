@@ -320,6 +320,51 @@ def test_two_models_with_the_default_state_train_as_with_their_own():
             assert states == {"distinct": True, "iters": [14, 14], "compressed": [4, 4]}, states
 
 
+def _default_state_lifetime(rank, world):
+    """A model with state=None and DDP's find_unused_parameters (whose first step already has
+    several buckets) against its own state; then whether its default state goes with it."""
+    import gc
+    import weakref
+
+    import ciuicflow
+
+    def train(state):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 20))
+        ddp = DDP(model, bucket_cap_mb=0.002, find_unused_parameters=True)
+        ddp.register_comm_hook(state, ciuicflow.hierarchical_1bit)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        for step in range(14):
+            gen = torch.Generator().manual_seed(rank * 1000 + step)
+            optimizer.zero_grad()
+            ddp(torch.randn(16, 20, generator=gen)).square().mean().backward()
+            optimizer.step()
+        return model, ddp, optimizer
+
+    ciuicflow.ddp.hooks._DEFAULT_STATES.clear()
+    own = torch.cat([p.detach().reshape(-1) for p in train(ciuicflow.OneBitState())[0].parameters()])
+    model, ddp, optimizer = train(None)  # last: the hooks' worker thread ran its last bucket
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    state = ciuicflow.ddp.default_state("hierarchical_1bit", model)
+    out = {"same": torch.equal(params, own), "iter": state.iter,
+           "compressed": state.stats()["compressed_steps"]}
+    alive = weakref.ref(state)
+    del model, ddp, optimizer, state
+    gc.collect()
+    out["freed"] = alive() is None
+    out["last"] = ciuicflow.ddp.default_state("hierarchical_1bit") is None
+    return out
+
+
+def test_a_default_state_trains_with_several_first_buckets_and_goes_with_its_model():
+    """find_unused_parameters: DDP's first step has several buckets, all of them this model's.
+    Deleting the model frees its default state and error memories (they were once kept for the
+    life of the process, and the hooks' worker thread kept its last bucket's parameters)."""
+    for r in run_distributed(_default_state_lifetime, 4, nodes=2, timeout=240):
+        assert r == {"same": True, "iter": 14, "compressed": 4, "freed": True, "last": True}, r
+
+
 # -- dtypes, overflow, exclusions ------------------------------------------------------------------
 
 
