@@ -29,6 +29,15 @@ from .transfer import IncomingKV, block_dim, block_shape, gather
 log = logging.getLogger("ciuicflow.vllm")
 
 
+# Reconnect within a second of the sidecar coming back (gRPC's default backoff grows to 2 minutes).
+# Not "grpc.min_reconnect_backoff_ms": gRPC takes it as the time a connection attempt may take, and
+# at 100 ms a busy host's handshakes were cut off ("tcp handshaker shutdown") and the first call of
+# a transfer failed at once; gRPC's default (20 s) stays.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                   ("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 def make_client(settings: C.Settings):
     """A Client of this instance's sidecar whose channels reconnect within a second after the sidecar
     restarts. Client's own channels share gRPC's global subchannel pool and default backoff (up to 2
@@ -39,9 +48,7 @@ def make_client(settings: C.Settings):
     client = Client(settings.sidecar, token=settings.api_token or None, flow=settings.flow)
     try:
         from ciuicflow.kvflow.proto import kvflow_pb2_grpc as pb_grpc
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                   ("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        options = CHANNEL_OPTIONS
         for chan, stub in (("_channel", "_stub"), ("_high_channel", "_high_stub")):
             if hasattr(client, chan) and hasattr(client, stub):
                 old = getattr(client, chan)

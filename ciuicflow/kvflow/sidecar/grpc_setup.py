@@ -35,9 +35,10 @@ def options(max_message_bytes: int) -> List[Tuple[str, int]]:
 
 def peer_channel(cfg, address: str) -> grpc.aio.Channel:
     """The channel to a peer's ``--listen`` address: TLS with this sidecar's certificate when configured."""
+    # reconnect within a second of the peer coming back; not "grpc.min_reconnect_backoff_ms", which
+    # gRPC takes as the time a connection attempt may take (TLS over a slow link needs more than 100 ms)
     opts = options(cfg.max_message_bytes) + [
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
     if cfg.tls_cert:
