@@ -21,6 +21,8 @@ import re
 import time
 from typing import Dict, List, Optional, Set
 
+from ciuicflow.kvflow.sidecar.grpc_setup import FAST_RECONNECT
+
 from . import config as C
 from .phases import log_phase
 from .outgoing import OutgoingKV
@@ -29,13 +31,9 @@ from .transfer import IncomingKV, block_dim, block_shape, gather
 log = logging.getLogger("ciuicflow.vllm")
 
 
-# Reconnect within a second of the sidecar coming back (gRPC's default backoff grows to 2 minutes).
-# Not "grpc.min_reconnect_backoff_ms": gRPC takes it as the time a connection attempt may take, and
-# at 100 ms a busy host's handshakes were cut off ("tcp handshaker shutdown") and the first call of
-# a transfer failed at once; gRPC's default (20 s) stays.
+# the sidecar's channels: own subchannels, reconnecting within a second (grpc_setup.FAST_RECONNECT)
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                   ("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+                   ("grpc.use_local_subchannel_pool", 1), *FAST_RECONNECT]
 
 
 def make_client(settings: C.Settings):
@@ -48,11 +46,10 @@ def make_client(settings: C.Settings):
     client = Client(settings.sidecar, token=settings.api_token or None, flow=settings.flow)
     try:
         from ciuicflow.kvflow.proto import kvflow_pb2_grpc as pb_grpc
-        options = CHANNEL_OPTIONS
         for chan, stub in (("_channel", "_stub"), ("_high_channel", "_high_stub")):
             if hasattr(client, chan) and hasattr(client, stub):
                 old = getattr(client, chan)
-                setattr(client, chan, grpc.insecure_channel(settings.sidecar, options=options))
+                setattr(client, chan, grpc.insecure_channel(settings.sidecar, options=CHANNEL_OPTIONS))
                 setattr(client, stub, pb_grpc.KVFlowStub(getattr(client, chan)))
                 old.close()
     except Exception as exc:  # noqa: BLE001 - the plain Client still works, only reconnects slower

@@ -33,14 +33,20 @@ def options(max_message_bytes: int) -> List[Tuple[str, int]]:
     ]
 
 
+# Reconnect within a second of the other end coming back (gRPC's default backoff grows to 2 minutes).
+# Not "grpc.min_reconnect_backoff_ms": gRPC takes it as the time a connection attempt may take, and at
+# 100 ms a busy host's handshakes (or TLS over a slow link) were cut off and a first call failed at
+# once ("tcp handshaker shutdown"); gRPC's default (20 s) stays. Peers' channels and the vLLM
+# connector's channels to its sidecar.
+FAST_RECONNECT: List[Tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def peer_channel(cfg, address: str) -> grpc.aio.Channel:
     """The channel to a peer's ``--listen`` address: TLS with this sidecar's certificate when configured."""
-    # reconnect within a second of the peer coming back; not "grpc.min_reconnect_backoff_ms", which
-    # gRPC takes as the time a connection attempt may take (TLS over a slow link needs more than 100 ms)
-    opts = options(cfg.max_message_bytes) + [
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    ]
+    opts = options(cfg.max_message_bytes) + FAST_RECONNECT
     if cfg.tls_cert:
         if cfg.tls_server_name:
             opts.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
