@@ -54,7 +54,7 @@ def test_a_wrapper_is_judged_by_the_optimizer_it_builds():
     assert optimizer_watch.is_adaptive(Wrapper(torch.optim.Adam))
 
 
-POLICIES = ("default", "int4", "int8", "same")  # "default": adaptive_optimizer not given
+POLICIES = ("default", "int4", "int8", "twobit", "same")  # "default": adaptive_optimizer not given
 
 
 def _bytes_and_codecs(run):
@@ -116,7 +116,8 @@ def test_adaptive_optimizer_tensors_go_as_int4_by_default():
         # Measured: values only where concentrated (now) int8 0.21 hierarchical; every chunk
         # reserving them (before) int4 0.49 hierarchical, 0.57 flat (int8 0.31 flat); with the
         # values left out 0.35 / 0.19 and 0.36 / 0.20.
-        bounds = (("int4", (0.3, 0.7)), ("int8", (0.15, 0.4)))
+        # twobit (2 bits and a byte per chunk) about 2x: measured 0.70 hierarchical, 0.71 flat.
+        bounds = (("int4", (0.3, 0.7)), ("int8", (0.15, 0.4)), ("twobit", (0.55, 0.85)))
         for policy, payload_ratio in bounds:
             adam = by[policy]
             # the buckets of the 10 compressed steps went with that codec (several per step), said once
@@ -126,9 +127,11 @@ def test_adaptive_optimizer_tensors_go_as_int4_by_default():
             assert payload_ratio[0] < ratio < payload_ratio[1], (hook, policy, ratio)
             # and stays closer to exact training (measured: int8 0.024 of exact training's movement
             # away from it, int4 0.17-0.22, against 0.40-0.50 for 1-bit; the suite's runs decide
-            # accuracy: docs/convergence.md)
-            assert adam["gap"] < 0.6 * same["gap"], (hook, policy, adam["gap"], same["gap"])
-        assert by["int8"]["gap"] < by["int4"]["gap"], hook  # more bits, closer
+            # accuracy: docs/convergence.md; twobit 0.27-0.35, 0.68-0.70 of 1-bit's)
+            closer = 0.8 if policy == "twobit" else 0.6
+            assert adam["gap"] < closer * same["gap"], (hook, policy, adam["gap"], same["gap"])
+        # more bits, closer
+        assert by["int8"]["gap"] < by["int4"]["gap"] < by["twobit"]["gap"] < same["gap"], hook
         assert same["stats"]["adaptive_codec_reductions"] == 0, hook
         # SGD: the policy changes nothing
         sgd = [results[0][("sgd", hook, policy)] for policy in POLICIES]
@@ -157,10 +160,11 @@ def _fsdp_defaults(rank, world):
 def test_fsdp_paths_send_adaptive_optimizer_tensors_as_int4_by_default():
     stats = run_distributed(_fsdp_defaults, 4, nodes=2, timeout=300)[0]
     for name in ("hierarchical_1bit", "onebit"):
-        int4, int8, same = (stats[(name, p)] for p in POLICIES[1:])
-        assert int4["adaptive_codec_reductions"] >= 4 * 3 and int8["adaptive_codec_reductions"] >= 4 * 3
+        int4, int8, twobit, same = (stats[(name, p)] for p in POLICIES[1:])
+        assert min(c["adaptive_codec_reductions"] for c in (int4, int8, twobit)) >= 4 * 3
         assert same["adaptive_codec_reductions"] == 0
-        # int8: about 1/3.9 of the float32 bytes; int4 about 1/7.5; 1 bit: over 20x (measured 27
-        # and 26 here)
+        # int8: about 1/3.9 of the float32 bytes; int4 about 1/7.5; twobit about 1/14.8 (measured
+        # 14.4 and 14.2 here); 1 bit: over 20x (measured 27 and 26 here)
         assert 3 < int8["compression_ratio"] < 4.5 < 6 < int4["compression_ratio"] < 8.5 < 20 \
             < same["compression_ratio"], (name, stats)
+        assert 12 < twobit["compression_ratio"] < 17, (name, twobit)

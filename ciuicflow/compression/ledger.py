@@ -104,7 +104,8 @@ class Ledger:
             f"steps these parameters, and {compressor.codec.name} error feedback under it trains "
             f"as if at a smaller learning rate, so they are sent as {codec_for(True).name} "
             "(docs/hooks.md, \"Adaptive optimizers\"); ciuicflow.OneBitAdam compresses Adam to "
-            "1 bit without that loss; adaptive_optimizer='same' keeps the codec"))
+            "1 bit without that loss; adaptive_optimizer='twobit' sends them in 2 bits (half of "
+            "int4's bytes, a little less accurate), 'same' keeps the codec"))
 
     def warn_once(self, tag: str, message: str) -> None:
         if tag not in self._warned:

@@ -18,6 +18,7 @@ from ciuicflow.compression.outliers import MAX_CHUNK, OneBitOutlierCodec
 from ciuicflow.compression.quantized import Codec, QuantizedCompressor, QuantizedErrors, \
     native_ops, quantized_all_reduce
 from ciuicflow.compression.registry import FAMILIES
+from ciuicflow.compression.twobit import TwoBitCodec
 
 _COST = FAMILIES["onebit"].cost
 DEFAULT_CHUNK_SIZE = _COST.chunk_size  # also the native ops' default (ciuicflow.ops)
@@ -67,7 +68,9 @@ class OneBitCompressor(QuantizedCompressor):
 
     name = "onebit"
     codec = OneBitCodec()
-    adaptive_codecs = {"int4": Int4InOneBitLayout(), "int8": Int8InOneBitLayout()}
+    adaptive_codecs = {"int4": Int4InOneBitLayout(), "int8": Int8InOneBitLayout(),
+                       "twobit": TwoBitCodec()}
+    adaptive_error_decays = {"twobit": 0.5}
     option_names = QuantizedCompressor.option_names + ("outliers",)
     default_chunk_size = DEFAULT_CHUNK_SIZE
     default_error_decay = 0.5

@@ -13,7 +13,7 @@ from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_red
 from ciuicflow.compression.registry import FAMILIES
 from ciuicflow.topology import Topology
 
-ADAPTIVE_OPTIMIZER_POLICIES = ("int4", "int8", "same")
+ADAPTIVE_OPTIMIZER_POLICIES = ("int4", "int8", "twobit", "same")
 
 __all__ = ["Codec", "QuantizedCompressor", "QuantizedErrors", "QuantizedStep", "native_ops",
            "quantized_all_reduce"]
@@ -37,16 +37,18 @@ class QuantizedCompressor(Compressor):
             the rounding kept in the memory) or "off".
         adaptive_optimizer: how to send tensors whose parameters an adaptive optimizer (Adam,
             AdamW, RMSprop, ...: anything but SGD) steps, where this compressor's own codec is too
-            coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "int4" or "int8" with
-            that codec, "same" with this compressor's own. Default: the registry's
+            coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "int4", "int8" or
+            "twobit" (``compression.twobit``: sign and level bit) with that codec, "same" with
+            this compressor's own. Default: the registry's
             ``adaptive_family`` for this compressor ("int4" for 1-bit), else "same". Ignored where
             ``adaptive_codecs`` is empty.
     """
 
     codec: Codec
     adaptive_codecs: dict = {}  # codecs for adaptive optimizers' tensors, by name, if others
-    adaptive_error_decay = 1.0  # ... and their error decay (all of it carried: int4's and int8's
-    #                             errors are below half a step per element)
+    # ... and their error decay: all of it carried for int4 and int8 (their errors are below half
+    # a step per element), half for twobit (docs/convergence.md, "2 bits for Adam")
+    adaptive_error_decays: dict = {}
     option_names = ("chunk_size", "error_decay", "phases", "guard", "guard_threshold",
                     "adaptive_optimizer")
     layout_options = ("chunk_size", "phases")
@@ -100,7 +102,7 @@ class QuantizedCompressor(Compressor):
             return codec, self.error_decay
         if traffic is not None:
             traffic.adaptive_codec_reductions += 1
-        return codec, self.adaptive_error_decay
+        return codec, self.adaptive_error_decays.get(self.adaptive_optimizer, 1.0)
 
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
              traffic: Traffic | None = None) -> QuantizedStep:
