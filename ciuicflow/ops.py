@@ -222,6 +222,18 @@ def int4_unpack_mean(values: torch.Tensor, scales: torch.Tensor, numel: int, chu
     return out
 
 
+def twobit_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """2 bits per element with error feedback (``compression.twobit``: sign and level bit, per
+    chunk the mean |y| of the large elements as its scale and of the small ones as a byte, 255ths
+    of the scale). CPU only; the codec does the same in torch ops elsewhere. ``chunk_size`` a
+    multiple of 4; ``error`` (float32, contiguous) becomes ``y - sent``.
+
+    Returns ``(payload, scales)``: uint8, per chunk [lo byte | ceil(len / 4) bytes of codes], and
+    float32 ``[ceil(n/chunk_size)]``.
+    """
+    return torch.ops.ciuicflow.twobit_pack(x, error, chunk_size)
+
+
 def has_cuda_kernels() -> bool:
     """Whether this build of the extension has the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("ciuicflow::onebit_pack", "CUDA")
@@ -313,3 +325,13 @@ def _int4_unpack_into_fake(values, scales, numel, chunk_size, out):
 @torch.library.register_fake("ciuicflow::int4_unpack_mean_into")
 def _int4_unpack_mean_into_fake(values, scales, numel, chunk_size, out):
     return None
+
+
+@torch.library.register_fake("ciuicflow::twobit_pack")
+def _twobit_pack_fake(x, error, chunk_size):
+    n = x.numel()
+    full, rest = n // chunk_size, n % chunk_size
+    # a trimmed last chunk: its byte (ceil(rest / chunk) is 1 where rest > 0) and its codes
+    nbytes = full * (1 + chunk_size // 4) + _ceil_div(rest, chunk_size) + _ceil_div(rest, 4)
+    return (x.new_empty((nbytes,), dtype=torch.uint8),
+            x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))

@@ -6,6 +6,8 @@ over real processes: tests/test_adaptive_optimizers.py."""
 import pytest
 import torch
 
+import ciuicflow.ops
+
 from ciuicflow.compression.onebit import OneBitCodec
 from ciuicflow.compression.twobit import THRESHOLD, TwoBitCodec
 
@@ -59,14 +61,18 @@ def decode_layout(payload, n, chunk):
     return los, codes
 
 
+PACKS = {"native": CODEC.pack, "torch": CODEC.pack_torch}  # CPU's op, and other devices' path
+
+
+@pytest.mark.parametrize("impl", sorted(PACKS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk", CHUNKS)
-def test_pack_and_unpack_match_float64_reference(dtype, n, chunk):
+def test_pack_and_unpack_match_float64_reference(impl, dtype, n, chunk):
     x, error = fresh(n, dtype, seed=n * 31 + chunk)
     before = error.clone()
     want, want_hi, want_bytes, want_codes = reference(x, before, chunk)
-    payload, scales = CODEC.pack(x, error, chunk)
+    payload, scales = PACKS[impl](x, error, chunk)
     assert payload.dtype == torch.uint8 and payload.numel() == CODEC.payload_bytes(n, chunk)
     assert scales.dtype == torch.float32 and scales.numel() == -(-n // chunk)
     torch.testing.assert_close(scales.double(), want_hi.double(), rtol=1e-5, atol=0)
@@ -122,16 +128,26 @@ def test_zero_bytes_after_a_payload_unpack_to_zeros():
     assert torch.equal(out[:n], CODEC.unpack(payload, scales, n, chunk, torch.empty(n)))
 
 
-def test_constant_zero_and_non_finite_chunks():
+def test_the_native_op_is_the_cpu_pack_and_passes_opcheck():
+    x, error = fresh(1001, torch.float32, seed=3)
+    torch.library.opcheck(torch.ops.ciuicflow.twobit_pack.default, (x, error.clone(), 16))
+    native = CODEC.pack(x, error.clone(), 64)
+    assert torch.equal(native[0], ciuicflow.ops.twobit_pack(x, error.clone(), 64)[0])
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        ciuicflow.ops.twobit_pack(x, error.clone(), 6)
+
+
+@pytest.mark.parametrize("impl", sorted(PACKS))
+def test_constant_zero_and_non_finite_chunks(impl):
     chunk = 8
     x = torch.tensor([2.0] * 8 + [0.0] * 8 + [1.0, float("nan")] + [1.0] * 6 + [-3.0] * 8)
     error = torch.zeros_like(x)
-    payload, scales = CODEC.pack(x, error, chunk)
+    payload, scales = PACKS[impl](x, error, chunk)
     out = CODEC.unpack(payload, scales, x.numel(), chunk, torch.empty(x.numel()))
     assert torch.equal(out[:8], x[:8]) and torch.equal(out[8:16], x[8:16])  # exact: one level
     assert torch.equal(out[24:], x[24:])
     assert torch.isnan(scales[2])  # a chunk holding NaN says so (the exchange then goes exact)
     with pytest.raises(ValueError, match="multiple of 4"):
-        CODEC.pack(torch.ones(6), torch.zeros(6), 6)
-    empty, empty_scales = CODEC.pack(torch.ones(0), torch.zeros(0), 8)
+        CODEC.pack_torch(torch.ones(6), torch.zeros(6), 6)
+    empty, empty_scales = PACKS[impl](torch.ones(0), torch.zeros(0), 8)
     assert empty.numel() == 0 and empty_scales.numel() == 0
