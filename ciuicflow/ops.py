@@ -329,9 +329,8 @@ def _int4_unpack_mean_into_fake(values, scales, numel, chunk_size, out):
 
 @torch.library.register_fake("ciuicflow::twobit_pack")
 def _twobit_pack_fake(x, error, chunk_size):
+    from ciuicflow.compression.twobit import TwoBitCodec  # the layout's one formula
+
     n = x.numel()
-    full, rest = n // chunk_size, n % chunk_size
-    # a trimmed last chunk: its byte (ceil(rest / chunk) is 1 where rest > 0) and its codes
-    nbytes = full * (1 + chunk_size // 4) + _ceil_div(rest, chunk_size) + _ceil_div(rest, 4)
-    return (x.new_empty((nbytes,), dtype=torch.uint8),
+    return (x.new_empty((TwoBitCodec.payload_bytes(n, chunk_size),), dtype=torch.uint8),
             x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))

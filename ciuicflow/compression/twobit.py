@@ -17,7 +17,8 @@ rounds off stays in the memory, as every other rounding does).
 Layout of a chunk: [the lo byte | chunk / 4 bytes of 2-bit codes], element i of the chunk at bits
 2 (i % 4) of byte i / 4: bit 0 the sign (1: negative), bit 1 the level (1: ``hi``). A trimmed last
 chunk has ceil(its elements / 4) bytes of codes, so the payload of the first k chunks is a prefix
-of the payload of more (the exchange pads segments with zero bytes, which unpack to 0). 256
+of the payload of more (the exchange pads a segment with zero bytes and zero scales: whole chunks
+that unpack to 0). 256
 elements per chunk: 2 + 40 / 256 bits per element, 14.8x fewer bytes than float32.
 
 The pack is native on CPU (``ciuicflow.ops.twobit_pack``, csrc/cpu/twobit.cpp) and torch ops
@@ -41,12 +42,16 @@ class TwoBitCodec(Codec):
     name = "twobit"
     granule = 8  # chunks laid out as 1-bit's (whole bytes of signs), so one memory serves both
 
-    def payload_bytes(self, numel: int, chunk: int) -> int:
-        full, rest = divmod(numel, chunk)
-        return full * (1 + chunk // 4) + ((1 + -(-rest // 4)) if rest else 0)
+    @staticmethod
+    def payload_bytes(numel: int, chunk: int) -> int:
+        """Whole chunks' blocks, then a trimmed last chunk's byte and codes. No branch on the
+        sizes: the native op's fake kernel calls this with symbolic ones."""
+        rest = numel % chunk
+        # -(-rest // chunk) is 1 where a trimmed chunk is left, else 0
+        return numel // chunk * (1 + chunk // 4) - (-rest // chunk) - (-rest // 4)
 
     def pack(self, x, error, chunk):
-        if x.is_cpu and chunk > 0 and chunk % 4 == 0:
+        if x.is_cpu:  # the native op (it checks chunk and error as pack_torch does)
             return native_ops().twobit_pack(x.reshape(-1), error, chunk)
         return self.pack_torch(x, error, chunk)
 

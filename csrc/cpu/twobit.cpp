@@ -26,7 +26,7 @@ int64_t payload_bytes(int64_t n, int64_t chunk) {
 
 template <typename scalar_t>
 void pack_chunk(const scalar_t* x, float* err, uint8_t* block, float* scale, int64_t len) {
-  // float sums over a chunk, branch-free loops (they vectorise): a chunk is a few hundred elements
+  // float sums: a chunk is a few hundred elements
   float squares = 0.0f;
   for (int64_t i = 0; i < len; ++i) {
     const float y = static_cast<float>(x[i]) + err[i];
