@@ -92,6 +92,48 @@ def test_under_adam_the_one_bit_methods_cost_their_int4_codec():
         pl.Workload(params=1e6, optimizer="rmsprop")
 
 
+def test_the_adaptive_optimizer_option_costs_the_codec_it_names():
+    """--adaptive-optimizer: the 1-bit states' adaptive_optimizer; twobit sends 2 bits and 5 bytes
+    per 256-element chunk, int8 8 bits and a scale, "same" 1-bit's own bytes (its values counted,
+    as under SGD); the default is int4's."""
+    def inter(method, **kw):
+        return pl.estimate(method, _cluster(), pl.Workload(params=1e6, **kw)).inter_node_bytes_per_node
+
+    for method in ("hierarchical_1bit", "fsdp_hierarchical_1bit"):
+        assert inter(method, optimizer="adam", adaptive_optimizer="twobit") == pytest.approx(
+            1e6 * (2 / 8 + 5 / 256)), method
+        assert inter(method, optimizer="adam", adaptive_optimizer="int8") == pytest.approx(
+            inter(method.replace("1bit", "int8"))), method
+        assert inter(method, optimizer="adam", adaptive_optimizer="int4") == pytest.approx(
+            inter(method, optimizer="adam")), method
+        assert inter(method, optimizer="adam", adaptive_optimizer="same") == pytest.approx(
+            inter(method)), method
+    # only the methods that have an adaptive codec change
+    assert inter("hierarchical_int4", optimizer="adam", adaptive_optimizer="twobit") == inter("hierarchical_int4")
+    with pytest.raises(ValueError, match="adaptive_optimizer"):
+        pl.Workload(params=1e6, optimizer="adam", adaptive_optimizer="onebit")
+
+
+def test_the_adaptive_codecs_bytes_are_what_they_pack():
+    """registry.ADAPTIVE_CODEC_BITS, which plan costs, against the bytes each codec of the 1-bit
+    compressor really packs (payload plus float32 scales) for whole 256-element chunks."""
+    import torch
+    from ciuicflow.compression import registry
+    from ciuicflow.compression.onebit import OneBitCompressor
+
+    assert set(OneBitCompressor.adaptive_codecs) == set(registry.ADAPTIVE_CODEC_BITS)
+    assert registry.ADAPTIVE_OPTIMIZER_POLICIES[-1] == "same"
+    chunks, chunk = 7, 256
+    for name, codec in OneBitCompressor.adaptive_codecs.items():
+        bits, chunk_bytes = registry.ADAPTIVE_CODEC_BITS[name]
+        x = torch.randn(chunks * chunk)
+        payload, scales = codec.pack(x, torch.zeros_like(x), chunk)
+        assert payload.numel() * payload.element_size() + 4 * scales.numel() == \
+            chunks * (chunk * bits // 8 + chunk_bytes), name
+        if name in registry.FAMILIES:  # a codec that is a method of its own costs the same there
+            assert registry.FAMILIES[name].cost.payload_bits == bits
+
+
 def test_fsdp_strategies_follow_fsdp2_and_the_registry():
     from ciuicflow.compression import registry
 
@@ -246,6 +288,16 @@ def test_cli(tmp_path, capsys):
     assert all(f"| {s} |" in text for s in pl.FSDP_STRATEGIES if s not in pl.RANKED)
     rc = pl.run(parser.parse_args(["--model", "lots", "--nodes", "2"]))
     assert rc == 2 and "cannot parse" in capsys.readouterr().err
+    # the adaptive optimizer's codec: said, costed, and refused without --optimizer adam
+    adam = ["--model", "7B", "--nodes", "4", "--strategies", "hierarchical,hierarchical_1bit", "--optimizer", "adam"]
+    rc = pl.run(parser.parse_args(adam + ["--adaptive-optimizer", "same", "--json", str(out)]))
+    text = capsys.readouterr().out
+    assert rc == 0 and "as same" in text and "OneBitAdam" in text
+    assert json.loads(out.read_text())["workload"]["adaptive_optimizer"] == "same"
+    rc = pl.run(parser.parse_args(adam))
+    assert rc == 0 and "their default, int4" in capsys.readouterr().out
+    rc = pl.run(parser.parse_args(adam[:-2] + ["--adaptive-optimizer", "twobit"]))
+    assert rc == 2 and "--optimizer adam" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ measured

@@ -10,10 +10,8 @@ from ciuicflow.compression.base import Compressor, Context
 from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, QuantizedStep, \
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
-from ciuicflow.compression.registry import FAMILIES
+from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, FAMILIES
 from ciuicflow.topology import Topology
-
-ADAPTIVE_OPTIMIZER_POLICIES = ("int4", "int8", "twobit", "same")
 
 __all__ = ["Codec", "QuantizedCompressor", "QuantizedErrors", "QuantizedStep", "native_ops",
            "quantized_all_reduce"]

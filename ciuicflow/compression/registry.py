@@ -40,6 +40,13 @@ class Cost:
 # a value's position within its chunk is one byte (compression.outliers)
 VALUES_MAX_CHUNK = 256
 
+# What a compressor with an ``adaptive_family`` (1-bit) can send an adaptive optimizer's tensors
+# as, its ``adaptive_optimizer`` option: per codec, payload bits per element and bytes per chunk
+# beside them (the float32 scale; twobit's also its low magnitude's byte: compression.twobit);
+# "same": the compressor's own codec. ``plan`` costs them from here (tests check the codecs agree).
+ADAPTIVE_CODEC_BITS = {"int4": (4, 4), "int8": (8, 4), "twobit": (2, 5)}
+ADAPTIVE_OPTIMIZER_POLICIES = (*ADAPTIVE_CODEC_BITS, "same")
+
 
 @dataclass(frozen=True)
 class Entry:

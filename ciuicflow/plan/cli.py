@@ -5,10 +5,20 @@ import json
 import sys
 from dataclasses import asdict
 
+from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES
 from ciuicflow.plan.cost_model import plan, recommend
 from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, ClusterSpec, Workload, compute_seconds_from_flops
 from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, cost
 from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, parse_count, parse_seconds
+
+# what the opt-in codecs cost in training under Adam, as measured (docs/convergence.md)
+_ADAPTIVE_COSTS = {
+    "twobit": "about half a percentage point more loss than the default int4 on bench/convergence.py's "
+              "language models (+0.2% to +1.2% against exact on the hierarchical route)",
+    "same": "1-bit gradients under Adam ended 2.7-8.1% above exact loss on bench/convergence.py's language "
+            "models: for 1 bit with Adam use ciuicflow.OneBitAdam",
+}
+
 
 def add_arguments(parser) -> None:
     size = parser.add_mutually_exclusive_group(required=True)
@@ -50,6 +60,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="what steps the parameters (default sgd): with adam (or AdamW, any adaptive "
                              "optimizer) the 1-bit methods send int4, which is what they cost then")
+    parser.add_argument("--adaptive-optimizer", choices=ADAPTIVE_OPTIMIZER_POLICIES, default="",
+                        help="with --optimizer adam: the 1-bit states' adaptive_optimizer, what they send "
+                             "those buckets as (default int4, theirs; twobit: 2 bits, opt-in; same: 1 bit)")
     parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(ALL_STRATEGIES)}")
     parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
 
@@ -68,7 +81,10 @@ def _build(args):
     workload = Workload(params, compute, args.accum, args.grad_bytes, args.hidden,
                         local_seconds_per_element=args.local_ns_per_element * 1e-9,
                         matmul_flops=args.matmul_tflops * 1e12, overlap=args.overlap,
-                        bucket_bytes=args.bucket_mb * 2 ** 20, optimizer=args.optimizer)
+                        bucket_bytes=args.bucket_mb * 2 ** 20, optimizer=args.optimizer,
+                        adaptive_optimizer=args.adaptive_optimizer)
+    if args.adaptive_optimizer and args.optimizer != "adam":
+        raise ValueError("--adaptive-optimizer applies under an adaptive optimizer: pass --optimizer adam")
     ranks = _ranks(args.ranks) if args.ranks else None
     strategies = list(FSDP_STRATEGIES) if args.fsdp else None
     if args.strategies:
@@ -118,10 +134,17 @@ def run(args) -> int:
           f"{format_seconds(cluster.inter_latency)}")
     print(f"Compute {format_seconds(workload.compute_seconds)} per micro-batch ({source}), accum {workload.accum}, "
           f"overlap {workload.overlap:g}")
+    if workload.optimizer == "adam":
+        sent = workload.adaptive_optimizer or "their default, int4"
+        print(f"Adaptive optimizer: the 1-bit methods send its buckets as {sent} (--adaptive-optimizer)")
     print()
     print(table(estimates, baseline))
     print()
     print(f"Recommended: {best.name} - {why}")
+    if workload.optimizer == "adam" and best.strategy not in EXACT_STRATEGIES \
+            and cost(best.strategy).adaptive_family and workload.adaptive_optimizer in _ADAPTIVE_COSTS:
+        print(f"({best.strategy} with adaptive_optimizer={workload.adaptive_optimizer}: "
+              f"{_ADAPTIVE_COSTS[workload.adaptive_optimizer]}; docs/convergence.md)")
     if workload.optimizer == "sgd" and best.strategy not in EXACT_STRATEGIES \
             and cost(best.strategy).adaptive_family:
         print(f"(modelled with SGD; under Adam/AdamW {best.strategy} sends "

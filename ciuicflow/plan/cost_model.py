@@ -109,17 +109,20 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
 
 
 def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False) -> float:
-    """A quantising method's bytes per element: the values (with the codec it sends an adaptive
-    optimizer's gradients with, under one), one float32 scale per chunk and, with ``values`` (the
-    all-reduce routes: DDP's hooks, HSDP's replicas), the values a chunk of a concentrated window
-    sends (``Cost.values``, 3 bytes each, in chunks of at most ``registry.VALUES_MAX_CHUNK``),
-    counted for every chunk: an upper bound, reached where every window is concentrated (a
-    gradient with none costs the plain bytes; which windows are is known only from the data)."""
+    """A quantising method's bytes per element: the values (under an adaptive optimizer, with the
+    codec it sends those gradients with: ``Workload.adaptive_optimizer``), one float32 scale per
+    chunk and, with ``values`` (the all-reduce routes: DDP's hooks, HSDP's replicas), the values a
+    chunk of a concentrated window sends (``Cost.values``, 3 bytes each, in chunks of at most
+    ``registry.VALUES_MAX_CHUNK``), counted for every chunk: an upper bound, reached where every
+    window is concentrated (a gradient with none costs the plain bytes; which windows are is
+    known only from the data)."""
     bits = method_cost.payload_bits
     chunk = w.chunk_size or method_cost.chunk_size
-    if w.optimizer == "adam" and method_cost.adaptive_family:
-        bits = registry.FAMILIES[method_cost.adaptive_family].cost.payload_bits
-    elif values and method_cost.values and chunk <= registry.VALUES_MAX_CHUNK:
+    policy = w.adaptive_optimizer or method_cost.adaptive_family
+    if w.optimizer == "adam" and method_cost.adaptive_family and policy != "same":
+        bits, chunk_bytes = registry.ADAPTIVE_CODEC_BITS[policy]
+        return bits / 8 + chunk_bytes / chunk
+    if values and method_cost.values and chunk <= registry.VALUES_MAX_CHUNK:
         return bits / 8 + (4 + 3 * method_cost.values) / chunk
     return bits / 8 + 4 / chunk
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES
+
 BACKENDS = ("nccl", "gloo")
 OPTIMIZERS = ("sgd", "adam")  # "adam": any adaptive optimizer (Adam, AdamW, ...)
 
@@ -64,6 +66,9 @@ class Workload:
     # "sgd" or "adam" (any adaptive optimizer): under "adam" the 1-bit methods send int4
     # (registry Cost.adaptive_family; docs/hooks.md, "Adaptive optimizers")
     optimizer: str = "sgd"
+    # under "adam": the 1-bit states' ``adaptive_optimizer`` (int4, int8, twobit or same: what they
+    # send those buckets as); "" is their default (the registry's ``adaptive_family``: int4)
+    adaptive_optimizer: str = ""
 
     def __post_init__(self):
         if self.params < 1:
@@ -76,6 +81,9 @@ class Workload:
             raise ValueError(f"grad_bytes must be 1, 2, 4 or 8, got {self.grad_bytes}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.adaptive_optimizer not in ("", *ADAPTIVE_OPTIMIZER_POLICIES):
+            raise ValueError(f"adaptive_optimizer must be one of {ADAPTIVE_OPTIMIZER_POLICIES}, "
+                             f"got {self.adaptive_optimizer!r}")
         if not self.bucket_bytes > 0:
             raise ValueError("bucket_bytes must be positive")
         if not (self.local_seconds_per_element >= 0 and self.matmul_flops > 0):
