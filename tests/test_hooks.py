@@ -278,10 +278,12 @@ def _two_models_default_states(rank, world):
                                     torch.nn.Linear(second, 20))]
 
     out = {}
-    for case in ("separate", "together"):
+    for case in ("separate", "together", "together_unused"):
         for mode in ("default", "own"):
             ciuicflow.ddp.hooks._DEFAULT_STATES.clear()
-            models = [DDP(m, bucket_cap_mb=0.002) for m in build(case)]  # several buckets each
+            # several buckets each; with find_unused_parameters from the first step on
+            models = [DDP(m, bucket_cap_mb=0.002, find_unused_parameters=case == "together_unused")
+                      for m in build(case)]
             for m in models:
                 m.register_comm_hook(None if mode == "default" else ciuicflow.OneBitState(),
                                      ciuicflow.hierarchical_1bit)
@@ -310,11 +312,13 @@ def _two_models_default_states(rank, world):
 
 
 def test_two_models_with_the_default_state_train_as_with_their_own():
-    """state=None gives each model its own default state: the same bits as a state per model.
-    (One state for both advanced its step counter twice per step, ending warm-up at step 5, and
-    dropped each model's error memory whenever the other model's step ended.)"""
+    """state=None gives each model its own default state: the same bits as a state per model,
+    also where DDP's first step has several buckets per model (find_unused_parameters) and the
+    two models are reduced in one backward pass. (One state for both advanced its step counter
+    twice per step, ending warm-up at step 5, and dropped each model's error memory whenever the
+    other model's step ended.)"""
     for r in run_distributed(_two_models_default_states, 4, nodes=2, timeout=240):
-        for case in ("separate", "together"):
+        for case in ("separate", "together", "together_unused"):
             assert torch.equal(r[(case, "default")], r[(case, "own")]), case
             states = r[(case, "states")]
             assert states == {"distinct": True, "iters": [14, 14], "compressed": [4, 4]}, states
