@@ -54,6 +54,27 @@ def test_a_wrapper_is_judged_by_the_optimizer_it_builds():
     assert optimizer_watch.is_adaptive(Wrapper(torch.optim.Adam))
 
 
+def test_the_first_reduction_with_the_adaptive_codec_says_so_once(caplog):
+    """Why a 1-bit state's ratio is int4's under Adam: one INFO line per compressor, naming the
+    codec and its ratio; nothing for tensors SGD steps or for the "same" policy."""
+    import logging
+
+    from ciuicflow.compression.onebit import OneBitCompressor
+
+    with caplog.at_level(logging.INFO, logger="ciuicflow.compression"):
+        default, twobit, same = (OneBitCompressor(), OneBitCompressor(adaptive_optimizer="twobit"),
+                                 OneBitCompressor(adaptive_optimizer="same"))
+        default._pick(False, None)
+        assert not caplog.records
+        for compressor in (default, twobit, same):
+            for _ in range(3):
+                compressor._pick(True, None)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "go as int4" in messages[0] and "7.8x" in messages[0]
+    assert "go as twobit" in messages[1] and "14.8x" in messages[1]
+
+
 POLICIES = ("default", "int4", "int8", "twobit", "same")  # "default": adaptive_optimizer not given
 
 

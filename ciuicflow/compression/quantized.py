@@ -2,6 +2,8 @@
 ``quantized_exchange`` over a route (1-bit and int8 are a codec and defaults on top)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ciuicflow.collectives.primitives import Traffic, check_reducible
@@ -10,8 +12,15 @@ from ciuicflow.compression.base import Compressor, Context
 from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, QuantizedStep, \
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
-from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, FAMILIES
+from ciuicflow.compression.registry import ADAPTIVE_CODEC_BITS, ADAPTIVE_OPTIMIZER_POLICIES, \
+    FAMILIES
 from ciuicflow.topology import Topology
+
+log = logging.getLogger("ciuicflow.compression")
+
+# float32 bytes over the adaptive codecs' bytes at 256-element chunks (registry.ADAPTIVE_CODEC_BITS)
+_ADAPTIVE_RATIOS = {name: f"{32 * 256 / (256 * bits + 8 * chunk_bytes):.1f}x"
+                    for name, (bits, chunk_bytes) in ADAPTIVE_CODEC_BITS.items()}
 
 __all__ = ["Codec", "QuantizedCompressor", "QuantizedErrors", "QuantizedStep", "native_ops",
            "quantized_all_reduce"]
@@ -74,6 +83,7 @@ class QuantizedCompressor(Compressor):
                              f"got {adaptive_optimizer!r}")
         self.chunk_size, self.error_decay, self.phases = int(chunk_size), float(error_decay), phases
         self.adaptive_optimizer = adaptive_optimizer
+        self._told_adaptive = False
         self._set_guard(guard, self.default_guard_threshold if guard_threshold is None
                         else guard_threshold)
 
@@ -100,6 +110,13 @@ class QuantizedCompressor(Compressor):
             return codec, self.error_decay
         if traffic is not None:
             traffic.adaptive_codec_reductions += 1
+        if not self._told_adaptive:  # once per compressor: why its ratio is not 1-bit's
+            self._told_adaptive = True
+            log.info("ciuicflow: an adaptive optimizer (Adam, AdamW, ...) steps some of the %s "
+                     "state's parameters: their gradients go as %s, not %s (adaptive_optimizer; "
+                     "compression ratio about %s): docs/hooks.md, 'Adaptive optimizers'",
+                     self.name, self.adaptive_optimizer, self.name,
+                     _ADAPTIVE_RATIOS.get(self.adaptive_optimizer, "?"))
         return codec, self.adaptive_error_decays.get(self.adaptive_optimizer, 1.0)
 
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
