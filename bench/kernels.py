@@ -30,11 +30,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ciuicflow.ops as ops  # noqa: E402
+from ciuicflow.compression.twobit import TwoBitCodec  # noqa: E402
 
 CHUNK = ops.DEFAULT_CHUNK_SIZE  # the 1-bit hooks' default
 INT8_CHUNK = 256
 WORLD = 4  # vectors averaged by the unpack_mean ops
 RANK = 4  # columns orthogonalised
+TWOBIT = TwoBitCodec()  # its pack in torch ops is the codec's own, on devices without the kernel
 
 
 # --- the same ops in plain torch (float32, as fast as plain torch gets) -------------------------
@@ -169,6 +171,12 @@ def cases(numel, dtype, device):
         numel * itemsize + 8 * numel + numel + 4 * int8_chunks,
         lambda: ops.int8_pack(x, error, INT8_CHUNK),
         {"torch": lambda: torch_int8_pack(x, error, INT8_CHUNK)},
+    )
+    yield (
+        "twobit_pack",
+        numel * itemsize + 8 * numel + TWOBIT.payload_bytes(numel, CHUNK) + 4 * nchunks,
+        lambda: ops.twobit_pack(x, error, CHUNK),
+        {"torch": lambda: TWOBIT.pack_torch(x, error, CHUNK)},
     )
     if dtype != torch.float32:
         return  # the other ops take or produce float32 only; measured once

@@ -225,8 +225,9 @@ def int4_unpack_mean(values: torch.Tensor, scales: torch.Tensor, numel: int, chu
 def twobit_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """2 bits per element with error feedback (``compression.twobit``: sign and level bit, per
     chunk the mean |y| of the large elements as its scale and of the small ones as a byte, 255ths
-    of the scale). CPU only; the codec does the same in torch ops elsewhere. ``chunk_size`` a
-    multiple of 4; ``error`` (float32, contiguous) becomes ``y - sent``.
+    of the scale). CPU and CUDA (the CUDA kernel sums in another order: a scale may differ in its
+    last bit); the codec does the same in torch ops on other devices. ``chunk_size`` a multiple
+    of 4; ``error`` (float32, contiguous, on x's device) becomes ``y - sent``.
 
     Returns ``(payload, scales)``: uint8, per chunk [lo byte | ceil(len / 4) bytes of codes], and
     float32 ``[ceil(n/chunk_size)]``.

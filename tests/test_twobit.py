@@ -10,6 +10,7 @@ import ciuicflow.ops
 
 from ciuicflow.compression.onebit import OneBitCodec
 from ciuicflow.compression.twobit import THRESHOLD, TwoBitCodec
+from tests.devices import CUDA_SKIP_REASON
 
 CODEC = TwoBitCodec()
 SIZES = [1, 3, 8, 255, 256, 257, 1000, 4099]
@@ -61,7 +62,19 @@ def decode_layout(payload, n, chunk):
     return los, codes
 
 
-PACKS = {"native": CODEC.pack, "torch": CODEC.pack_torch}  # CPU's op, and other devices' path
+def cuda_pack(x, error, chunk):
+    """The CUDA kernel (where a GPU and this build's CUDA kernels exist), its results on the CPU."""
+    if CUDA_SKIP_REASON is not None:
+        pytest.skip(CUDA_SKIP_REASON)
+    memory = error.cuda()
+    payload, scales = CODEC.pack(x.cuda(), memory, chunk)
+    assert payload.is_cuda and scales.is_cuda
+    error.copy_(memory.cpu())
+    return payload.cpu(), scales.cpu()
+
+
+# CPU's op, CUDA's, and the torch ops of other devices
+PACKS = {"native": CODEC.pack, "cuda": cuda_pack, "torch": CODEC.pack_torch}
 
 
 @pytest.mark.parametrize("impl", sorted(PACKS))

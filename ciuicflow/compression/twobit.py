@@ -21,8 +21,10 @@ of the payload of more (the exchange pads a segment with zero bytes and zero sca
 that unpack to 0). 256
 elements per chunk: 2 + 40 / 256 bits per element, 14.8x fewer bytes than float32.
 
-The pack is native on CPU (``ciuicflow.ops.twobit_pack``, csrc/cpu/twobit.cpp) and torch ops
-elsewhere (``pack_torch``; no CUDA kernel); the unpack is torch ops everywhere (a gather per row).
+The pack is native on CPU and CUDA (``ciuicflow.ops.twobit_pack``, csrc/cpu/twobit.cpp and
+csrc/cuda/twobit.cu; the CUDA kernel has not yet run on a GPU) and torch ops elsewhere
+(``pack_torch``, also where a build has no CUDA kernels); the unpack is torch ops everywhere (a
+gather per row).
 On one CPU thread, 6.25M Gaussian elements: the native pack 39 ms (torch ops 108-123 ms; int4's
 native pack 18 ms), two rows unpack in 26 ms (int4: 29 ms).
 """
@@ -51,13 +53,14 @@ class TwoBitCodec(Codec):
         return numel // chunk * (1 + chunk // 4) - (-rest // chunk) - (-rest // 4)
 
     def pack(self, x, error, chunk):
-        if x.is_cpu:  # the native op (it checks chunk and error as pack_torch does)
+        if x.is_cpu or (x.is_cuda and native_ops().has_cuda_kernels()):
+            # the native op (it checks chunk and error as pack_torch does)
             return native_ops().twobit_pack(x.reshape(-1), error, chunk)
         return self.pack_torch(x, error, chunk)
 
     def pack_torch(self, x, error, chunk):
-        """``pack`` in torch ops (any device; the native op on CPU sums in another order, so a
-        scale may differ in its last bit)."""
+        """``pack`` in torch ops (any device; the native ops sum in another order, so a scale may
+        differ in its last bit)."""
         if chunk % 4:
             raise ValueError(f"twobit chunks hold a multiple of 4 elements, got {chunk}")
         n = x.numel()

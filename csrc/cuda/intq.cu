@@ -6,24 +6,13 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "../intq_common.h"
+#include "to_float.cuh"
 
 namespace ciuicflow {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename scalar_t>
-__device__ inline float to_float(scalar_t v) { return static_cast<float>(v); }
-template <>
-__device__ inline float to_float<c10::Half>(c10::Half v) { return __half2float(static_cast<__half>(v)); }
-template <>
-__device__ inline float to_float<c10::BFloat16>(c10::BFloat16 v) {
-  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&v));
-}
 
 template <typename F, typename scalar_t>
 __global__ void pack_kernel(const scalar_t* __restrict__ x, float* __restrict__ err,
