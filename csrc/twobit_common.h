@@ -7,11 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define CIUICFLOW_HD __host__ __device__
-#else
-#define CIUICFLOW_HD
-#endif
+#include "host_device.h"
 
 namespace ciuicflow {
 namespace twobit {
