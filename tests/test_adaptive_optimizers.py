@@ -64,15 +64,17 @@ def test_the_first_reduction_with_the_adaptive_codec_says_so_once(caplog):
     with caplog.at_level(logging.INFO, logger="ciuicflow.compression"):
         default, twobit, same = (OneBitCompressor(), OneBitCompressor(adaptive_optimizer="twobit"),
                                  OneBitCompressor(adaptive_optimizer="same"))
+        small = OneBitCompressor(adaptive_optimizer="twobit", chunk_size=64)
         default._pick(False, None)
         assert not caplog.records
-        for compressor in (default, twobit, same):
+        for compressor in (default, twobit, same, small):
             for _ in range(3):
                 compressor._pick(True, None)
     messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 2, messages
+    assert len(messages) == 3, messages
     assert "go as int4" in messages[0] and "7.8x" in messages[0]
     assert "go as twobit" in messages[1] and "14.8x" in messages[1]
+    assert "12.2x" in messages[2]  # 64-element chunks: 2 bits and 5 bytes per 64 elements
 
 
 POLICIES = ("default", "int4", "int8", "twobit", "same")  # "default": adaptive_optimizer not given

@@ -18,10 +18,6 @@ from ciuicflow.topology import Topology
 
 log = logging.getLogger("ciuicflow.compression")
 
-# float32 bytes over the adaptive codecs' bytes at 256-element chunks (registry.ADAPTIVE_CODEC_BITS)
-_ADAPTIVE_RATIOS = {name: f"{32 * 256 / (256 * bits + 8 * chunk_bytes):.1f}x"
-                    for name, (bits, chunk_bytes) in ADAPTIVE_CODEC_BITS.items()}
-
 __all__ = ["Codec", "QuantizedCompressor", "QuantizedErrors", "QuantizedStep", "native_ops",
            "quantized_all_reduce"]
 
@@ -112,11 +108,12 @@ class QuantizedCompressor(Compressor):
             traffic.adaptive_codec_reductions += 1
         if not self._told_adaptive:  # once per compressor: why its ratio is not 1-bit's
             self._told_adaptive = True
+            bits, chunk_bytes = ADAPTIVE_CODEC_BITS[self.adaptive_optimizer]
+            ratio = 32 * self.chunk_size / (bits * self.chunk_size + 8 * chunk_bytes)
             log.info("ciuicflow: an adaptive optimizer (Adam, AdamW, ...) steps some of the %s "
                      "state's parameters: their gradients go as %s, not %s (adaptive_optimizer; "
-                     "compression ratio about %s): docs/hooks.md, 'Adaptive optimizers'",
-                     self.name, self.adaptive_optimizer, self.name,
-                     _ADAPTIVE_RATIOS.get(self.adaptive_optimizer, "?"))
+                     "%.1fx fewer bytes than float32): docs/hooks.md, 'Adaptive optimizers'",
+                     self.name, self.adaptive_optimizer, self.name, ratio)
         return codec, self.adaptive_error_decays.get(self.adaptive_optimizer, 1.0)
 
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
