@@ -16,6 +16,8 @@ its column, and the columns after it, NaN.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ciuicflow.compression.registry import FAMILIES
@@ -235,6 +237,7 @@ def twobit_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[
     return torch.ops.ciuicflow.twobit_pack(x, error, chunk_size)
 
 
+@functools.cache  # fixed once the library is loaded (above); the twobit codec asks at every pack
 def has_cuda_kernels() -> bool:
     """Whether this build of the extension has the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("ciuicflow::onebit_pack", "CUDA")

@@ -3,8 +3,8 @@ a level bit, per chunk two fitted magnitudes.
 
 Adam divides each coordinate's update by the root of its own running mean square. 1-bit scale x
 sign gives every element of a chunk the same magnitude, so Adam's variance of the compressed
-gradient is the chunk's, not the coordinate's, and training under 1-bit gradients ends 3-6% above
-exact loss (docs/convergence.md, "Adam on 1-bit gradients"); int4 holds Adam's loss at about 7.5x.
+gradient is the chunk's, not the coordinate's, and training under 1-bit gradients ended 2.7-8.1%
+above exact loss (docs/convergence.md, "Adaptive optimizers: their buckets go as int8"); int4 holds Adam's loss at about 7.5x.
 One more bit per element that tells the large elements from the small ones brings most of the
 per-coordinate magnitude back at twice int4's compression.
 
