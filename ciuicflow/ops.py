@@ -237,6 +237,28 @@ def twobit_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[
     return torch.ops.ciuicflow.twobit_pack(x, error, chunk_size)
 
 
+def topmark_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1.6 bits per element with error feedback (``compression.topmark``: every sign, the largest
+    55/512 of each chunk marked by the rank of their positions, per chunk the marked elements' mean
+    |y| as its scale and the others' as a byte, 255ths of the scale). CPU. ``chunk_size`` a
+    multiple of 8 in [8, 512]; ``error`` (float32, contiguous) becomes ``y - sent``.
+
+    Returns ``(payload, scales)``: uint8, per chunk [signs | lo byte | rank], and float32
+    ``[ceil(n/chunk_size)]``.
+    """
+    return torch.ops.ciuicflow.topmark_pack(x, error, chunk_size)
+
+
+def topmark_unpack_mean(payload: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int,
+                        *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``W`` topmark vectors: ``payload [W, >= payload bytes]``, ``scales [W,
+    ceil(numel/chunk_size)]``, summed in row order, float32 ``[numel]``. Raises on a rank that is
+    no set of marked positions (a corrupt payload)."""
+    out = scales.new_empty(numel) if out is None else out
+    torch.ops.ciuicflow.topmark_unpack_mean_into(payload, scales, numel, chunk_size, out)
+    return out
+
+
 @functools.cache  # fixed once the library is loaded (above); the twobit codec asks at every pack
 def has_cuda_kernels() -> bool:
     """Whether this build of the extension has the CUDA kernels."""
@@ -338,3 +360,17 @@ def _twobit_pack_fake(x, error, chunk_size):
     n = x.numel()
     return (x.new_empty((TwoBitCodec.payload_bytes(n, chunk_size),), dtype=torch.uint8),
             x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))
+
+
+@torch.library.register_fake("ciuicflow::topmark_pack")
+def _topmark_pack_fake(x, error, chunk_size):
+    from ciuicflow.compression.topmark import TopMarkCodec  # the layout's one formula
+
+    n = x.numel()
+    return (x.new_empty((TopMarkCodec.payload_bytes(n, chunk_size),), dtype=torch.uint8),
+            x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))
+
+
+@torch.library.register_fake("ciuicflow::topmark_unpack_mean_into")
+def _topmark_unpack_mean_into_fake(payload, scales, numel, chunk_size, out):
+    return None

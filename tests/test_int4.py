@@ -1,7 +1,8 @@
-"""The int4 ops (what the 1-bit compressor sends an adaptive optimizer's tensors with): against a
-step-by-step float32 reference and a byte-by-byte decoding of the nibbles, on fresh inputs, odd
-sizes, every dtype and device; the error-feedback invariant in float64 (non-finite chunks, opcheck
-and the distributed exchange: tests/test_int8.py, for both formats)."""
+"""The int4 ops (what the 1-bit compressor sends an adaptive optimizer's tensors with where values
+are quantised twice): against a step-by-step float32 reference and a byte-by-byte decoding of
+the nibbles, on fresh inputs, odd sizes, every dtype and device; the error-feedback invariant in
+float64 (non-finite chunks, opcheck and the distributed exchange: tests/test_int8.py, for both
+formats)."""
 import math
 
 import pytest

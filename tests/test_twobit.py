@@ -10,20 +10,13 @@ import ciuicflow.ops
 
 from ciuicflow.compression.onebit import OneBitCodec
 from ciuicflow.compression.twobit import THRESHOLD, TwoBitCodec
+from tests.codec_properties import check_mean_of_rows, check_zero_padding, fresh
 from tests.devices import CUDA_SKIP_REASON
 
 CODEC = TwoBitCodec()
 SIZES = [1, 3, 8, 255, 256, 257, 1000, 4099]
 CHUNKS = [8, 64, 256]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def fresh(n, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    # heavy-tailed values of mixed size, as gradients are, and a memory of a tenth of that
-    x = (torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(3) * 5).to(dtype)
-    error = torch.randn(n, generator=g) * 0.1
-    return x, error
 
 
 def reference(x, error, chunk):
@@ -115,30 +108,11 @@ def test_the_level_bit_halves_the_error_of_scale_times_sign():
 
 
 def test_mean_of_rows_is_their_row_order_sum_over_w():
-    n, chunk, rows = 1001, 64, 3
-    packed = [CODEC.pack(*fresh(n, torch.float32, seed=s), chunk) for s in range(rows)]
-    payload = torch.stack([p for p, _ in packed])
-    scales = torch.stack([s for _, s in packed])
-    mean = CODEC.unpack_mean(payload, scales, n, chunk, torch.empty(n))
-    want = torch.zeros(n)
-    for p, s in packed:
-        want += CODEC.unpack(p, s, n, chunk, torch.empty(n))
-    assert torch.equal(mean, want / rows)
+    check_mean_of_rows(CODEC)
 
 
 def test_zero_bytes_after_a_payload_unpack_to_zeros():
-    """The exchange packs a segment's real elements and pads its bytes and scales with zeros up to
-    the segment's size: the padded chunks must unpack to zeros, the real elements as they were
-    (the tail of a trimmed chunk is never read: the exchange unpacks only real elements)."""
-    n, chunk, whole = 300, 64, 7 * 64
-    x, error = fresh(n, torch.float32, seed=9)
-    payload, scales = CODEC.pack(x, error, chunk)
-    grown = torch.cat([payload, torch.zeros(CODEC.payload_bytes(whole, chunk) - payload.numel(),
-                                            dtype=torch.uint8)])
-    grown_scales = torch.cat([scales, torch.zeros(2)])
-    out = CODEC.unpack(grown, grown_scales, whole, chunk, torch.empty(whole))
-    assert torch.equal(out[5 * chunk:], torch.zeros(2 * chunk))
-    assert torch.equal(out[:n], CODEC.unpack(payload, scales, n, chunk, torch.empty(n)))
+    check_zero_padding(CODEC)
 
 
 def test_the_native_op_is_the_cpu_pack_and_passes_opcheck():

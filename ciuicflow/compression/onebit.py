@@ -18,6 +18,7 @@ from ciuicflow.compression.outliers import MAX_CHUNK, OneBitOutlierCodec
 from ciuicflow.compression.quantized import Codec, QuantizedCompressor, QuantizedErrors, \
     native_ops, quantized_all_reduce
 from ciuicflow.compression.registry import FAMILIES
+from ciuicflow.compression.topmark import TopMarkCodec
 from ciuicflow.compression.twobit import TwoBitCodec
 
 _COST = FAMILIES["onebit"].cost
@@ -63,14 +64,16 @@ class OneBitCompressor(QuantizedCompressor):
     elements per scale; half of the error carried over (the carried error is gradient sent late,
     and momentum at a constant learning rate turns late gradient into oscillation: accuracy
     collapsed with all of it carried); one phase where the exchange has two ranks; the guard
-    warns past 4x; tensors an adaptive optimizer steps go as int4 (``adaptive_optimizer``;
-    ``compression.optimizer_watch`` says why)."""
+    warns past 4x; tensors an adaptive optimizer steps go as topmark where the exchange quantises
+    each value once, as int4 where twice (``adaptive_optimizer="auto"``;
+    ``compression.optimizer_watch`` says why, docs/convergence.md "The largest marked" what each
+    costs)."""
 
     name = "onebit"
     codec = OneBitCodec()
-    adaptive_codecs = {"int4": Int4InOneBitLayout(), "int8": Int8InOneBitLayout(),
-                       "twobit": TwoBitCodec()}
-    adaptive_error_decays = {"twobit": 0.5}
+    adaptive_codecs = {"topmark": TopMarkCodec(), "int4": Int4InOneBitLayout(),
+                       "int8": Int8InOneBitLayout(), "twobit": TwoBitCodec()}
+    adaptive_error_decays = {"twobit": 0.5, "topmark": 0.5}
     option_names = QuantizedCompressor.option_names + ("outliers",)
     default_chunk_size = DEFAULT_CHUNK_SIZE
     default_error_decay = 0.5

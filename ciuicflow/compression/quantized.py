@@ -12,8 +12,8 @@ from ciuicflow.compression.base import Compressor, Context
 from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, QuantizedStep, \
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
-from ciuicflow.compression.registry import ADAPTIVE_CODEC_BITS, ADAPTIVE_OPTIMIZER_POLICIES, \
-    FAMILIES
+from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, FAMILIES, \
+    adaptive_bytes_per_element, adaptive_codec_name
 from ciuicflow.topology import Topology
 
 log = logging.getLogger("ciuicflow.compression")
@@ -40,11 +40,13 @@ class QuantizedCompressor(Compressor):
             the rounding kept in the memory) or "off".
         adaptive_optimizer: how to send tensors whose parameters an adaptive optimizer (Adam,
             AdamW, RMSprop, ...: anything but SGD) steps, where this compressor's own codec is too
-            coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "int4", "int8" or
+            coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "topmark"
+            (``compression.topmark``: signs, the largest seventh marked, 20x), "int4", "int8" or
             "twobit" (``compression.twobit``: sign and level bit) with that codec, "same" with
-            this compressor's own. Default: the registry's
-            ``adaptive_family`` for this compressor ("int4" for 1-bit), else "same". Ignored where
-            ``adaptive_codecs`` is empty.
+            this compressor's own, "auto": topmark where the exchange quantises each value once
+            (one phase; the reduce-scatter), int4 where twice (two phases). Default: the
+            registry's ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same".
+            Ignored where ``adaptive_codecs`` is empty.
     """
 
     codec: Codec
@@ -86,12 +88,23 @@ class QuantizedCompressor(Compressor):
     def new_memory(self) -> QuantizedErrors:
         return QuantizedErrors()
 
+    def two_phases(self, route) -> bool:
+        """Whether an exchange on ``route`` serves segments (two phases: each value quantised
+        twice); the reduce-scatter form (``route`` None) quantises once."""
+        return route is not None and (
+            self.phases == 2 or (self.phases == "auto" and route.exchange_ranks > 2))
+
+    def adaptive_codec_name(self, route=None) -> str:
+        """The ``adaptive_optimizer`` policy on ``route``, "auto" resolved."""
+        return adaptive_codec_name(self.adaptive_optimizer, self.two_phases(route))
+
     def codec_for(self, adaptive: bool, route=None) -> Codec:
         """The codec a tensor is sent with: the ``adaptive_optimizer`` one of ``adaptive_codecs``
         for an adaptive optimizer's parameters (none for "same"), else this compressor's own on
         ``route`` (None: the reduce-scatter form)."""
-        if adaptive and self.adaptive_optimizer in self.adaptive_codecs:
-            return self.adaptive_codecs[self.adaptive_optimizer]
+        name = self.adaptive_codec_name(route)
+        if adaptive and name in self.adaptive_codecs:
+            return self.adaptive_codecs[name]
         return self.own_codec(route)
 
     def own_codec(self, route=None) -> Codec:
@@ -106,21 +119,26 @@ class QuantizedCompressor(Compressor):
             return codec, self.error_decay
         if traffic is not None:
             traffic.adaptive_codec_reductions += 1
+        name = self.adaptive_codec_name(route)
         if not self._told_adaptive:  # once per compressor: why its ratio is not 1-bit's
             self._told_adaptive = True
-            bits, chunk_bytes = ADAPTIVE_CODEC_BITS[self.adaptive_optimizer]
-            ratio = 32 * self.chunk_size / (bits * self.chunk_size + 8 * chunk_bytes)
+            ratio = 4 / adaptive_bytes_per_element(name, self.chunk_size)
             log.info("ciuicflow: an adaptive optimizer (Adam, AdamW, ...) steps some of the %s "
-                     "state's parameters: their gradients go as %s, not %s (adaptive_optimizer; "
+                     "state's parameters: their gradients go as %s, not %s (adaptive_optimizer=%r; "
                      "%.1fx fewer bytes than float32): docs/hooks.md, 'Adaptive optimizers'",
-                     self.name, self.adaptive_optimizer, self.name, ratio)
-        return codec, self.adaptive_error_decays.get(self.adaptive_optimizer, 1.0)
+                     self.name, name, self.name, self.adaptive_optimizer, ratio)
+        return codec, self.adaptive_error_decays.get(name, 1.0)
+
+    def chunk_for(self, codec: Codec) -> int:
+        """Elements per chunk with ``codec``: its own where it has one (topmark's 512), else
+        ``chunk_size``."""
+        return codec.chunk_size or self.chunk_size
 
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
              traffic: Traffic | None = None) -> QuantizedStep:
-        server = self.phases == 2 or (self.phases == "auto" and route.exchange_ranks > 2)
+        server = self.two_phases(route)
         codec, decay = self._pick(adaptive, traffic, route)
-        return QuantizedStep(codec, errors, self.chunk_size, exact_mask, error_decay=decay,
+        return QuantizedStep(codec, errors, self.chunk_for(codec), exact_mask, error_decay=decay,
                              server=server, guard_threshold=self.exact_step_threshold,
                              measure=self.measure, guard_half=self.guard_half)
 
@@ -143,7 +161,7 @@ class QuantizedCompressor(Compressor):
         exactly."""
         codec, decay = self._pick(adaptive, traffic)
         return quantized_reduce_scatter(codec, memory, output, rows, hop,
-                                        chunk_size=self.chunk_size, error_decay=decay,
+                                        chunk_size=self.chunk_for(codec), error_decay=decay,
                                         scale=scale, traffic=traffic, exact_mask=exact_mask,
                                         guard_threshold=self.exact_step_threshold,
                                         measure=self.measure, guard_half=self.guard_half)

@@ -57,6 +57,7 @@ class QuantizedErrors(GuardedMemory):
         self._mean: torch.Tensor | None = None   # the server's decompressed mean, reused
         self._out: torch.Tensor | None = None    # the decompressed result, reused
         self._splits: dict = {}
+        self._numel: int | None = None  # the compressed elements the buffers were laid out for
         # the guard's measure (base.update_guard): ||worker error|| over the running mean of
         # ||input||, the largest over the ranks of the exchange (the same on all)
 
@@ -65,12 +66,21 @@ class QuantizedErrors(GuardedMemory):
         if self.worker is None:
             self.worker = torch.zeros(shapes[0], device=device)
             self.server = torch.zeros(shapes[1], device=device)
+        elif (self.worker.numel(), self.server.numel()) != shapes and self._numel == layout.numel:
+            # The same tensor, chunked otherwise: its codec changed (an adaptive optimizer's
+            # parameters learnt after a compressed step; topmark's chunks are its own). The
+            # worker memory is the tensor's elements in order, padding after: it carries over.
+            # The server's is its segment's, and segments moved: it restarts.
+            worker = torch.zeros(shapes[0], device=self.worker.device)
+            worker[:layout.numel] = self.worker[:layout.numel]
+            self.worker, self.server = worker, torch.zeros(shapes[1], device=self.worker.device)
         elif (self.worker.numel(), self.server.numel()) != shapes:
             raise RuntimeError(
                 f"1-bit error buffers hold ({self.worker.numel()}, {self.server.numel()}) elements "
                 f"but this tensor needs {shapes}: one QuantizedErrors serves one tensor layout")
         elif self.worker.device != torch.device(device) and device is not None:
             self.worker, self.server = self.worker.to(device), self.server.to(device)
+        self._numel = layout.numel
         if self._spare is None or self._spare.shape != self.worker.shape \
                 or self._spare.device != self.worker.device:
             # reused every step: fresh buffers this size would cost a page fault per 4 KiB
@@ -84,7 +94,7 @@ class QuantizedErrors(GuardedMemory):
 
     def load_state_dict(self, state: dict) -> None:
         self.worker, self.server = snapshot(state["worker"]), snapshot(state["server"])
-        self._spare = None
+        self._spare, self._numel = None, None
 
     def flush(self) -> None:
         """Forget what was not sent (after an exact step that sent it)."""

@@ -43,15 +43,25 @@ class ScatterErrors(GuardedMemory):
         self._work: torch.Tensor | None = None   # the padded float32 rows, reused
         self._mean: torch.Tensor | None = None   # the decompressed mean of the received rows
         self._split: tuple | None = None         # (exact mask, compressed at, exact at)
+        self._numel: int | None = None           # compressed elements of a row laid out for
 
-    def ensure(self, rows: int, padded: int, device) -> None:
+    def ensure(self, rows: int, padded: int, device, numel: int | None = None) -> None:
+        """Buffers for ``rows`` rows of ``padded`` elements, ``numel`` of them compressed (the
+        rest padding). The same rows chunked otherwise (the codec changed: compression.topmark
+        has its own chunks) keep their memory."""
         if self.error is None:
             self.error = torch.zeros(rows, padded, device=device)
+        elif tuple(self.error.shape) != (rows, padded) and numel is not None \
+                and self._numel == numel and self.error.shape[0] == rows:
+            error = torch.zeros(rows, padded, device=self.error.device)
+            error[:, :numel] = self.error[:, :numel]
+            self.error = error
         elif tuple(self.error.shape) != (rows, padded):
             raise RuntimeError(f"reduce-scatter error buffer is {tuple(self.error.shape)}, this "
                                f"input needs ({rows}, {padded}): one memory serves one layout")
         elif self.error.device != torch.device(device):
             self.error = self.error.to(device)
+        self._numel = numel
         if self._spare is None or self._spare.shape != self.error.shape \
                 or self._spare.device != self.error.device:
             self._spare = torch.empty_like(self.error)
@@ -74,7 +84,7 @@ class ScatterErrors(GuardedMemory):
         return {"error": snapshot(self.error)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.error, self._spare = snapshot(state["error"]), None
+        self.error, self._spare, self._numel = snapshot(state["error"]), None, None
 
     def flush(self) -> None:
         if self.error is not None:
@@ -112,7 +122,7 @@ def quantized_reduce_scatter(codec: Codec, errors: ScatterErrors, output: torch.
                            error_decay, guard_half)
     me = dist.get_rank(hop.group)
     chunk, padded = even_chunks(codec, ncomp, chunk_size)
-    errors.ensure(world, padded, rows.device)
+    errors.ensure(world, padded, rows.device, numel=ncomp)
     work = errors._work
     work[:, :ncomp].copy_(rows if compressed_at is None else rows.index_select(1, compressed_at))
     work[:, ncomp:].zero_()

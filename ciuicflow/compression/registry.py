@@ -41,11 +41,32 @@ class Cost:
 VALUES_MAX_CHUNK = 256
 
 # What a compressor with an ``adaptive_family`` (1-bit) can send an adaptive optimizer's tensors
-# as, its ``adaptive_optimizer`` option: per codec, payload bits per element and bytes per chunk
-# beside them (the float32 scale; twobit's also its low magnitude's byte: compression.twobit);
-# "same": the compressor's own codec. ``plan`` costs them from here (tests check the codecs agree).
-ADAPTIVE_CODEC_BITS = {"int4": (4, 4), "int8": (8, 4), "twobit": (2, 5)}
-ADAPTIVE_OPTIMIZER_POLICIES = (*ADAPTIVE_CODEC_BITS, "same")
+# as, its ``adaptive_optimizer`` option: per codec, payload bits per element, bytes per chunk
+# beside them (the float32 scale; twobit's and topmark's also their low magnitude's byte, and
+# topmark's the rank of its marked positions: compression.twobit, compression.topmark) and the
+# codec's own chunk (0: the compressor's); "same": the compressor's own codec. ``plan`` costs them
+# from here (tests check the codecs agree).
+ADAPTIVE_CODEC_BITS = {"topmark": (1, 36, 512), "int4": (4, 4, 0), "int8": (8, 4, 0),
+                       "twobit": (2, 5, 0)}
+# "auto" (the 1-bit default): topmark where the exchange quantises each value once (two ranks
+# exchanging: one phase, as two nodes do; FSDP's reduce-scatter), int4 where it quantises them
+# twice (two phases: more ranks), where topmark ended 2.1-2.4% above exact loss and int4 within
+# 0.1% (docs/convergence.md, "The largest marked")
+ADAPTIVE_AUTO = ("topmark", "int4")  # (quantised once, twice)
+ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODEC_BITS, "same")
+
+
+def adaptive_codec_name(policy: str, twice: bool) -> str:
+    """The codec an ``adaptive_optimizer`` policy sends with ("same" for the compressor's own),
+    where the exchange quantises each value ``twice`` (two phases) or once."""
+    return ADAPTIVE_AUTO[1 if twice else 0] if policy == "auto" else policy
+
+
+def adaptive_bytes_per_element(policy: str, chunk: int) -> float:
+    """Bytes per element of an adaptive codec (``ADAPTIVE_CODEC_BITS``) with the compressor's
+    ``chunk``-element chunks."""
+    bits, chunk_bytes, own_chunk = ADAPTIVE_CODEC_BITS[policy]
+    return bits / 8 + chunk_bytes / (own_chunk or chunk)
 
 
 @dataclass(frozen=True)
@@ -98,10 +119,11 @@ ENTRIES = (
     Entry("onebit", "ciuicflow.compression.onebit:OneBitCompressor", "OneBitState",
           {"hierarchical": "hierarchical_1bit", "flat": "onebit"},
           "1-bit signs with a scale per chunk and error feedback",
-          Cost("quantized", payload_bits=1, adaptive_family="int4", chunk_size=256,
+          Cost("quantized", payload_bits=1, adaptive_family="auto", chunk_size=256,
                guard_threshold=4.0, values=4),
           "the most compression with SGD (21-28x: values where a gradient is concentrated); under Adam-family optimizers "
-          "its buckets go as int4 (about 7.5x); watch the accuracy guard"),
+          "its buckets go as topmark (20x) where two nodes exchange, int4 (about 7.5x) among more; watch the accuracy "
+          "guard"),
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",
           {"hierarchical": "hierarchical_powersgd", "flat": "powersgd"},
           "rank-r PowerSGD factors with error feedback and warm start",

@@ -163,7 +163,7 @@ class FSDPState:
             memory = self._memory(group, flat)
             adaptive = stepped_adaptively(group.parameters())
             context = Context(group.segments, group.mask, step, group.index, self.seed, adaptive)
-            self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive)
+            self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, self.route)
             self.compressor.exchange(flat, memory, self.route, context, traffic)
             self._note_guard(group, memory)
         else:

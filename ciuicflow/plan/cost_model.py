@@ -108,20 +108,24 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
                     parts, buckets)
 
 
-def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False) -> float:
+def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
+                              exchange_ranks: int | None = None) -> float:
     """A quantising method's bytes per element: the values (under an adaptive optimizer, with the
     codec it sends those gradients with: ``Workload.adaptive_optimizer``), one float32 scale per
     chunk and, with ``values`` (the all-reduce routes: DDP's hooks, HSDP's replicas), the values a
     chunk of a concentrated window sends (``Cost.values``, 3 bytes each, in chunks of at most
     ``registry.VALUES_MAX_CHUNK``), counted for every chunk: an upper bound, reached where every
     window is concentrated (a gradient with none costs the plain bytes; which windows are is
-    known only from the data)."""
+    known only from the data). ``exchange_ranks``: ranks of the exchange (None: the
+    reduce-scatter), which "auto" picks the codec by (two phases past two ranks)."""
     bits = method_cost.payload_bits
     chunk = w.chunk_size or method_cost.chunk_size
     policy = w.adaptive_optimizer or method_cost.adaptive_family
     if w.optimizer == "adam" and method_cost.adaptive_family and policy != "same":
-        bits, chunk_bytes = registry.ADAPTIVE_CODEC_BITS[policy]
-        return bits / 8 + chunk_bytes / chunk
+        twice = exchange_ranks is not None and exchange_ranks > 2
+        policy = registry.adaptive_codec_name(policy, twice)
+        if policy != "same":
+            return registry.adaptive_bytes_per_element(policy, chunk)
     if values and method_cost.values and chunk <= registry.VALUES_MAX_CHUNK:
         return bits / 8 + (4 + 3 * method_cost.values) / chunk
     return bits / 8 + 4 / chunk
@@ -131,7 +135,8 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
     """A quantising method (1-bit, int8): the two-phase exchange of compression.quantized."""
     g, n, p = c.gpus_per_node, c.nodes, c.world
     elems = w.params
-    per_elem = _packed_bytes_per_element(method_cost, w, values=True)
+    per_elem = _packed_bytes_per_element(method_cost, w, values=True,
+                                         exchange_ranks=n if hierarchical and g > 1 else p)
     if hierarchical and n > 1 and g > 1:
         nbytes = elems * w.grad_bytes
         rs = _scatter_or_gather(g, nbytes, c.intra_bw, c.intra_latency)

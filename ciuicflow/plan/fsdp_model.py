@@ -42,7 +42,8 @@ def fsdp_terms(strategy, c, w, workload, rank, buckets, parts) -> tuple:
         return 3 * gather + seconds, 2 * (n - 1) / n * nbytes, intra, 0.0
     method = cost(strategy)
     if method.kind == "quantized":
-        per_elem = _packed_bytes_per_element(method, w, values=True)  # all-reduce routes send them
+        # the replicas' all-reduce (one rank per node) sends the values
+        per_elem = _packed_bytes_per_element(method, w, values=True, exchange_ranks=n)
         phase = _scatter_or_gather(n, shard * per_elem, inter_bw, c.inter_latency)
         compress = shard * w.local_seconds_per_element
         parts.update(inter_all_to_all=phase, inter_all_gather=phase, compress=compress)

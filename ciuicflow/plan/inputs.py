@@ -63,11 +63,12 @@ class Workload:
     matmul_flops: float = 5e13  # float32 matmul flop/s for PowerSGD's factors
     overlap: float = 0.0
     bucket_bytes: float = 25 * 2 ** 20  # DDP's bucket_cap_mb=25: one all-reduce per bucket, in sequence
-    # "sgd" or "adam" (any adaptive optimizer): under "adam" the 1-bit methods send int4
+    # "sgd" or "adam" (any adaptive optimizer): under "adam" the 1-bit methods send another codec
     # (registry Cost.adaptive_family; docs/hooks.md, "Adaptive optimizers")
     optimizer: str = "sgd"
-    # under "adam": the 1-bit states' ``adaptive_optimizer`` (int4, int8, twobit or same: what they
-    # send those buckets as); "" is their default (the registry's ``adaptive_family``: int4)
+    # under "adam": the 1-bit states' ``adaptive_optimizer`` (auto, topmark, int4, int8, twobit or
+    # same: what they send those buckets as); "" is their default (the registry's
+    # ``adaptive_family``: auto, topmark where each value is quantised once, int4 where twice)
     adaptive_optimizer: str = ""
 
     def __post_init__(self):

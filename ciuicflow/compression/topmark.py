@@ -1,0 +1,92 @@
+"""1.6 bits per element with error feedback for adaptive optimizers' tensors: every element's
+sign, the largest 55 of each 512-element chunk marked, and two fitted magnitudes per chunk.
+
+Adam divides each coordinate's update by the root of its own running mean square, so it needs
+each element's magnitude, which 1-bit scale x sign replaces by its chunk's (2.7-8.1% above exact
+loss, docs/convergence.md). ``twobit`` sends a level bit per element to bring the magnitudes back
+(14.8x). The large elements of a gradient are few and clustered (whole rows of a layer), so
+marking a chunk's largest 55 of 512 and sending their positions as one number costs about half a
+bit per element, not one: log2 C(512, 55) = 248 bits. Real runs of ``hierarchical_1bit`` on two
+nodes (each value quantised once): RESULTS_HERE above exact loss on three seeds of
+``charlm_adamw``, at 20.5x (docs/convergence.md, "The largest marked"); quantised twice it loses
+more, which is why the 1-bit states' default sends it only where values are quantised once.
+
+Per chunk of y (input plus the memory): the ``k = marked(chunk)`` largest |y| (ties to the lower
+position) send ``hi`` (their mean |y|), the others ``lo`` (the others' mean |y|), each with its
+sign. ``hi`` travels as the chunk's float32 scale, ``lo`` as one byte ``round(255 lo / hi)``; what
+the byte rounds off stays in the memory.
+
+Layout of a chunk: [chunk / 8 bytes of signs (bit i % 8 of byte i / 8: 1 negative) | the lo byte
+| the rank of the marked positions p_1 < ... < p_k, sum of C(p_i, i), little-endian in
+ceil(bits of C(chunk, k) - 1 / 8) bytes] (the combinatorial number system: every k-subset has one
+rank below C(chunk, k)). A trimmed last chunk has a whole chunk's block: its missing elements are
+neither signed nor marked (unless fewer than k elements are left: the first missing ones fill the
+marks) and their magnitudes are not in its means; so a payload padded with zero bytes and zero
+scales to more chunks decodes as the chunks it holds, then zeros (rank 0 at scale 0), as the
+exchange needs. Chunks of 512: 100 bytes for 2048 of float32 (64 of signs, the byte, 31 of rank,
+the scale), 20.5x. The codec's chunk is its
+own (512), whatever the compressor's (1-bit's is 256).
+
+Native on CPU (``ciuicflow.ops.topmark_pack`` / ``topmark_unpack_mean``, csrc/cpu/topmark.cpp);
+tensors on other devices go through the CPU (no CUDA kernel yet).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from ciuicflow.compression.codec import Codec, native_ops
+
+CHUNK = 512      # elements per chunk (the native ops' largest)
+MAX_CHUNK = 512  # topmark_common.h's kMaxChunk
+
+
+def marked(length: int) -> int:
+    """Elements a chunk of ``length`` marks large: 55/512 of them, rounded (55 of 512: the most
+    whose rank fits 31 bytes), at least one (``hi``, the scale, is the marked elements' mean: the
+    others' byte needs it)."""
+    return max(1, (length * 55 + 256) // 512) if length else 0
+
+
+@functools.cache
+def rank_bytes(length: int) -> int:
+    """Bytes of a chunk's rank: enough for C(length, marked(length)) - 1."""
+    return ((math.comb(length, marked(length)) - 1).bit_length() + 7) // 8
+
+
+def block_bytes(chunk: int) -> int:
+    return chunk // 8 + 1 + rank_bytes(chunk)
+
+
+class TopMarkCodec(Codec):
+    """Signs, the largest 55/512 of a chunk marked, ``hi`` and ``lo`` per chunk (module docstring)."""
+
+    name = "topmark"
+    granule = 8  # whole bytes of signs, as 1-bit's: one memory serves both
+    chunk_size = CHUNK
+
+    @staticmethod
+    def payload_bytes(numel: int, chunk: int) -> int:
+        return -(-numel // chunk) * block_bytes(chunk)
+
+    def pack(self, x, error, chunk):
+        if x.is_cpu:
+            return native_ops().topmark_pack(x.reshape(-1), error, chunk)
+        # no CUDA kernel yet: through the CPU, the memory updated where it lives
+        cpu_error = error.cpu()
+        payload, scales = native_ops().topmark_pack(x.reshape(-1).cpu(), cpu_error, chunk)
+        error.copy_(cpu_error)
+        return payload.to(x.device), scales.to(x.device)
+
+    def unpack(self, payload, scales, numel, chunk, out, side=None):
+        return self.unpack_mean(payload.view(1, -1), scales.view(1, -1), numel, chunk, out)
+
+    def unpack_mean(self, payload, scales, numel, chunk, out, side=None):
+        """Rows decoded and summed in row order per element (the same bits on every rank that
+        holds the same rows), then divided by the number of rows."""
+        rows = scales.shape[0]
+        payload = payload.reshape(rows, -1)
+        if out.is_cpu:
+            return native_ops().topmark_unpack_mean(payload, scales, numel, chunk, out=out)
+        result = native_ops().topmark_unpack_mean(payload.cpu(), scales.cpu(), numel, chunk)
+        return out.copy_(result)
