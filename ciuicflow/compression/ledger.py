@@ -93,18 +93,20 @@ class Ledger:
                 f"{relative_error:.1f}x its gradient (threshold {compressor.guard_threshold}): "
                 f"compression is falling behind and may cost accuracy; {action}"))
 
-    def note_adaptive(self, compressor, algorithm: str, adaptive: bool, route=None) -> None:
+    def note_adaptive(self, compressor, algorithm: str, adaptive: bool, route=None,
+                      device=None) -> None:
         """Say once that an adaptive optimizer's tensors go with another codec than the
         compressor's own (``QuantizedCompressor.codec_for``) on ``route`` (None: the
-        reduce-scatter form)."""
+        reduce-scatter form) from ``device``."""
         codec_for = getattr(compressor, "codec_for", None)
         if not adaptive or codec_for is None \
-                or codec_for(True, route) is compressor.own_codec(route):
+                or codec_for(True, route, device) is compressor.own_codec(route):
             return
         self.warn_once("adaptive", (
             f"ciuicflow {algorithm}: an adaptive optimizer (Adam, AdamW, ...: anything but SGD) "
             f"steps these parameters, and {compressor.codec.name} error feedback under it trains "
-            f"as if at a smaller learning rate, so they are sent as {codec_for(True, route).name} "
+            f"as if at a smaller learning rate, so they are sent as "
+            f"{codec_for(True, route, device).name} "
             "(docs/hooks.md, \"Adaptive optimizers\"); ciuicflow.OneBitAdam compresses Adam to "
             "1 bit without that loss; adaptive_optimizer='int4' sends them at 4 bits everywhere "
             "(closest to exact), 'same' keeps the codec"))

@@ -41,10 +41,11 @@ class QuantizedCompressor(Compressor):
         adaptive_optimizer: how to send tensors whose parameters an adaptive optimizer (Adam,
             AdamW, RMSprop, ...: anything but SGD) steps, where this compressor's own codec is too
             coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "topmark"
-            (``compression.topmark``: signs, the largest seventh marked, 20x), "int4", "int8" or
+            (``compression.topmark``: signs, the largest ninth marked, 20x), "int4", "int8" or
             "twobit" (``compression.twobit``: sign and level bit) with that codec, "same" with
             this compressor's own, "auto": topmark where the exchange quantises each value once
-            (one phase; the reduce-scatter), int4 where twice (two phases). Default: the
+            (one phase; the reduce-scatter) and the tensor is on the CPU (its only kernel yet),
+            int4 where twice (two phases) or on other devices. Default: the
             registry's ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same".
             Ignored where ``adaptive_codecs`` is empty.
     """
@@ -94,15 +95,18 @@ class QuantizedCompressor(Compressor):
         return route is not None and (
             self.phases == 2 or (self.phases == "auto" and route.exchange_ranks > 2))
 
-    def adaptive_codec_name(self, route=None) -> str:
-        """The ``adaptive_optimizer`` policy on ``route``, "auto" resolved."""
-        return adaptive_codec_name(self.adaptive_optimizer, self.two_phases(route))
+    def adaptive_codec_name(self, route=None, device=None) -> str:
+        """The ``adaptive_optimizer`` policy on ``route`` for tensors on ``device``, "auto"
+        resolved: where its once-quantised codec has no kernel for the device (topmark on CUDA),
+        the other one (int4)."""
+        return adaptive_codec_name(self.adaptive_optimizer, self.two_phases(route),
+                                   None if device is None else torch.device(device).type)
 
-    def codec_for(self, adaptive: bool, route=None) -> Codec:
-        """The codec a tensor is sent with: the ``adaptive_optimizer`` one of ``adaptive_codecs``
-        for an adaptive optimizer's parameters (none for "same"), else this compressor's own on
-        ``route`` (None: the reduce-scatter form)."""
-        name = self.adaptive_codec_name(route)
+    def codec_for(self, adaptive: bool, route=None, device=None) -> Codec:
+        """The codec a tensor on ``device`` is sent with: the ``adaptive_optimizer`` one of
+        ``adaptive_codecs`` for an adaptive optimizer's parameters (none for "same"), else this
+        compressor's own on ``route`` (None: the reduce-scatter form)."""
+        name = self.adaptive_codec_name(route, device)
         if adaptive and name in self.adaptive_codecs:
             return self.adaptive_codecs[name]
         return self.own_codec(route)
@@ -111,15 +115,16 @@ class QuantizedCompressor(Compressor):
         """This compressor's codec on ``route``; a subclass may pick one per route."""
         return self.codec
 
-    def _pick(self, adaptive: bool, traffic: Traffic | None, route=None) -> tuple[Codec, float]:
+    def _pick(self, adaptive: bool, traffic: Traffic | None, route=None,
+              device=None) -> tuple[Codec, float]:
         """(codec, error decay) for one reduction; a reduction sent with the adaptive codec is
         counted in ``traffic``."""
-        codec = self.codec_for(adaptive, route)
+        codec = self.codec_for(adaptive, route, device)
         if codec is self.own_codec(route):
             return codec, self.error_decay
         if traffic is not None:
             traffic.adaptive_codec_reductions += 1
-        name = self.adaptive_codec_name(route)
+        name = codec.name
         if not self._told_adaptive:  # once per compressor: why its ratio is not 1-bit's
             self._told_adaptive = True
             ratio = 4 / adaptive_bytes_per_element(name, self.chunk_size)
@@ -135,16 +140,16 @@ class QuantizedCompressor(Compressor):
         return codec.chunk_size or self.chunk_size
 
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
-             traffic: Traffic | None = None) -> QuantizedStep:
+             traffic: Traffic | None = None, device=None) -> QuantizedStep:
         server = self.two_phases(route)
-        codec, decay = self._pick(adaptive, traffic, route)
+        codec, decay = self._pick(adaptive, traffic, route, device)
         return QuantizedStep(codec, errors, self.chunk_for(codec), exact_mask, error_decay=decay,
                              server=server, guard_threshold=self.exact_step_threshold,
                              measure=self.measure, guard_half=self.guard_half)
 
     def exchange(self, flat, memory, route, context: Context, traffic) -> torch.Tensor:
         return route.reduce(flat, self.step(memory, route, context.exact_mask, context.adaptive,
-                                            traffic), traffic, keep=context.keep)
+                                            traffic, flat.device), traffic, keep=context.keep)
 
     # -- the reduce-scatter form (FSDP sharded over every rank) ---------------------------------
 
@@ -159,7 +164,7 @@ class QuantizedCompressor(Compressor):
         (``quantized_scatter``), with this compressor's codec (``codec_for(adaptive)``), chunk
         size, error decay and guard; ``exact_mask`` (a row's positions) marks those reduced
         exactly."""
-        codec, decay = self._pick(adaptive, traffic)
+        codec, decay = self._pick(adaptive, traffic, device=rows.device)
         return quantized_reduce_scatter(codec, memory, output, rows, hop,
                                         chunk_size=self.chunk_for(codec), error_decay=decay,
                                         scale=scale, traffic=traffic, exact_mask=exact_mask,

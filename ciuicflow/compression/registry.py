@@ -54,12 +54,21 @@ ADAPTIVE_CODEC_BITS = {"topmark": (1, 36, 512), "int4": (4, 4, 0), "int8": (8, 4
 # 0.1% (docs/convergence.md, "The largest marked")
 ADAPTIVE_AUTO = ("topmark", "int4")  # (quantised once, twice)
 ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODEC_BITS, "same")
+# the device types an adaptive codec has kernels for, where not every one: "auto" does not pick
+# it elsewhere (topmark has no CUDA kernel yet; a CUDA tensor would go through the CPU)
+ADAPTIVE_CODEC_DEVICES = {"topmark": ("cpu",)}
 
 
-def adaptive_codec_name(policy: str, twice: bool) -> str:
+def adaptive_codec_name(policy: str, twice: bool, device_type: str | None = None) -> str:
     """The codec an ``adaptive_optimizer`` policy sends with ("same" for the compressor's own),
-    where the exchange quantises each value ``twice`` (two phases) or once."""
-    return ADAPTIVE_AUTO[1 if twice else 0] if policy == "auto" else policy
+    where the exchange quantises each value ``twice`` (two phases) or once, for tensors on
+    ``device_type`` (None: any)."""
+    if policy != "auto":
+        return policy
+    name = ADAPTIVE_AUTO[1 if twice else 0]
+    if device_type is not None and device_type not in ADAPTIVE_CODEC_DEVICES.get(name, (device_type,)):
+        return ADAPTIVE_AUTO[1]
+    return name
 
 
 def adaptive_bytes_per_element(policy: str, chunk: int) -> float:

@@ -7,8 +7,9 @@ loss, docs/convergence.md). ``twobit`` sends a level bit per element to bring th
 (14.8x). The large elements of a gradient are few and clustered (whole rows of a layer), so
 marking a chunk's largest 55 of 512 and sending their positions as one number costs about half a
 bit per element, not one: log2 C(512, 55) = 248 bits. Real runs of ``hierarchical_1bit`` on two
-nodes (each value quantised once): RESULTS_HERE above exact loss on three seeds of
-``charlm_adamw``, at 20.5x (docs/convergence.md, "The largest marked"); quantised twice it loses
+nodes (each value quantised once): +1.0% / +1.4% / +1.3% above exact loss on three seeds of
+``charlm_adamw`` (int4 +0.1% to +0.5%; twobit +0.2% to +1.2%), +1.2% on a held-out LM, at 20.2-20.4x
+after warm-up (docs/convergence.md, "The largest marked"); quantised twice it loses
 more, which is why the 1-bit states' default sends it only where values are quantised once.
 
 Per chunk of y (input plus the memory): the ``k = marked(chunk)`` largest |y| (ties to the lower
@@ -28,7 +29,8 @@ the scale), 20.5x. The codec's chunk is its
 own (512), whatever the compressor's (1-bit's is 256).
 
 Native on CPU (``ciuicflow.ops.topmark_pack`` / ``topmark_unpack_mean``, csrc/cpu/topmark.cpp);
-tensors on other devices go through the CPU (no CUDA kernel yet).
+tensors on other devices go through the CPU (no CUDA kernel yet), so the 1-bit states' default
+("auto") sends int4 from them instead.
 """
 from __future__ import annotations
 

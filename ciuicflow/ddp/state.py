@@ -218,7 +218,8 @@ class AllReduceState:
         adaptive = stepped_adaptively(info.parameters)
         context = Context(tuple(info.segments), self._exact_mask(info, route.name == "hierarchical"),
                           step, info.index, self.seed, adaptive, keep)
-        self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, route)
+        self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, route,
+                                   info.buffer.device)
         route.add_exact(traffic, info.buffer)
         result = self.compressor.exchange(info.buffer, memory, route, context, traffic)
         self._check_guard(info, memory.relative_error)

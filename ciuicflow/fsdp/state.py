@@ -163,7 +163,8 @@ class FSDPState:
             memory = self._memory(group, flat)
             adaptive = stepped_adaptively(group.parameters())
             context = Context(group.segments, group.mask, step, group.index, self.seed, adaptive)
-            self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, self.route)
+            self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, self.route,
+                                       flat.device)
             self.compressor.exchange(flat, memory, self.route, context, traffic)
             self._note_guard(group, memory)
         else:
@@ -186,7 +187,8 @@ class FSDPState:
         if compressed and output.numel():
             memory = self._memory(group, output.view(-1))
             adaptive = stepped_adaptively(group.parameters())
-            self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive)
+            self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, None,
+                                       rows.device)
             self.compressor.reduce_scatter(output.view(-1), rows, memory, hop, traffic, scale,
                                            exact_mask=group.mask, adaptive=adaptive)
             self._note_guard(group, memory)

@@ -123,7 +123,9 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
     policy = w.adaptive_optimizer or method_cost.adaptive_family
     if w.optimizer == "adam" and method_cost.adaptive_family and policy != "same":
         twice = exchange_ranks is not None and exchange_ranks > 2
-        policy = registry.adaptive_codec_name(policy, twice)
+        # the planner's gradients are on GPUs: "auto" sends int4 there while topmark has no CUDA
+        # kernel (registry.ADAPTIVE_CODEC_DEVICES)
+        policy = registry.adaptive_codec_name(policy, twice, "cuda")
         if policy != "same":
             return registry.adaptive_bytes_per_element(policy, chunk)
     if values and method_cost.values and chunk <= registry.VALUES_MAX_CHUNK:
