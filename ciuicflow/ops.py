@@ -240,8 +240,9 @@ def twobit_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[
 def topmark_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1.6 bits per element with error feedback (``compression.topmark``: every sign, the largest
     55/512 of each chunk marked by the rank of their positions, per chunk the marked elements' mean
-    |y| as its scale and the others' as a byte, 255ths of the scale). CPU. ``chunk_size`` a
-    multiple of 8 in [8, 512]; ``error`` (float32, contiguous) becomes ``y - sent``.
+    |y| as its scale and the others' as a byte, 255ths of the scale). CPU and CUDA (the same
+    arithmetic, one thread per chunk: the same bytes). ``chunk_size`` a multiple of 8 in [8, 512];
+    ``error`` (float32, contiguous, on x's device) becomes ``y - sent``.
 
     Returns ``(payload, scales)``: uint8, per chunk [signs | lo byte | rank], and float32
     ``[ceil(n/chunk_size)]``.

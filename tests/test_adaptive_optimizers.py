@@ -99,7 +99,7 @@ def test_auto_sends_topmark_where_values_are_quantised_once_and_int4_where_twice
     assert OneBitCompressor(phases=1).codec_for(True, Route(8)).name == "topmark"
     assert auto.codec_for(False, Route(2)) is auto.own_codec(Route(2))
     assert pinned.codec_for(True, Route(2)).name == pinned.codec_for(True, Route(8)).name == "twobit"
-    # topmark has no CUDA kernel yet: auto sends int4 from CUDA tensors; asked for, topmark
+    # topmark's CUDA kernel has not yet run on a GPU: auto sends int4 from CUDA tensors; asked for, topmark
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert auto.codec_for(True, Route(2), cpu).name == "topmark"
     assert auto.codec_for(True, Route(2), cuda).name == auto.codec_for(True, None, cuda).name == "int4"

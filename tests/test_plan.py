@@ -71,8 +71,8 @@ def test_bytes_per_link_follow_the_algorithms():
 def test_under_adam_the_one_bit_methods_cost_their_adaptive_codec():
     """--optimizer adam: the 1-bit methods send an adaptive optimizer's gradients with their
     default policy, auto (docs/hooks.md, "Adaptive optimizers"): on GPUs, which the planner models,
-    that is int4 on every route (topmark, where each value is quantised once, has no CUDA kernel
-    yet), so they cost what hierarchical_int4 / int4 cost; the other methods do not change."""
+    that is int4 on every route (topmark, where each value is quantised once, until its CUDA kernel
+    has run on a GPU), so they cost what hierarchical_int4 / int4 cost; the other methods do not change."""
     sgd, adam = pl.Workload(params=1e6), pl.Workload(params=1e6, optimizer="adam")
     for nodes in (2, 4):
         for ours, int4 in (("hierarchical_1bit", "hierarchical_int4"), ("onebit", "int4"),

@@ -15,6 +15,7 @@ from ciuicflow.compression.onebit import OneBitCodec
 from ciuicflow.compression.topmark import TopMarkCodec, marked, rank_bytes
 from ciuicflow.compression.twobit import TwoBitCodec
 from tests.codec_properties import check_mean_of_rows, check_zero_padding, fresh
+from tests.devices import needs_cuda
 
 CODEC = TopMarkCodec()
 SIZES = [1, 3, 8, 255, 511, 512, 513, 1000, 4099]
@@ -174,17 +175,29 @@ def test_constant_zero_and_non_finite_chunks():
     assert empty.numel() == 0 and empty_scales.numel() == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_a_cuda_tensor_goes_through_the_cpu_and_gets_the_same_bytes():
-    """No CUDA kernel yet: the codec packs a CUDA tensor on the CPU and hands the results (and
-    the memory) back on its device, bit for bit what the CPU pack sends."""
-    x, error = fresh(3001, torch.float32, seed=4)
-    want_payload, want_scales = CODEC.pack(x, error.clone(), 512)
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 511, 512, 3001, 70000])
+@pytest.mark.parametrize("chunk", [8, 256, 512])
+def test_the_cuda_kernels_send_the_cpu_kernels_bytes(dtype, n, chunk):
+    """The CUDA pack runs the CPU's arithmetic in one thread per chunk: the same payload, scales
+    and memory, bit for bit; its unpack the same values; a corrupt rank refused there too."""
+    x, error = fresh(n, dtype, seed=n + chunk)
+    want_payload, want_scales = CODEC.pack(x, error.clone(), chunk)
+    want_error = error.clone()
+    CODEC.pack(x, want_error, chunk)
     memory = error.cuda()
-    payload, scales = CODEC.pack(x.cuda(), memory, 512)
-    assert payload.is_cuda and scales.is_cuda and memory.is_cuda
+    payload, scales = CODEC.pack(x.cuda(), memory, chunk)
+    assert payload.is_cuda and scales.is_cuda
     assert torch.equal(payload.cpu(), want_payload) and torch.equal(scales.cpu(), want_scales)
-    out = CODEC.unpack_mean(payload.view(1, -1), scales.view(1, -1), 3001, 512,
-                            torch.empty(3001, device="cuda"))
-    assert out.is_cuda
-    assert torch.equal(out.cpu(), CODEC.unpack(want_payload, want_scales, 3001, 512, torch.empty(3001)))
+    assert torch.equal(memory.cpu(), want_error)
+    rows = torch.stack([payload, payload]), torch.stack([scales, scales])
+    out = CODEC.unpack_mean(*rows, n, chunk, torch.empty(n, device="cuda"))
+    want = CODEC.unpack_mean(torch.stack([want_payload] * 2), torch.stack([want_scales] * 2), n,
+                             chunk, torch.empty(n))
+    assert torch.equal(out.cpu(), want)
+    bad = payload.clone()
+    bad[-rank_bytes(chunk):] = 255
+    if math.comb(chunk, marked(chunk)) < 256 ** rank_bytes(chunk):  # room for a bad rank
+        with pytest.raises(RuntimeError, match="corrupt payload"):
+            CODEC.unpack(bad, scales, n, chunk, torch.empty(n, device="cuda"))

@@ -54,8 +54,8 @@ ADAPTIVE_CODEC_BITS = {"topmark": (1, 36, 512), "int4": (4, 4, 0), "int8": (8, 4
 # 0.1% (docs/convergence.md, "The largest marked")
 ADAPTIVE_AUTO = ("topmark", "int4")  # (quantised once, twice)
 ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODEC_BITS, "same")
-# the device types an adaptive codec has kernels for, where not every one: "auto" does not pick
-# it elsewhere (topmark has no CUDA kernel yet; a CUDA tensor would go through the CPU)
+# the device types "auto" may pick an adaptive codec on, where not every one: topmark's CUDA
+# kernel has not yet run on a GPU (none was lent), so "auto" sends int4 from CUDA tensors
 ADAPTIVE_CODEC_DEVICES = {"topmark": ("cpu",)}
 
 

@@ -28,9 +28,11 @@ exchange needs. Chunks of 512: 100 bytes for 2048 of float32 (64 of signs, the b
 the scale), 20.5x. The codec's chunk is its
 own (512), whatever the compressor's (1-bit's is 256).
 
-Native on CPU (``ciuicflow.ops.topmark_pack`` / ``topmark_unpack_mean``, csrc/cpu/topmark.cpp);
-tensors on other devices go through the CPU (no CUDA kernel yet), so the 1-bit states' default
-("auto") sends int4 from them instead.
+Native on CPU (``ciuicflow.ops.topmark_pack`` / ``topmark_unpack_mean``, csrc/cpu/topmark.cpp)
+and CUDA (csrc/cuda/topmark.cu: one thread per chunk, the same arithmetic, so the same bytes;
+compiled, not yet run on a GPU); tensors on other devices, or on CUDA in a build without CUDA
+kernels, go through the CPU. Until the CUDA kernel has run on a GPU the 1-bit states' default
+("auto") sends int4 from CUDA tensors (``registry.ADAPTIVE_CODEC_DEVICES``).
 """
 from __future__ import annotations
 
@@ -72,9 +74,9 @@ class TopMarkCodec(Codec):
         return -(-numel // chunk) * block_bytes(chunk)
 
     def pack(self, x, error, chunk):
-        if x.is_cpu:
+        if x.is_cpu or (x.is_cuda and native_ops().has_cuda_kernels()):
             return native_ops().topmark_pack(x.reshape(-1), error, chunk)
-        # no CUDA kernel yet: through the CPU, the memory updated where it lives
+        # elsewhere: through the CPU, the memory updated where it lives
         cpu_error = error.cpu()
         payload, scales = native_ops().topmark_pack(x.reshape(-1).cpu(), cpu_error, chunk)
         error.copy_(cpu_error)
@@ -88,7 +90,7 @@ class TopMarkCodec(Codec):
         holds the same rows), then divided by the number of rows."""
         rows = scales.shape[0]
         payload = payload.reshape(rows, -1)
-        if out.is_cpu:
+        if out.is_cpu or (out.is_cuda and native_ops().has_cuda_kernels()):
             return native_ops().topmark_unpack_mean(payload, scales, numel, chunk, out=out)
         result = native_ops().topmark_unpack_mean(payload.cpu(), scales.cpu(), numel, chunk)
         return out.copy_(result)

@@ -15,7 +15,7 @@ from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, 
 _ADAPTIVE_COSTS = {
     "topmark": "+1.0% to +1.4% above exact loss on bench/convergence.py's language model where two nodes "
                "exchange (each value quantised once); +2.1% to +2.4% simulated where more do (quantised twice, "
-               "where the default auto sends int4); from GPUs it goes through the CPU (no CUDA kernel yet)",
+               "where the default auto sends int4); its CUDA kernel has not yet run on a GPU",
     "twobit": "about half a percentage point more loss than the default int4 on bench/convergence.py's "
               "language models (+0.2% to +1.2% against exact on the hierarchical route)",
     "same": "1-bit gradients under Adam ended 2.7-8.1% above exact loss on bench/convergence.py's language "
@@ -65,8 +65,8 @@ def add_arguments(parser) -> None:
                              "optimizer) the 1-bit methods send int4 from GPUs, which is what they cost then")
     parser.add_argument("--adaptive-optimizer", choices=ADAPTIVE_OPTIMIZER_POLICIES, default="",
                         help="with --optimizer adam: the 1-bit states' adaptive_optimizer, what they send "
-                             "those buckets as (default auto, theirs: int4 from GPUs; topmark: 1.6 bits, "
-                             "through the CPU; twobit: 2 bits; same: 1 bit)")
+                             "those buckets as (default auto, theirs: int4 from GPUs; topmark: 1.6 bits; "
+                             "twobit: 2 bits; same: 1 bit)")
     parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(ALL_STRATEGIES)}")
     parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
 
@@ -140,7 +140,7 @@ def run(args) -> int:
           f"overlap {workload.overlap:g}")
     if workload.optimizer == "adam":
         sent = workload.adaptive_optimizer or ("their default, auto: int4 on GPUs (topmark, 20x where each value "
-                                               "is quantised once, has no CUDA kernel yet)")
+                                               "is quantised once, until its CUDA kernel has run on one)")
         print(f"Adaptive optimizer: the 1-bit methods send its buckets as {sent} (--adaptive-optimizer)")
     print()
     print(table(estimates, baseline))
