@@ -43,9 +43,9 @@ class QuantizedCompressor(Compressor):
             coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "topmark"
             (``compression.topmark``: signs, the largest ninth marked, 20x), "int4", "int8" or
             "twobit" (``compression.twobit``: sign and level bit) with that codec, "same" with
-            this compressor's own, "auto": topmark where the exchange quantises each value once
-            (one phase; the reduce-scatter) and the tensor is on the CPU (its only kernel yet),
-            int4 where twice (two phases) or on other devices. Default: the
+            this compressor's own, "auto": topmark where an all-reduce exchange quantises each
+            value once (one phase) and the tensor is on the CPU (its CUDA kernel has not yet run
+            on a GPU), int4 elsewhere (two phases; the reduce-scatter; CUDA). Default: the
             registry's ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same".
             Ignored where ``adaptive_codecs`` is empty.
     """
@@ -96,10 +96,10 @@ class QuantizedCompressor(Compressor):
             self.phases == 2 or (self.phases == "auto" and route.exchange_ranks > 2))
 
     def adaptive_codec_name(self, route=None, device=None) -> str:
-        """The ``adaptive_optimizer`` policy on ``route`` for tensors on ``device``, "auto"
-        resolved: where its once-quantised codec has no kernel for the device (topmark on CUDA),
-        the other one (int4)."""
-        return adaptive_codec_name(self.adaptive_optimizer, self.two_phases(route),
+        """The ``adaptive_optimizer`` policy on ``route`` (None: the reduce-scatter form) for
+        tensors on ``device``, "auto" resolved (``registry.adaptive_codec_name``)."""
+        one_phase = route is not None and not self.two_phases(route)
+        return adaptive_codec_name(self.adaptive_optimizer, one_phase,
                                    None if device is None else torch.device(device).type)
 
     def codec_for(self, adaptive: bool, route=None, device=None) -> Codec:

@@ -116,16 +116,16 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
     chunk of a concentrated window sends (``Cost.values``, 3 bytes each, in chunks of at most
     ``registry.VALUES_MAX_CHUNK``), counted for every chunk: an upper bound, reached where every
     window is concentrated (a gradient with none costs the plain bytes; which windows are is
-    known only from the data). ``exchange_ranks``: ranks of the exchange (None: the
-    reduce-scatter), which "auto" picks the codec by (two phases past two ranks)."""
+    known only from the data). ``exchange_ranks``: ranks of the all-reduce exchange (None: the
+    reduce-scatter), which "auto" picks the codec by (one phase up to two ranks)."""
     bits = method_cost.payload_bits
     chunk = w.chunk_size or method_cost.chunk_size
     policy = w.adaptive_optimizer or method_cost.adaptive_family
     if w.optimizer == "adam" and method_cost.adaptive_family and policy != "same":
-        twice = exchange_ranks is not None and exchange_ranks > 2
-        # the planner's gradients are on GPUs: "auto" sends int4 there while topmark has no CUDA
-        # kernel (registry.ADAPTIVE_CODEC_DEVICES)
-        policy = registry.adaptive_codec_name(policy, twice, "cuda")
+        one_phase = exchange_ranks is not None and exchange_ranks <= 2
+        # the planner's gradients are on GPUs: "auto" sends int4 there until topmark's CUDA
+        # kernel has run on one (registry.ADAPTIVE_CODEC_DEVICES)
+        policy = registry.adaptive_codec_name(policy, one_phase, "cuda")
         if policy != "same":
             return registry.adaptive_bytes_per_element(policy, chunk)
     if values and method_cost.values and chunk <= registry.VALUES_MAX_CHUNK:
