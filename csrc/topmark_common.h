@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "host_device.h"
 
@@ -133,6 +134,20 @@ inline void check_unpack(const at::Tensor& payload, const at::Tensor& scales, in
               " elements");
   TORCH_CHECK(payload.device() == out.device() && scales.device() == out.device(),
               "topmark_unpack_mean_into: payload, scales and out on one device");
+}
+
+// A position's selection key: larger |y| first, then the lower position (every key distinct, so
+// any selection of the k largest keys picks the same set: the CPU's nth_element, CUDA's
+// quickselect).
+CIUICFLOW_HD inline uint64_t key_of(float y, int32_t i) {
+  const float a = fabsf(y);
+  uint32_t bits;
+  memcpy(&bits, &a, sizeof bits);
+  return (static_cast<uint64_t>(bits) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
+}
+
+CIUICFLOW_HD inline int32_t position_of(uint64_t key) {
+  return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(key));
 }
 
 inline const U256* binomials() { return &tables().binom[0][0]; }

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
+#include <functional>
 
 #include "../topmark_common.h"
 #include "cpu_common.h"
@@ -32,12 +34,13 @@ void pack_chunk(const scalar_t* x, float* err, uint8_t* block, float* scale, int
   // the k largest |y| (ties to the lower position); positions ascending for the rank. Where
   // fewer than k are real, the missing ones after them fill the marks (never read).
   int32_t order[kMaxChunk];
-  for (int64_t i = 0; i < chunk; ++i) order[i] = static_cast<int32_t>(i);
   if (finite && k < len) {
-    std::nth_element(order, order + k, order + len, [err](int32_t a, int32_t b) {
-      const float fa = std::fabs(err[a]), fb = std::fabs(err[b]);
-      return fa > fb || (fa == fb && a < b);
-    });
+    uint64_t keys[kMaxChunk];
+    for (int64_t i = 0; i < len; ++i) keys[i] = topmark::key_of(err[i], static_cast<int32_t>(i));
+    std::nth_element(keys, keys + k, keys + len, std::greater<uint64_t>());
+    for (int64_t i = 0; i < k; ++i) order[i] = topmark::position_of(keys[i]);
+  } else {
+    for (int64_t i = 0; i < k; ++i) order[i] = static_cast<int32_t>(i);
   }
   std::sort(order, order + k);
   uint8_t mark[kMaxChunk];

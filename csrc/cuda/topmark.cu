@@ -37,11 +37,6 @@ const U256* device_binomials(const at::Device& device) {
   return reinterpret_cast<const U256*>(it->second.const_data_ptr<int64_t>());
 }
 
-// The key of position i: larger |y| first, then the lower position (distinct keys).
-__device__ inline uint64_t key_of(float y, int32_t i) {
-  return (static_cast<uint64_t>(__float_as_uint(fabsf(y))) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
-}
-
 // Moves the k largest of keys[0, len) to keys[0, k) (Hoare-style quickselect, middle pivot).
 __device__ void select_largest(uint64_t* keys, int64_t len, int64_t k) {
   int64_t lo = 0, hi = len - 1;
@@ -84,9 +79,9 @@ __global__ void topmark_pack_kernel(const scalar_t* __restrict__ x, float* __res
   uint64_t keys[kMaxChunk];
   int32_t marked_at[kMaxChunk];
   if (finite && k < len) {
-    for (int64_t i = 0; i < len; ++i) keys[i] = key_of(e[i], static_cast<int32_t>(i));
+    for (int64_t i = 0; i < len; ++i) keys[i] = topmark::key_of(e[i], static_cast<int32_t>(i));
     select_largest(keys, len, k);
-    for (int64_t i = 0; i < k; ++i) marked_at[i] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(keys[i]));
+    for (int64_t i = 0; i < k; ++i) marked_at[i] = topmark::position_of(keys[i]);
     for (int64_t i = 1; i < k; ++i) {  // ascending (insertion sort: k is at most 55)
       const int32_t v = marked_at[i];
       int64_t j = i - 1;
