@@ -132,8 +132,8 @@ ENTRIES = (
           Cost("quantized", payload_bits=1, adaptive_family="auto", chunk_size=256,
                guard_threshold=4.0, values=4),
           "the most compression with SGD (21-28x: values where a gradient is concentrated); under Adam-family optimizers "
-          "its buckets go as topmark (20x) where two nodes exchange, int4 (about 7.5x) among more; watch the accuracy "
-          "guard"),
+          "its buckets go as topmark (20x) where two nodes exchange CPU tensors, int4 (about 7.5x) elsewhere; watch "
+          "the accuracy guard"),
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",
           {"hierarchical": "hierarchical_powersgd", "flat": "powersgd"},
           "rank-r PowerSGD factors with error feedback and warm start",

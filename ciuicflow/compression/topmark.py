@@ -41,8 +41,7 @@ import math
 
 from ciuicflow.compression.codec import Codec, native_ops
 
-CHUNK = 512      # elements per chunk (the native ops' largest)
-MAX_CHUNK = 512  # topmark_common.h's kMaxChunk
+CHUNK = 512  # elements per chunk (the native ops' largest: topmark_common.h's kMaxChunk)
 
 
 def marked(length: int) -> int:
