@@ -39,13 +39,14 @@ def _intra_fit(seconds: dict, local: int) -> dict:
     return {"intra_bw": 1 / per_byte, "intra_alpha": fixed / (2 * (local - 1))}
 
 
-def _cross_node_tasks(tasks, numel, local, shard_cols, powersgd_rank):
+def _cross_node_tasks(tasks, sent, numel, local, shard_cols, powersgd_rank):
     """The FSDP path's own inter-node reduction (ciuicflow/fsdp/state.py): each rank's shard reduced
     flat with the ranks of the same local index on the other nodes, every group at once (they share
     the node's link), by the 1-bit and the PowerSGD compressors; ``numel`` elements viewed as rows
     of ``shard_cols`` (PowerSGD's matrix)."""
     import ciuicflow
     from ciuicflow.compression.powersgd import PowerSGDMemory, powersgd_all_reduce
+    from ciuicflow.collectives.primitives import Traffic
     from ciuicflow.compression.quantized import QuantizedErrors
 
     world = dist.get_world_size()
@@ -53,12 +54,14 @@ def _cross_node_tasks(tasks, numel, local, shard_cols, powersgd_rank):
     cross = ciuicflow.Topology.detect(groups[dist.get_rank() % local])
     rows = max(1, numel // shard_cols)
     y = torch.randn(rows, shard_cols)
-    errors, memory = QuantizedErrors(), PowerSGDMemory()
-    onebit = lambda: ciuicflow.onebit_all_reduce(y.view(-1), errors, cross, hierarchical=False)  # noqa: E731
+    errors, memory, traffic = QuantizedErrors(), PowerSGDMemory(), Traffic()
+    onebit = lambda t=None: ciuicflow.onebit_all_reduce(y.view(-1), errors, cross,  # noqa: E731
+                                                        hierarchical=False, traffic=t)
     powersgd = lambda: powersgd_all_reduce(y, memory, cross, hierarchical=False,  # noqa: E731
                                            rank=powersgd_rank)
     onebit(), powersgd()  # buffers, plans, the warm-start Q
-    tasks[(y.numel(), "cross_node_1bit")] = onebit
+    tasks[(y.numel(), "cross_node_1bit")] = lambda: onebit(traffic)
+    sent[(y.numel(), "cross_node_1bit")] = traffic
     tasks[(y.numel(), "cross_node_powersgd")] = powersgd
 
 
@@ -73,7 +76,9 @@ def probe_machine(numels, repeat=5, intra_path="auto", shard_cols=None, powersgd
     FSDP2 runs, even where ciuicflow would use shared memory. ``shard_cols``: also time the FSDP path's
     inter-node reductions of a ``max(numels)``-element shard (1-bit and PowerSGD at ``powersgd_rank``,
     the shard a matrix of that many columns), keys ``cross_node_1bit`` and ``cross_node_powersgd``, and
-    record ``shard_cols`` and ``powersgd_rank``. Collective; returns a dict."""
+    record ``shard_cols`` and ``powersgd_rank``. ``inter_bytes``: what each 1-bit collective sent
+    across nodes per call, one rank's (which chunks also send values depends on the data: the
+    planner's ``Workload.values_share``, ``plan.probed_workload``). Collective; returns a dict."""
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes = world // local
@@ -87,12 +92,14 @@ def probe_machine(numels, repeat=5, intra_path="auto", shard_cols=None, powersgd
         / (2 * (world - 1))
 
     tasks = {}  # name -> what to time
+    sent = {}  # name -> its Traffic (bytes sent by this rank over every timed call)
     x = torch.randn(max(numels))
     a, q = torch.randn(1024, 1024), torch.randn(1024, 4)
     tasks["matmul"] = lambda: [a @ q for _ in range(20)]
     try:
         import ciuicflow
         from ciuicflow.collectives import node_shm
+        from ciuicflow.collectives.primitives import Traffic
         from ciuicflow.compression.quantized import QuantizedErrors
         topology = ciuicflow.Topology.detect()
     except Exception as exc:  # the exact ring can still be measured
@@ -123,13 +130,14 @@ def probe_machine(numels, repeat=5, intra_path="auto", shard_cols=None, powersgd
         y = torch.randn(n)
         tasks[(n, "flat_ring")] = lambda y=y: dist.all_reduce(y)
         if topology is not None:
-            errors = QuantizedErrors()
+            errors, traffic = QuantizedErrors(), Traffic()
             ciuicflow.onebit_all_reduce(y, errors, topology, hierarchical=True)  # allocates its buffers
             tasks[(n, "hierarchical")] = lambda y=y: ciuicflow.hierarchical_all_reduce(y, topology)
-            tasks[(n, "hierarchical_1bit")] = lambda y=y, e=errors: ciuicflow.onebit_all_reduce(
-                y, e, topology, hierarchical=True)
+            tasks[(n, "hierarchical_1bit")] = lambda y=y, e=errors, t=traffic: ciuicflow.onebit_all_reduce(
+                y, e, topology, hierarchical=True, traffic=t)
+            sent[(n, "hierarchical_1bit")] = traffic
     if shard_cols and topology is not None and nodes > 1:
-        _cross_node_tasks(tasks, max(numels), local, shard_cols, powersgd_rank)
+        _cross_node_tasks(tasks, sent, max(numels), local, shard_cols, powersgd_rank)
         out.update(shard_cols=shard_cols, powersgd_rank=powersgd_rank)
     times = {name: [] for name in tasks}
     for _ in range(repeat):
@@ -143,6 +151,10 @@ def probe_machine(numels, repeat=5, intra_path="auto", shard_cols=None, powersgd
     for name, value in seconds.items():
         if isinstance(name, tuple) and name[0] != "intra":
             out["sizes"].setdefault(str(name[0]), {})[name[1]] = value
+    # inter-node bytes per call (the 1-bit chunks that send values depend on the data: the planner's
+    # Workload.values_share), this rank's, as the model counts them per rank
+    for (numel, name), traffic in sent.items():
+        out.setdefault("inter_bytes", {}).setdefault(str(numel), {})[name] = traffic.inter_bytes / repeat
     return out
 
 

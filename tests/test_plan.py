@@ -350,15 +350,21 @@ def _measure():
 @pytest.mark.timeout(400)
 def test_prediction_within_25_percent_of_the_simulated_cluster():
     """Exact strategies: predicted from the shaped rate, the probed latency and intra-node bandwidth alone.
-    1-bit: its local work per element is fitted on a tensor half the size, then the full size is predicted."""
+    1-bit: its local work per element and the share of its chunks that send values (the data's) are
+    fitted on a tensor half the size, then the full size is predicted: its time and its bytes."""
     m = _measure()
     cluster = pl.machine_cluster(m, RATE_BPS)
     measured = m["sizes"][str(NUMEL)]
-    local = 0.0
+    local, share = 0.0, 1.0
     if "hierarchical_1bit" in measured:
+        fit = pl.probed_workload(m, cluster, FIT_NUMEL)
+        share = fit.values_share
         local = pl.fit_local_seconds_per_element(m["sizes"][str(FIT_NUMEL)]["hierarchical_1bit"],
-                                                 "hierarchical_1bit", cluster, pl.Workload(params=FIT_NUMEL))
-    workload = pl.Workload(params=NUMEL, local_seconds_per_element=local)
+                                                 "hierarchical_1bit", cluster, fit)
+        predicted = pl.estimate("hierarchical_1bit", cluster, pl.Workload(params=NUMEL, values_share=share))
+        sent = m["inter_bytes"][str(NUMEL)]["hierarchical_1bit"] * cluster.gpus_per_node
+        assert predicted.inter_node_bytes_per_node == pytest.approx(sent, rel=0.02), (share, sent)
+    workload = pl.Workload(params=NUMEL, local_seconds_per_element=local, values_share=share)
     checked = {}
     for strategy, seconds in measured.items():
         predicted = pl.estimate(strategy, cluster, workload).comm_seconds
@@ -367,7 +373,7 @@ def test_prediction_within_25_percent_of_the_simulated_cluster():
                        checked.items())
     print(report, f"\nmachine: alpha {m['alpha'] * 1e6:.0f} us, intra {m['intra_bw'] / 1e9:.2f} GB/s "
           f"+ {m.get('intra_alpha', 0) * 1e6:.0f} us, "
-          f"1-bit local work {local * 1e9:.1f} ns/element")
+          f"1-bit local work {local * 1e9:.1f} ns/element, chunks sending values {share:.0%}")
     assert "flat_ring" in checked
     for strategy, (_, _, error) in checked.items():
         assert abs(error) <= TOLERANCE, report

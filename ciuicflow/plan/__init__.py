@@ -33,7 +33,8 @@ formatting), ``inputs`` (``ClusterSpec``, ``Workload``), ``cost_model`` (``estim
 ``recommend``), ``calibration`` (against bench/comm.py), ``cli``. This package re-exports them.
 """
 from ciuicflow.plan.calibration import (TCP_EFFICIENCY, calibrate, calibrate_fsdp,
-                                        fit_local_seconds_per_element, machine_cluster)
+                                        fit_local_seconds_per_element, fit_values_share, machine_cluster,
+                                        probed_workload)
 from ciuicflow.plan.cli import add_arguments, run, table
 from ciuicflow.plan.cost_model import Estimate, estimate, plan, recommend
 from ciuicflow.plan.inputs import ClusterSpec, Workload, compute_seconds_from_flops, powersgd_elements
@@ -45,6 +46,7 @@ __all__ = [
     "STRATEGIES", "EXACT_STRATEGIES", "FSDP_STRATEGIES", "HSDP_STRATEGIES", "ONE_DIM_STRATEGIES", "RANKED", "BENCH_METHODS", "POWERSGD_RANK",
     "parse_count", "parse_bandwidth", "parse_seconds", "ClusterSpec", "Workload",
     "compute_seconds_from_flops", "powersgd_elements", "Estimate", "estimate", "plan", "recommend",
-    "TCP_EFFICIENCY", "machine_cluster", "fit_local_seconds_per_element", "calibrate", "calibrate_fsdp",
+    "TCP_EFFICIENCY", "machine_cluster", "fit_local_seconds_per_element", "fit_values_share",
+    "probed_workload", "calibrate", "calibrate_fsdp",
     "add_arguments", "table", "run",
 ]

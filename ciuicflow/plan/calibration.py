@@ -28,6 +28,32 @@ def fit_local_seconds_per_element(measured_seconds: float, strategy: str, cluste
     return max(0.0, (measured_seconds - estimate(strategy, cluster, bare, rank).comm_seconds) / workload.params)
 
 
+def fit_values_share(inter_bytes_per_rank: float, strategy: str, cluster: ClusterSpec, workload: Workload,
+                     rank: int | None = None) -> float:
+    """The ``Workload.values_share`` that makes the model's inter-node bytes match what one rank of a
+    1-bit collective sent across nodes (its ``Traffic.inter_bytes``): the bytes are linear in the share,
+    from the plain signs and scales (0) to values in every chunk (1)."""
+    def bytes_at(share):
+        w = Workload(**{**asdict(workload), "values_share": share})
+        return estimate(strategy, cluster, w, rank).inter_node_bytes_per_node / cluster.gpus_per_node
+
+    low, high = bytes_at(0.0), bytes_at(1.0)
+    if high <= low:  # the strategy sends no values
+        return 0.0
+    return min(1.0, max(0.0, (inter_bytes_per_rank - low) / (high - low)))
+
+
+def probed_workload(machine: dict, cluster: ClusterSpec, numel: int, strategy: str = "hierarchical_1bit",
+                    **fields) -> Workload:
+    """A workload of ``numel`` elements whose ``values_share`` is the one the probe's 1-bit collective
+    of that size sent (``inter_bytes`` in bench/comm_probe.py's output; the upper bound without it)."""
+    workload = Workload(params=numel, **fields)
+    sent = machine.get("inter_bytes", {}).get(str(numel), {}).get(strategy)
+    if sent is None:
+        return workload
+    return Workload(**{**asdict(workload), "values_share": fit_values_share(sent, strategy, cluster, workload)})
+
+
 def calibrate(records, machine: dict) -> list:
     """The model next to bench/comm.py's measurements (its JSON records of one run, and its machine probe).
 
@@ -86,6 +112,10 @@ def _probed_fsdp_compute(machine: dict, cluster: ClusterSpec) -> tuple:
     # a workload whose shard is the probed one (FSDP shards each matrix's rows over the node's G ranks)
     bare = Workload(params=numel * g, matrix_shapes=[(numel // cols * g, cols)], local_seconds_per_element=0.0,
                     matmul_flops=math.inf, bucket_bytes=math.inf)
+    sent = machine.get("inter_bytes", {}).get(str(numel), {}).get("cross_node_1bit")
+    if sent is not None:
+        share = fit_values_share(sent, "fsdp_hierarchical_1bit", cluster, bare)
+        bare = Workload(**{**asdict(bare), "values_share": share})
 
     def inter_seconds(strategy):
         return sum(v for k, v in estimate(strategy, cluster, bare, rank).parts.items() if "inter" in k)
@@ -104,7 +134,7 @@ def _probed_local_seconds(machine: dict, cluster: ClusterSpec) -> float:
     for numel, timings in machine.get("sizes", {}).items():
         if "hierarchical_1bit" in timings:
             local = fit_local_seconds_per_element(timings["hierarchical_1bit"], "hierarchical_1bit",
-                                                  cluster, Workload(params=int(numel)))
+                                                  cluster, probed_workload(machine, cluster, int(numel)))
     return local
 
 

@@ -114,9 +114,9 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
     codec it sends those gradients with: ``Workload.adaptive_optimizer``), one float32 scale per
     chunk and, with ``values`` (the all-reduce routes: DDP's hooks, HSDP's replicas), the values a
     chunk of a concentrated window sends (``Cost.values``, 3 bytes each, in chunks of at most
-    ``registry.VALUES_MAX_CHUNK``), counted for every chunk: an upper bound, reached where every
-    window is concentrated (a gradient with none costs the plain bytes; which windows are is
-    known only from the data). ``exchange_ranks``: ranks of the all-reduce exchange (None: the
+    ``registry.VALUES_MAX_CHUNK``), counted for ``Workload.values_share`` of the chunks (default
+    every one: an upper bound, reached where every window is concentrated; a gradient with none
+    costs the plain bytes; which windows are is known only from the data). ``exchange_ranks``: ranks of the all-reduce exchange (None: the
     reduce-scatter), which "auto" picks the codec by (one phase up to two ranks)."""
     bits = method_cost.payload_bits
     chunk = w.chunk_size or method_cost.chunk_size
@@ -129,7 +129,7 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
         if policy != "same":
             return registry.adaptive_bytes_per_element(policy, chunk)
     if values and method_cost.values and chunk <= registry.VALUES_MAX_CHUNK:
-        return bits / 8 + (4 + 3 * method_cost.values) / chunk
+        return bits / 8 + (4 + 3 * method_cost.values * w.values_share) / chunk
     return bits / 8 + 4 / chunk
 
 

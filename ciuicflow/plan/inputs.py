@@ -70,6 +70,10 @@ class Workload:
     # same: what they send those buckets as); "" is their default (the registry's
     # ``adaptive_family``: auto, topmark where each value is quantised once, int4 where twice)
     adaptive_optimizer: str = ""
+    # the share of a 1-bit method's chunks that also send values (concentrated windows,
+    # compression/outliers.py): 1.0, every chunk, is the upper bound; which windows are
+    # concentrated is known only from the data (Gaussian noise has none: 0.0)
+    values_share: float = 1.0
 
     def __post_init__(self):
         if self.params < 1:
@@ -87,6 +91,8 @@ class Workload:
                              f"got {self.adaptive_optimizer!r}")
         if not self.bucket_bytes > 0:
             raise ValueError("bucket_bytes must be positive")
+        if not 0.0 <= self.values_share <= 1.0:
+            raise ValueError(f"values_share must be within [0, 1], got {self.values_share}")
         if not (self.local_seconds_per_element >= 0 and self.matmul_flops > 0):
             raise ValueError("local_seconds_per_element must be >= 0 and matmul_flops positive")
 
