@@ -62,6 +62,16 @@ def test_bytes_per_link_follow_the_algorithms():
     # signs, a scale and, at most, 4 values (3 bytes each) per 256-element chunk (compression.outliers)
     assert one.inter_node_bytes_per_node == pytest.approx(1e6 * (1 / 8 + (4 + 12) / 256))
     assert hier.inter_node_bytes_per_node / one.inter_node_bytes_per_node > 20
+    # a gradient whose windows are not concentrated sends the signs and scales alone; the share of
+    # chunks with values is found back from the bytes one rank sent
+    plain = pl.estimate("hierarchical_1bit", _cluster(), pl.Workload(params=1e6, values_share=0.0))
+    assert plain.inter_node_bytes_per_node == pytest.approx(1e6 * (1 / 8 + 4 / 256))
+    some = pl.estimate("hierarchical_1bit", _cluster(), pl.Workload(params=1e6, values_share=0.3))
+    per_rank = some.inter_node_bytes_per_node / _cluster().gpus_per_node
+    assert pl.fit_values_share(per_rank, "hierarchical_1bit", _cluster(), w) == pytest.approx(0.3)
+    assert pl.fit_values_share(per_rank, "hierarchical", _cluster(), w) == 0.0  # sends no values
+    with pytest.raises(ValueError, match="values_share"):
+        pl.Workload(params=1e6, values_share=1.5)
     square = pl.Workload(params=1e6, matrix_shapes=[(1000, 1000)])
     ps = pl.estimate("hierarchical_powersgd", _cluster(), square, rank=4)
     assert ps.inter_node_bytes_per_node == pytest.approx(2000 * 4 * 4)  # P and Q, 4 bytes, 2 (N-1)/N = 1
