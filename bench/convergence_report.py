@@ -8,12 +8,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ciuicflow.compression import registry  # noqa: E402
+from ciuicflow.fsdp.state import scatter_methods  # noqa: E402
 
 # The exact baseline of each method: DDP's all-reduce with the task's own optimizer.
 EXACT = "exact"
 COMPRESSED_HOOKS = tuple(registry.compressed_methods())
-# the FSDP path (bench/convergence_worker.py's fsdp:<method>) is held to the same targets
-FSDP_HOOKS = tuple(f"fsdp:{name}" for name in COMPRESSED_HOOKS if registry.method(name).hierarchical)
+# the FSDP path (bench/convergence_worker.py's fsdp:<method>) is held to the same targets: the
+# hierarchical methods on HSDP's replicas (a 2-D mesh), the flat ones that compress FSDP's own
+# reduce-scatter (FSDP over every rank, a 1-D mesh: ciuicflow.fsdp.state.scatter_methods)
+FSDP_SCATTER = tuple(scatter_methods())
+FSDP_HOOKS = tuple(f"fsdp:{name}" for name in COMPRESSED_HOOKS if registry.method(name).hierarchical
+                   or name in FSDP_SCATTER)
 OPTIMIZERS = ("onebit_adam", "zero_one_adam")
 
 

@@ -12,8 +12,10 @@ Methods:
   onebit_adam, zero_one_adam   ciuicflow's 1-bit optimizers with their defaults, no DDP (Adam tasks)
   fsdp_hsdp        FSDP2's own HSDP (each child module with parameters, and the root,
                    fully_shard-ed over the 2-D mesh "replicate" x "shard")
-  fsdp:<method>    FSDP2 inside the node and ``ciuicflow.fsdp.register(model, method)`` across
-                   nodes, with the method's defaults (a hierarchical method of the registry)
+  fsdp:<method>    a hierarchical method of the registry: FSDP2 inside the node and
+                   ``ciuicflow.fsdp.register(model, method)`` across nodes (HSDP's replicas, a
+                   2-D mesh); a flat one ("onebit", "int8", "int4"): FSDP2 over every rank (a
+                   1-D mesh) and ``register`` compresses its reduce-scatter; the method's defaults
 
 inter_node_bytes_per_step: modelled bytes one rank sends to other nodes, per step, the model of
 ``ciuicflow.collectives`` (a ring all-reduce of B bytes over W ranks sends 2(W-1)/W B, of which the
@@ -50,13 +52,18 @@ def is_fsdp(method: str) -> bool:
 def fsdp_setup(model, method, options):
     """Shard ``model`` with FSDP2 as ``method`` says; (model, ciuicflow's state or None)."""
     import ciuicflow.fsdp
+    from ciuicflow.fsdp.state import scatter_methods
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
-    on = mesh if method == "fsdp_hsdp" else mesh["shard"]
+    name = method[len(FSDP_PREFIX):]
+    if name in scatter_methods():  # FSDP over every rank: its reduce-scatter compressed
+        mesh = on = init_device_mesh("cpu", (world,))
+    else:
+        mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+        on = mesh if method == "fsdp_hsdp" else mesh["shard"]
     for child in model.children():
         # a ModuleList has no forward of its own: FSDP2 shards its members instead
         for unit in (child if isinstance(child, torch.nn.ModuleList) else [child]):
@@ -65,7 +72,7 @@ def fsdp_setup(model, method, options):
     fully_shard(model, mesh=on)
     if method == "fsdp_hsdp":
         return model, None
-    return model, ciuicflow.fsdp.register(model, method[len(FSDP_PREFIX):], mesh=mesh, **options)
+    return model, ciuicflow.fsdp.register(model, name, mesh=mesh, **options)
 
 
 def flat_inter_share() -> float:

@@ -373,7 +373,8 @@ def test_prediction_within_25_percent_of_the_simulated_cluster():
                                                  "hierarchical_1bit", cluster, fit)
         predicted = pl.estimate("hierarchical_1bit", cluster, pl.Workload(params=NUMEL, values_share=share))
         sent = m["inter_bytes"][str(NUMEL)]["hierarchical_1bit"] * cluster.gpus_per_node
-        assert predicted.inter_node_bytes_per_node == pytest.approx(sent, rel=0.02), (share, sent)
+        assert predicted.inter_node_bytes_per_node == pytest.approx(sent, rel=0.02), \
+            (share, pl.probed_workload(m, cluster, NUMEL).values_share, m["inter_bytes"])
     workload = pl.Workload(params=NUMEL, local_seconds_per_element=local, values_share=share)
     checked = {}
     for strategy, seconds in measured.items():

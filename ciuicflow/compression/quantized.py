@@ -43,9 +43,9 @@ class QuantizedCompressor(Compressor):
             coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "topmark"
             (``compression.topmark``: signs, the largest ninth marked, 20x), "int4", "int8" or
             "twobit" (``compression.twobit``: sign and level bit) with that codec, "same" with
-            this compressor's own, "auto": topmark where an all-reduce exchange quantises each
-            value once (one phase) and the tensor is on the CPU (its CUDA kernel has not yet run
-            on a GPU), int4 elsewhere (two phases; the reduce-scatter; CUDA). Default: the
+            this compressor's own, "auto": topmark where each value is quantised once (a
+            one-phase all-reduce exchange, the reduce-scatter) and the tensor is on the CPU (its
+            CUDA kernel has not yet run on a GPU), int4 elsewhere (two phases; CUDA). Default: the
             registry's ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same".
             Ignored where ``adaptive_codecs`` is empty.
     """
@@ -98,8 +98,8 @@ class QuantizedCompressor(Compressor):
     def adaptive_codec_name(self, route=None, device=None) -> str:
         """The ``adaptive_optimizer`` policy on ``route`` (None: the reduce-scatter form) for
         tensors on ``device``, "auto" resolved (``registry.adaptive_codec_name``)."""
-        one_phase = route is not None and not self.two_phases(route)
-        return adaptive_codec_name(self.adaptive_optimizer, one_phase,
+        once = route is None or not self.two_phases(route)
+        return adaptive_codec_name(self.adaptive_optimizer, once,
                                    None if device is None else torch.device(device).type)
 
     def codec_for(self, adaptive: bool, route=None, device=None) -> Codec:

@@ -48,25 +48,24 @@ VALUES_MAX_CHUNK = 256
 # from here (tests check the codecs agree).
 ADAPTIVE_CODEC_BITS = {"topmark": (1, 36, 512), "int4": (4, 4, 0), "int8": (8, 4, 0),
                        "twobit": (2, 5, 0)}
-# "auto" (the 1-bit default): topmark where an all-reduce exchange quantises each value once (two
-# ranks exchanging: one phase, as two nodes do), int4 elsewhere: where two phases quantise each
-# value twice (more ranks), topmark ended 2.1-2.7% above exact loss and int4 within 0.1%; FSDP's
-# compressed reduce-scatter quantises once too, but topmark has not been trained through it
-# (docs/convergence.md, "The largest marked")
-ADAPTIVE_AUTO = ("topmark", "int4")  # (a one-phase exchange, elsewhere)
+# "auto" (the 1-bit default): topmark where each value is quantised once (an all-reduce exchange
+# of two ranks: one phase, as two nodes do; FSDP's compressed reduce-scatter), int4 elsewhere:
+# where two phases quantise each value twice (more ranks), topmark ended 2.1-2.7% above exact
+# loss and int4 within 0.1% (docs/convergence.md, "The largest marked")
+ADAPTIVE_AUTO = ("topmark", "int4")  # (each value quantised once, twice)
 ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODEC_BITS, "same")
 # the device types "auto" may pick an adaptive codec on, where not every one: topmark's CUDA
 # kernel has not yet run on a GPU (none was lent), so "auto" sends int4 from CUDA tensors
 ADAPTIVE_CODEC_DEVICES = {"topmark": ("cpu",)}
 
 
-def adaptive_codec_name(policy: str, one_phase: bool, device_type: str | None = None) -> str:
-    """The codec an ``adaptive_optimizer`` policy sends with ("same" for the compressor's own) in
-    a ``one_phase`` all-reduce exchange (each value quantised once) or elsewhere, for tensors on
-    ``device_type`` (None: any)."""
+def adaptive_codec_name(policy: str, quantised_once: bool, device_type: str | None = None) -> str:
+    """The codec an ``adaptive_optimizer`` policy sends with ("same" for the compressor's own)
+    where each value is ``quantised_once`` (a one-phase all-reduce exchange, the reduce-scatter)
+    or twice (two phases), for tensors on ``device_type`` (None: any)."""
     if policy != "auto":
         return policy
-    name = ADAPTIVE_AUTO[0 if one_phase else 1]
+    name = ADAPTIVE_AUTO[0 if quantised_once else 1]
     if device_type is not None and device_type not in ADAPTIVE_CODEC_DEVICES.get(name, (device_type,)):
         return ADAPTIVE_AUTO[1]
     return name

@@ -10,7 +10,8 @@ bit per element, not one: log2 C(512, 55) = 248 bits. Real runs of ``hierarchica
 nodes (each value quantised once): +1.0% / +1.4% / +1.3% above exact loss on three seeds of
 ``charlm_adamw`` (int4 +0.1% to +0.5%; twobit +0.2% to +1.2%), +1.2% on a held-out LM, at 20.2-20.4x
 after warm-up (docs/convergence.md, "The largest marked"); quantised twice it loses
-more, which is why the 1-bit states' default sends it only in one-phase exchanges.
+more, which is why the 1-bit states' default sends it only where each value is quantised once
+(one-phase exchanges; FSDP's compressed reduce-scatter: +0.3% / +1.6% / +0.7%, held out +0.8%).
 
 Per chunk of y (input plus the memory): the ``k = marked(chunk)`` largest |y| (ties to the lower
 position) send ``hi`` (their mean |y|), the others ``lo`` (the others' mean |y|), each with its

@@ -116,16 +116,17 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
     chunk of a concentrated window sends (``Cost.values``, 3 bytes each, in chunks of at most
     ``registry.VALUES_MAX_CHUNK``), counted for ``Workload.values_share`` of the chunks (default
     every one: an upper bound, reached where every window is concentrated; a gradient with none
-    costs the plain bytes; which windows are is known only from the data). ``exchange_ranks``: ranks of the all-reduce exchange (None: the
-    reduce-scatter), which "auto" picks the codec by (one phase up to two ranks)."""
+    costs the plain bytes; which windows are is known only from the data). ``exchange_ranks``:
+    ranks of the all-reduce exchange (None: the reduce-scatter), which "auto" picks the codec by (each value quantised once in the reduce-scatter and in a
+    one-phase exchange, up to two ranks)."""
     bits = method_cost.payload_bits
     chunk = w.chunk_size or method_cost.chunk_size
     policy = w.adaptive_optimizer or method_cost.adaptive_family
     if w.optimizer == "adam" and method_cost.adaptive_family and policy != "same":
-        one_phase = exchange_ranks is not None and exchange_ranks <= 2
+        once = exchange_ranks is None or exchange_ranks <= 2
         # the planner's gradients are on GPUs: "auto" sends int4 there until topmark's CUDA
         # kernel has run on one (registry.ADAPTIVE_CODEC_DEVICES)
-        policy = registry.adaptive_codec_name(policy, one_phase, "cuda")
+        policy = registry.adaptive_codec_name(policy, once, "cuda")
         if policy != "same":
             return registry.adaptive_bytes_per_element(policy, chunk)
     if values and method_cost.values and chunk <= registry.VALUES_MAX_CHUNK:
