@@ -309,6 +309,15 @@ def test_cli(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0 and "vs fsdp_hsdp" in text  # FSDP over every rank beside HSDP
     assert all(f"| {s} |" in text for s in pl.FSDP_STRATEGIES if s not in pl.RANKED)
+    # the share of 1-bit chunks that send values: the upper bound by default, 0 the plain bytes
+    one = ["--model", "7B", "--nodes", "4", "--strategies", "hierarchical_1bit", "--json", str(out)]
+    sent = []
+    for extra in ([], ["--values-share", "0"]):
+        assert pl.run(parser.parse_args(one + extra)) == 0
+        sent.append(json.loads(out.read_text())["estimates"][0]["inter_node_bytes_per_node"])
+    assert sent[1] / sent[0] == pytest.approx((1 / 8 + 4 / 256) / (1 / 8 + 16 / 256))
+    rc = pl.run(parser.parse_args(one + ["--values-share", "2"]))
+    assert rc == 2 and "values_share" in capsys.readouterr().err
     rc = pl.run(parser.parse_args(["--model", "lots", "--nodes", "2"]))
     assert rc == 2 and "cannot parse" in capsys.readouterr().err
     # the adaptive optimizer's codec: said, costed, and refused without --optimizer adam

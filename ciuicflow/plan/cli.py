@@ -5,7 +5,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES
+from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, adaptive_codec_name
 from ciuicflow.plan.cost_model import plan, recommend
 from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, ClusterSpec, Workload, compute_seconds_from_flops
 from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, cost
@@ -67,6 +67,10 @@ def add_arguments(parser) -> None:
                         help="with --optimizer adam: the 1-bit states' adaptive_optimizer, what they send "
                              "those buckets as (default auto, theirs: int4 from GPUs; topmark: 1.6 bits; "
                              "twobit: 2 bits; same: 1 bit)")
+    parser.add_argument("--values-share", type=float, default=1.0,
+                        help="share of the 1-bit all-reduces' chunks that also send values (concentrated "
+                             "windows, 0 to 1; default 1, the upper bound: which windows are depends on "
+                             "the gradients; 0: plain signs and scales)")
     parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(ALL_STRATEGIES)}")
     parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
 
@@ -86,7 +90,7 @@ def _build(args):
                         local_seconds_per_element=args.local_ns_per_element * 1e-9,
                         matmul_flops=args.matmul_tflops * 1e12, overlap=args.overlap,
                         bucket_bytes=args.bucket_mb * 2 ** 20, optimizer=args.optimizer,
-                        adaptive_optimizer=args.adaptive_optimizer)
+                        adaptive_optimizer=args.adaptive_optimizer, values_share=args.values_share)
     if args.adaptive_optimizer and args.optimizer != "adam":
         raise ValueError("--adaptive-optimizer applies under an adaptive optimizer: pass --optimizer adam")
     ranks = _ranks(args.ranks) if args.ranks else None
@@ -152,8 +156,10 @@ def run(args) -> int:
               f"{_ADAPTIVE_COSTS[workload.adaptive_optimizer]}; docs/convergence.md)")
     if workload.optimizer == "sgd" and best.strategy not in EXACT_STRATEGIES \
             and cost(best.strategy).adaptive_family:
+        # what its default policy sends from GPUs (the planner's), where each value is quantised once
+        family = cost(best.strategy).adaptive_family
         print(f"(modelled with SGD; under Adam/AdamW {best.strategy} sends "
-              f"{cost(best.strategy).adaptive_family} values: pass --optimizer adam)")
+              f"{adaptive_codec_name(family, True, 'cuda')} values from GPUs: pass --optimizer adam)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cluster": asdict(cluster), "workload": asdict(workload),
