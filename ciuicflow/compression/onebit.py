@@ -64,8 +64,8 @@ class OneBitCompressor(QuantizedCompressor):
     elements per scale; half of the error carried over (the carried error is gradient sent late,
     and momentum at a constant learning rate turns late gradient into oscillation: accuracy
     collapsed with all of it carried); one phase where the exchange has two ranks; the guard
-    warns past 4x; tensors an adaptive optimizer steps go as topmark where an all-reduce exchange
-    quantises each value once (one phase, CPU tensors), as int4 elsewhere
+    warns past 4x; tensors an adaptive optimizer steps go as topmark where each value is
+    quantised once (a one-phase exchange, FSDP's reduce-scatter; CPU tensors), as int4 elsewhere
     (``adaptive_optimizer="auto"``;
     ``compression.optimizer_watch`` says why, docs/convergence.md "The largest marked" what each
     costs)."""
