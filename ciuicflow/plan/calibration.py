@@ -43,15 +43,17 @@ def fit_values_share(inter_bytes_per_rank: float, strategy: str, cluster: Cluste
     return min(1.0, max(0.0, (inter_bytes_per_rank - low) / (high - low)))
 
 
-def probed_workload(machine: dict, cluster: ClusterSpec, numel: int, strategy: str = "hierarchical_1bit",
-                    **fields) -> Workload:
-    """A workload of ``numel`` elements whose ``values_share`` is the one the probe's 1-bit collective
-    of that size sent (``inter_bytes`` in bench/comm_probe.py's output; the upper bound without it)."""
-    workload = Workload(params=numel, **fields)
-    sent = machine.get("inter_bytes", {}).get(str(numel), {}).get(strategy)
+def probed_workload(machine: dict, cluster: ClusterSpec, numel: int, key: str = "hierarchical_1bit",
+                    strategy: str | None = None, workload: Workload | None = None) -> Workload:
+    """``workload`` (default: one of ``numel`` elements) with the ``values_share`` that the probe's
+    1-bit collective ``key`` of ``numel`` elements sent (``inter_bytes`` in bench/comm_probe.py's
+    output), modelled as ``strategy`` (default: ``key``); unchanged where the probe has no bytes."""
+    workload = workload or Workload(params=numel)
+    sent = machine.get("inter_bytes", {}).get(str(numel), {}).get(key)
     if sent is None:
         return workload
-    return Workload(**{**asdict(workload), "values_share": fit_values_share(sent, strategy, cluster, workload)})
+    share = fit_values_share(sent, strategy or key, cluster, workload)
+    return Workload(**{**asdict(workload), "values_share": share})
 
 
 def calibrate(records, machine: dict) -> list:
@@ -112,10 +114,7 @@ def _probed_fsdp_compute(machine: dict, cluster: ClusterSpec) -> tuple:
     # a workload whose shard is the probed one (FSDP shards each matrix's rows over the node's G ranks)
     bare = Workload(params=numel * g, matrix_shapes=[(numel // cols * g, cols)], local_seconds_per_element=0.0,
                     matmul_flops=math.inf, bucket_bytes=math.inf)
-    sent = machine.get("inter_bytes", {}).get(str(numel), {}).get("cross_node_1bit")
-    if sent is not None:
-        share = fit_values_share(sent, "fsdp_hierarchical_1bit", cluster, bare)
-        bare = Workload(**{**asdict(bare), "values_share": share})
+    bare = probed_workload(machine, cluster, numel, "cross_node_1bit", "fsdp_hierarchical_1bit", bare)
 
     def inter_seconds(strategy):
         return sum(v for k, v in estimate(strategy, cluster, bare, rank).parts.items() if "inter" in k)

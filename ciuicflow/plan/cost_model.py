@@ -117,8 +117,8 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
     ``registry.VALUES_MAX_CHUNK``), counted for ``Workload.values_share`` of the chunks (default
     every one: an upper bound, reached where every window is concentrated; a gradient with none
     costs the plain bytes; which windows are is known only from the data). ``exchange_ranks``:
-    ranks of the all-reduce exchange (None: the reduce-scatter), which "auto" picks the codec by (each value quantised once in the reduce-scatter and in a
-    one-phase exchange, up to two ranks)."""
+    ranks of the all-reduce exchange (None: the reduce-scatter), which "auto" picks the codec by
+    (each value quantised once in the reduce-scatter and in a one-phase exchange, up to two ranks)."""
     bits = method_cost.payload_bits
     chunk = w.chunk_size or method_cost.chunk_size
     policy = w.adaptive_optimizer or method_cost.adaptive_family
