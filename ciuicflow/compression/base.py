@@ -151,6 +151,11 @@ class Compressor:
     def new_memory(self):
         return None
 
+    def route_for(self, route, hierarchical, adaptive: bool, device=None):
+        """The route a tensor takes: ``route`` (the hook's), or ``hierarchical`` (the node sum,
+        then an exchange between the nodes) where this compressor keeps accuracy only there."""
+        return route
+
     def exchange(self, flat: torch.Tensor, memory, route, context: Context,
                  traffic) -> torch.Tensor | None:
         """Average ``flat`` (1-D, contiguous, floating point) in place over the route; return

@@ -45,7 +45,9 @@ class QuantizedCompressor(Compressor):
             "twobit" (``compression.twobit``: sign and level bit) with that codec, "same" with
             this compressor's own, "auto": topmark where each value is quantised once (a
             one-phase all-reduce exchange, the reduce-scatter) and the tensor is on the CPU (its
-            CUDA kernel has not yet run on a GPU), int4 elsewhere (two phases; CUDA). Default: the
+            CUDA kernel has not yet run on a GPU), int4 elsewhere (two phases; CUDA); a flat
+            exchange in two phases whose hierarchical one would quantise once (two whole nodes)
+            takes the hierarchical route with topmark (``route_for``). Default: the
             registry's ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same".
             Ignored where ``adaptive_codecs`` is empty.
     """
@@ -82,7 +84,7 @@ class QuantizedCompressor(Compressor):
                              f"got {adaptive_optimizer!r}")
         self.chunk_size, self.error_decay, self.phases = int(chunk_size), float(error_decay), phases
         self.adaptive_optimizer = adaptive_optimizer
-        self._told_adaptive = False
+        self._told_adaptive = self._told_route = False
         self._set_guard(guard, self.default_guard_threshold if guard_threshold is None
                         else guard_threshold)
 
@@ -101,6 +103,27 @@ class QuantizedCompressor(Compressor):
         once = route is None or not self.two_phases(route)
         return adaptive_codec_name(self.adaptive_optimizer, once,
                                    None if device is None else torch.device(device).type)
+
+    def route_for(self, route, hierarchical, adaptive: bool, device=None):
+        """An adaptive optimizer's tensor leaves the flat route for the hierarchical one where
+        "auto" sends a finer codec there: two phases quantise each value twice (4 ranks, flat),
+        which costs Adam 2.4-3.3% of loss with topmark (docs/convergence.md), while after the node
+        sum two nodes exchange in one phase, each value quantised once, topmark >20x. Elsewhere
+        (int4 on both: more than two nodes, CUDA tensors, uneven nodes) the flat route stays."""
+        if not adaptive or self.adaptive_optimizer != "auto" or route is hierarchical \
+                or not self.two_phases(route) or self.two_phases(hierarchical) \
+                or not hierarchical.crosses_nodes:
+            return route
+        if self.adaptive_codec_name(hierarchical, device) == self.adaptive_codec_name(route, device):
+            return route
+        if not self._told_route:  # once per compressor: why a flat hook's node sum is exact
+            self._told_route = True
+            log.info("ciuicflow: an adaptive optimizer steps some of the flat %s state's "
+                     "parameters: they go the hierarchical route (an exact node sum, then %s "
+                     "between the nodes, each value quantised once), not flat in two phases; "
+                     "adaptive_optimizer='int4' keeps them flat: docs/hooks.md, 'Adaptive "
+                     "optimizers'", self.name, self.adaptive_codec_name(hierarchical, device))
+        return hierarchical
 
     def codec_for(self, adaptive: bool, route=None, device=None) -> Codec:
         """The codec a tensor on ``device`` is sent with: the ``adaptive_optimizer`` one of

@@ -156,6 +156,10 @@ class AllReduceState:
         route = self._route(route_name)
         traffic = Traffic()
         past_warmup = self.compressor.compresses and step >= self.warmup_steps
+        if past_warmup and route.name != "hierarchical" and route.topology.world_size > 1:
+            route = self.compressor.route_for(route, self._route("hierarchical"),
+                                              stepped_adaptively(info.parameters),
+                                              info.buffer.device)
         result = info.buffer
         if info.buffer.numel() and route.topology.world_size > 1:
             # the route may hand back its own copy of the mean (node_shm's kept output) instead
