@@ -13,7 +13,7 @@ from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, Qua
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
 from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, FAMILIES, \
-    adaptive_bytes_per_element, adaptive_codec_name
+    adaptive_bytes_per_element, adaptive_codec_name, adaptive_one_phase
 from ciuicflow.topology import Topology
 
 log = logging.getLogger("ciuicflow.compression")
@@ -32,7 +32,8 @@ class QuantizedCompressor(Compressor):
         phases: 2 (each rank serves a segment and quantises its mean again: 2(W-1)/W of the packed
             bytes), 1 (every rank gathers every packed tensor: (W-1)), or "auto": 1 when the
             exchange has two ranks (the same bytes, without the server's second quantisation),
-            else 2.
+            and for an adaptive optimizer's tensors under ``adaptive_optimizer="auto"`` where
+            that saves a fifth of two phases' bytes (3 and 4 ranks: ``two_phases``), else 2.
         guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
             tensor's next step sends exactly what it would have compressed: its input plus the
@@ -44,10 +45,10 @@ class QuantizedCompressor(Compressor):
             (``compression.topmark``: signs, the largest ninth marked, 20x), "int4", "int8" or
             "twobit" (``compression.twobit``: sign and level bit) with that codec, "same" with
             this compressor's own, "auto": topmark where each value is quantised once (a
-            one-phase all-reduce exchange, the reduce-scatter) and the tensor is on the CPU (its
-            CUDA kernel has not yet run on a GPU), int4 elsewhere (two phases; CUDA); a flat
-            exchange in two phases whose hierarchical one would quantise once (two whole nodes)
-            takes the hierarchical route with topmark (``route_for``). Default: the
+            one-phase all-reduce exchange: up to 4 ranks; the reduce-scatter) and the tensor is
+            on the CPU (its CUDA kernel has not yet run on a GPU), int4 elsewhere (two phases:
+            5 ranks or more; CUDA); on a flat route, the hierarchical one where the nodes are
+            whole and of several ranks (``route_for``). Default: the
             registry's ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same".
             Ignored where ``adaptive_codecs`` is empty.
     """
@@ -91,38 +92,46 @@ class QuantizedCompressor(Compressor):
     def new_memory(self) -> QuantizedErrors:
         return QuantizedErrors()
 
-    def two_phases(self, route) -> bool:
+    def two_phases(self, route, adaptive: bool = False, device=None) -> bool:
         """Whether an exchange on ``route`` serves segments (two phases: each value quantised
-        twice); the reduce-scatter form (``route`` None) quantises once."""
-        return route is not None and (
-            self.phases == 2 or (self.phases == "auto" and route.exchange_ranks > 2))
+        twice); the reduce-scatter form (``route`` None) quantises once. ``phases="auto"``: one
+        phase up to two ranks, and for an adaptive optimizer's tensor (``adaptive``, on
+        ``device``) under ``adaptive_optimizer="auto"`` where sending its once-quantised codec
+        to every rank saves a fifth of the bytes (``registry.adaptive_one_phase``: 3, 4 ranks)."""
+        if route is None:
+            return False
+        if self.phases != "auto":
+            return self.phases == 2
+        ranks = route.exchange_ranks
+        if ranks <= 2:
+            return False
+        return not (adaptive and self.adaptive_optimizer == "auto" and adaptive_one_phase(
+            ranks, self.chunk_size, _device_type(device)))
 
     def adaptive_codec_name(self, route=None, device=None) -> str:
         """The ``adaptive_optimizer`` policy on ``route`` (None: the reduce-scatter form) for
         tensors on ``device``, "auto" resolved (``registry.adaptive_codec_name``)."""
-        once = route is None or not self.two_phases(route)
-        return adaptive_codec_name(self.adaptive_optimizer, once,
-                                   None if device is None else torch.device(device).type)
+        once = not self.two_phases(route, True, device)
+        return adaptive_codec_name(self.adaptive_optimizer, once, _device_type(device))
 
     def route_for(self, route, hierarchical, adaptive: bool, device=None):
-        """An adaptive optimizer's tensor leaves the flat route for the hierarchical one where
-        "auto" sends a finer codec there: two phases quantise each value twice (4 ranks, flat),
-        which costs Adam 2.4-3.3% of loss with topmark (docs/convergence.md), while after the node
-        sum two nodes exchange in one phase, each value quantised once, topmark >20x. Elsewhere
-        (int4 on both: more than two nodes, CUDA tensors, uneven nodes) the flat route stays."""
+        """Under ``adaptive_optimizer="auto"``, an adaptive optimizer's tensor on a flat route
+        takes the hierarchical one where the topology has whole nodes of several ranks: after the
+        node sum fewer ranks exchange, so each value is quantised at most as often (two nodes:
+        once, topmark at 20x, where flat over four ranks topmark ended +2.7% and int4 sent 7.7x;
+        docs/convergence.md) and the inter-node links carry 1/L of the bytes. A codec named
+        keeps the flat route."""
         if not adaptive or self.adaptive_optimizer != "auto" or route is hierarchical \
-                or not self.two_phases(route) or self.two_phases(hierarchical) \
-                or not hierarchical.crosses_nodes:
-            return route
-        if self.adaptive_codec_name(hierarchical, device) == self.adaptive_codec_name(route, device):
+                or not hierarchical.crosses_nodes \
+                or hierarchical.exchange_ranks >= route.exchange_ranks:
             return route
         if not self._told_route:  # once per compressor: why a flat hook's node sum is exact
             self._told_route = True
             log.info("ciuicflow: an adaptive optimizer steps some of the flat %s state's "
                      "parameters: they go the hierarchical route (an exact node sum, then %s "
-                     "between the nodes, each value quantised once), not flat in two phases; "
-                     "adaptive_optimizer='int4' keeps them flat: docs/hooks.md, 'Adaptive "
-                     "optimizers'", self.name, self.adaptive_codec_name(hierarchical, device))
+                     "between the nodes), not flat; adaptive_optimizer='int4' (or another "
+                     "codec) keeps them flat: docs/hooks.md, 'Adaptive optimizers'",
+                     self.name, self.adaptive_codec_name(hierarchical, device))
         return hierarchical
 
     def codec_for(self, adaptive: bool, route=None, device=None) -> Codec:
@@ -164,8 +173,8 @@ class QuantizedCompressor(Compressor):
 
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
              traffic: Traffic | None = None, device=None) -> QuantizedStep:
-        server = self.two_phases(route)
         codec, decay = self._pick(adaptive, traffic, route, device)
+        server = self.two_phases(route, adaptive, device)
         return QuantizedStep(codec, errors, self.chunk_for(codec), exact_mask, error_decay=decay,
                              server=server, guard_threshold=self.exact_step_threshold,
                              measure=self.measure, guard_half=self.guard_half)
@@ -193,6 +202,10 @@ class QuantizedCompressor(Compressor):
                                         scale=scale, traffic=traffic, exact_mask=exact_mask,
                                         guard_threshold=self.exact_step_threshold,
                                         measure=self.measure, guard_half=self.guard_half)
+
+
+def _device_type(device) -> str | None:
+    return None if device is None else torch.device(device).type
 
 
 def quantized_all_reduce(compressor: QuantizedCompressor, tensor: torch.Tensor,

@@ -125,7 +125,8 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
     if w.optimizer == "adam" and method_cost.adaptive_family and policy != "same":
         once = exchange_ranks is None or exchange_ranks <= 2
         # the planner's gradients are on GPUs: "auto" sends int4 there until topmark's CUDA
-        # kernel has run on one (registry.ADAPTIVE_CODEC_DEVICES)
+        # kernel has run on one (registry.ADAPTIVE_CODEC_DEVICES), in two phases beyond two ranks
+        # (registry.adaptive_one_phase: one phase only where topmark is sent)
         policy = registry.adaptive_codec_name(policy, once, "cuda")
         if policy != "same":
             return registry.adaptive_bytes_per_element(policy, chunk)
