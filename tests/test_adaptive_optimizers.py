@@ -96,12 +96,11 @@ def test_auto_sends_topmark_where_an_exchange_quantises_once_and_int4_elsewhere(
     assert auto.adaptive_optimizer == "auto"
     assert auto.codec_for(True, Route(2)).name == "topmark"   # one phase
     assert auto.codec_for(True, None).name == "topmark"       # FSDP's reduce-scatter: once too
-    # more ranks: one phase (once, topmark) where its (W-1) copies cost at most 4/5 of int4's
-    # two phases, 2(W-1)/W copies: 3 and 4 ranks (0.57x and 0.76x; 5 ranks 0.95x)
-    for ranks in (3, 4):
-        assert auto.codec_for(True, Route(ranks)).name == "topmark", ranks
-        assert not auto.two_phases(Route(ranks), True) and auto.two_phases(Route(ranks)), ranks
-    for ranks in (5, 8):
+    # more ranks: one phase (once, topmark) where its (W-1) copies cost at most 2/3 of int4's
+    # two phases, 2(W-1)/W copies: 3 ranks (0.57x; 4 ranks 0.76x, 5 ranks 0.95x)
+    assert auto.codec_for(True, Route(3)).name == "topmark"
+    assert not auto.two_phases(Route(3), True) and auto.two_phases(Route(3))
+    for ranks in (4, 5, 8):
         assert auto.codec_for(True, Route(ranks)).name == "int4", ranks  # twice quantised
         assert auto.two_phases(Route(ranks), True), ranks
     assert OneBitCompressor(adaptive_optimizer="topmark").two_phases(Route(4), True)
@@ -113,7 +112,7 @@ def test_auto_sends_topmark_where_an_exchange_quantises_once_and_int4_elsewhere(
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert auto.codec_for(True, Route(2), cpu).name == "topmark"
     assert auto.codec_for(True, Route(2), cuda).name == "int4"
-    assert auto.two_phases(Route(4), True, cuda)  # int4 from CUDA tensors: two phases pay
+    assert auto.two_phases(Route(3), True, cuda)  # int4 from CUDA tensors: two phases pay
     assert OneBitCompressor(adaptive_optimizer="topmark").codec_for(True, Route(2), cuda).name == "topmark"
     with pytest.raises(ValueError, match="adaptive_optimizer"):
         OneBitCompressor(adaptive_optimizer="top")
@@ -220,7 +219,7 @@ def test_adaptive_optimizer_tensors_go_as_int4_by_default():
         assert len({r["stats"]["inter_node_bytes"] for r in sgd}) == 1, hook
 
 
-def _four_nodes(rank, world):
+def _three_nodes(rank, world):
     out = {}
     for optimizer in ("adamw", "sgd"):
         exact, _ = _train(None, optimizer)
@@ -231,10 +230,10 @@ def _four_nodes(rank, world):
     return out
 
 
-def test_more_nodes_exchange_adaptive_tensors_in_one_phase_where_that_sends_fewer_bytes():
-    """Four nodes: AdamW's tensors go in one phase (each value quantised once, topmark to each of
-    the three other nodes: fewer bytes than int4's two phases), SGD's in two (1 bit)."""
-    results = run_distributed(_four_nodes, 4, nodes=4, timeout=300)[0]
+def test_three_nodes_exchange_adaptive_tensors_in_one_phase_where_that_sends_fewer_bytes():
+    """Three nodes: AdamW's tensors go in one phase (each value quantised once, topmark to each of
+    the two other nodes: fewer bytes than int4's two phases), SGD's in two (1 bit)."""
+    results = run_distributed(_three_nodes, 3, nodes=3, timeout=300)[0]
     by = {(opt, dict(options).get("phases", dict(options).get("adaptive_optimizer", "default"))): r
           for (opt, options), r in results.items()}
     for optimizer, same_as, other in (("adamw", 1, 2), ("sgd", 2, 1)):
@@ -242,8 +241,8 @@ def test_more_nodes_exchange_adaptive_tensors_in_one_phase_where_that_sends_fewe
             by[(optimizer, other)]
         assert default["gap"] == same["gap"] != different["gap"], optimizer
         assert default["stats"]["inter_node_bytes"] == same["stats"]["inter_node_bytes"], optimizer
-    # one phase with topmark sends fewer bytes than int4's two phases (measured: 20.5x / 4
-    # ranks against 7.7x; this model's small chunks cost both more)
+    # one phase with topmark sends fewer bytes than int4's two phases (13.7x against 7.7x on
+    # large tensors; this model's small chunks cost both more)
     adam_default, adam_int4 = by[("adamw", "default")], by[("adamw", "int4")]
     assert adam_default["stats"]["compression_ratio"] > 1.1 * adam_int4["stats"]["compression_ratio"]
     assert adam_default["stats"]["adaptive_codec_reductions"] > 0

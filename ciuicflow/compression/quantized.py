@@ -33,7 +33,7 @@ class QuantizedCompressor(Compressor):
             bytes), 1 (every rank gathers every packed tensor: (W-1)), or "auto": 1 when the
             exchange has two ranks (the same bytes, without the server's second quantisation),
             and for an adaptive optimizer's tensors under ``adaptive_optimizer="auto"`` where
-            that saves a fifth of two phases' bytes (3 and 4 ranks: ``two_phases``), else 2.
+            that saves a third of two phases' bytes (3 ranks: ``two_phases``), else 2.
         guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
             tensor's next step sends exactly what it would have compressed: its input plus the
@@ -45,9 +45,9 @@ class QuantizedCompressor(Compressor):
             (``compression.topmark``: signs, the largest ninth marked, 20x), "int4", "int8" or
             "twobit" (``compression.twobit``: sign and level bit) with that codec, "same" with
             this compressor's own, "auto": topmark where each value is quantised once (a
-            one-phase all-reduce exchange: up to 4 ranks; the reduce-scatter) and the tensor is
+            one-phase all-reduce exchange: up to 3 ranks; the reduce-scatter) and the tensor is
             on the CPU (its CUDA kernel has not yet run on a GPU), int4 elsewhere (two phases:
-            5 ranks or more; CUDA); on a flat route, the hierarchical one where the nodes are
+            4 ranks or more; CUDA); on a flat route, the hierarchical one where the nodes are
             whole and of several ranks (``route_for``). Default: the
             registry's ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same".
             Ignored where ``adaptive_codecs`` is empty.
@@ -97,7 +97,7 @@ class QuantizedCompressor(Compressor):
         twice); the reduce-scatter form (``route`` None) quantises once. ``phases="auto"``: one
         phase up to two ranks, and for an adaptive optimizer's tensor (``adaptive``, on
         ``device``) under ``adaptive_optimizer="auto"`` where sending its once-quantised codec
-        to every rank saves a fifth of the bytes (``registry.adaptive_one_phase``: 3, 4 ranks)."""
+        to every rank saves a third of the bytes (``registry.adaptive_one_phase``: 3 ranks)."""
         if route is None:
             return False
         if self.phases != "auto":

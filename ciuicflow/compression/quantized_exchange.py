@@ -90,11 +90,13 @@ class QuantizedErrors(GuardedMemory):
 
     def state_dict(self) -> dict:
         """Copies: the buffers themselves are reused and overwritten by later steps."""
-        return {"worker": snapshot(self.worker), "server": snapshot(self.server)}
+        return {"worker": snapshot(self.worker), "server": snapshot(self.server),
+                "numel": self._numel}
 
     def load_state_dict(self, state: dict) -> None:
         self.worker, self.server = snapshot(state["worker"]), snapshot(state["server"])
-        self._spare, self._numel = None, None
+        # the elements they were laid out for: a codec with other chunks carries the worker's
+        self._spare, self._numel = None, state.get("numel")
 
     def flush(self) -> None:
         """Forget what was not sent (after an exact step that sent it)."""

@@ -49,7 +49,7 @@ VALUES_MAX_CHUNK = 256
 ADAPTIVE_CODEC_BITS = {"topmark": (1, 36, 512), "int4": (4, 4, 0), "int8": (8, 4, 0),
                        "twobit": (2, 5, 0)}
 # "auto" (the 1-bit default): topmark where each value is quantised once (a one-phase all-reduce
-# exchange: two ranks, and three or four where that saves a fifth of int4's two phases' bytes,
+# exchange: two ranks, and three, where that saves a third of int4's two phases' bytes,
 # adaptive_one_phase; FSDP's compressed reduce-scatter), int4 elsewhere: where two phases quantise
 # each value twice, topmark ended 2.1-2.7% above exact loss and int4 within 0.1%
 # (docs/convergence.md, "The largest marked")
@@ -74,16 +74,17 @@ def adaptive_codec_name(policy: str, quantised_once: bool, device_type: str | No
 
 # "auto" exchanges an adaptive optimizer's tensor in one phase (each value quantised once, the
 # finer codec) over more than two ranks only where that saves at least this share of the bytes of
-# two phases: it costs about a point of a percent of loss more (docs/convergence.md)
-ADAPTIVE_ONE_PHASE_SAVING = 0.2
+# two phases: it cost 0.4-1.5% of loss more than int4 on three and four nodes alike
+# (docs/convergence.md, "More than two nodes"), worth 1.8x fewer bytes (three), not 1.3x (four)
+ADAPTIVE_ONE_PHASE_SAVING = 1 / 3
 
 
 def adaptive_one_phase(ranks: int, chunk: int, device_type: str | None = None) -> bool:
     """Whether "auto" exchanges an adaptive optimizer's tensor over ``ranks`` (> 2) ranks in one
     phase: where the once-quantised codec sent to every other rank, (ranks - 1) copies, costs at
     most 1 - ``ADAPTIVE_ONE_PHASE_SAVING`` of the twice-quantised one in two phases, 2 (ranks - 1)
-    / ranks copies. With topmark (1.56 bits per element) against int4 (4.13): 3 and 4 ranks
-    (13.7x and 10.2x against int4's 7.8x; 5 ranks would save 5%)."""
+    / ranks copies. With topmark (1.56 bits per element) against int4 (4.13): 3 ranks (13.7x
+    against int4's 7.8x; 4 ranks would save 24%, 10.2x)."""
     once, twice = (adaptive_codec_name("auto", q, device_type) for q in (True, False))
     return once != twice and ranks * adaptive_bytes_per_element(once, chunk) \
         <= 2 * (1 - ADAPTIVE_ONE_PHASE_SAVING) * adaptive_bytes_per_element(twice, chunk)

@@ -52,6 +52,9 @@ class AllReduceState:
         self.iter = 0  # synchronised steps seen by the hook (no_sync steps do not count)
         self._memories = BucketMemories(self.compressor.new_memory)
         self._names: dict[int, str] = {}
+        # names of parameters an adaptive optimizer steps: checkpointed, so that a resumed
+        # process sends them as before from its first step, before its optimizer has stepped
+        self._adaptive_names: set[str] = set()
         self._masks: dict[str, torch.Tensor | None] = {}
         self._routes: dict = {}
         self._ledger = Ledger()
@@ -95,6 +98,7 @@ class AllReduceState:
             "iter": self.iter,
             "memory": self._memories.state_dict(),
             "stats": self._ledger.state_dict(),
+            "adaptive": sorted(self._adaptive_names),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -108,6 +112,7 @@ class AllReduceState:
                 raise ValueError(f"checkpoint has {name}={state['config'].get(name)!r}, this state "
                                  f"{getattr(self, name)!r}: its memory does not fit")
         self.iter = int(state["iter"])
+        self._adaptive_names = set(state.get("adaptive", ()))
         self._memories.load_state_dict(state["memory"])
         self._ledger.load_state_dict(state.get("stats", {}))
 
@@ -158,7 +163,7 @@ class AllReduceState:
         past_warmup = self.compressor.compresses and step >= self.warmup_steps
         if past_warmup and route.name != "hierarchical" and route.topology.world_size > 1:
             route = self.compressor.route_for(route, self._route("hierarchical"),
-                                              stepped_adaptively(info.parameters),
+                                              self._adaptive(info.parameters),
                                               info.buffer.device)
         result = info.buffer
         if info.buffer.numel() and route.topology.world_size > 1:
@@ -210,6 +215,16 @@ class AllReduceState:
                 info.buffer[where[p]:where[p] + n].copy_(buffer[offset:offset + n])
         return info.buffer
 
+    def _adaptive(self, params) -> bool:
+        """Whether an adaptive optimizer steps any of ``params``: seen stepping them in this
+        process (``optimizer_watch``), or named so by the checkpoint this state resumed from."""
+        if stepped_adaptively(params):
+            names = [self._names.get(id(p)) for p in params]
+            self._adaptive_names.update(name for name in names if name is not None)
+            return True
+        return bool(self._adaptive_names) and any(
+            self._names.get(id(p)) in self._adaptive_names for p in params)
+
     def _param_names(self, info: BucketView):
         if not self._names:
             return None
@@ -219,7 +234,7 @@ class AllReduceState:
     def _compress(self, info: BucketView, memory, route, step: int, traffic: Traffic,
                   keep=None) -> torch.Tensor:
         """What holds the mean: ``info.buffer``, or with ``keep`` maybe the route's copy."""
-        adaptive = stepped_adaptively(info.parameters)
+        adaptive = self._adaptive(info.parameters)
         context = Context(tuple(info.segments), self._exact_mask(info, route.name == "hierarchical"),
                           step, info.index, self.seed, adaptive, keep)
         self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, route,

@@ -59,6 +59,13 @@ class _Group:
         self.mask = None
         self.memory_layout: dict | None = None  # what the memory was made for
         self.pending = None  # a checkpoint's (layout, memory state), loaded at the first call
+        # an adaptive optimizer steps its parameters: seen, or said by the checkpoint (a resumed
+        # process's first backward comes before its optimizer's first step)
+        self.adaptive = False
+
+    def stepped_adaptively(self) -> bool:
+        self.adaptive = self.adaptive or stepped_adaptively(self.parameters())
+        return self.adaptive
 
     def parameters(self) -> list:
         """The sharded parameters (what the optimizer steps)."""
@@ -161,7 +168,7 @@ class FSDPState:
         self.route.add_exact(traffic, flat)
         if compressed and flat.numel():
             memory = self._memory(group, flat)
-            adaptive = stepped_adaptively(group.parameters())
+            adaptive = group.stepped_adaptively()
             context = Context(group.segments, group.mask, step, group.index, self.seed, adaptive)
             self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, self.route,
                                        flat.device)
@@ -186,7 +193,7 @@ class FSDPState:
         compressed = step >= self.warmup_steps
         if compressed and output.numel():
             memory = self._memory(group, output.view(-1))
-            adaptive = stepped_adaptively(group.parameters())
+            adaptive = group.stepped_adaptively()
             self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, None,
                                        rows.device)
             self.compressor.reduce_scatter(output.view(-1), rows, memory, hop, traffic, scale,
@@ -234,8 +241,8 @@ class FSDPState:
     def state_dict(self) -> dict:
         """For ``torch.distributed.checkpoint`` (or ``torch.save``): the shared configuration, and
         this rank's memory, steps and statistics under ``rank<R>`` (DCP saves each rank's own)."""
-        mine = {"groups": {g.name: {"steps": g.steps, "memory": _memory_state(g)}
-                           for g in self.groups},
+        mine = {"groups": {g.name: {"steps": g.steps, "memory": _memory_state(g),
+                                    "adaptive": g.adaptive} for g in self.groups},
                 "stats": self._ledger.state_dict()}
         blob = io.BytesIO()
         torch.save(mine, blob)
@@ -265,6 +272,7 @@ class FSDPState:
                 raise ValueError(f"the checkpoint has no parameter group {group.name!r}; it has "
                                  f"{sorted(saved)}")
             group.steps = int(entry["steps"])
+            group.adaptive = bool(entry.get("adaptive", False))
             group.memory, group.pending = None, entry["memory"]
         self._ledger.load_state_dict(mine["stats"])
 
