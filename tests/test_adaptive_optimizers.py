@@ -316,6 +316,15 @@ def test_a_tensor_whose_codec_changes_keeps_its_memory():
     assert not errors.worker[numel:].any() and not errors.server.any()
     with pytest.raises(RuntimeError, match="one tensor layout"):
         errors.ensure(_Layout.plan(OneBitCodec(), numel + 8, 0, 4, 256, True), "cpu")
+    # loaded from a checkpoint (its key names the tensor) and laid out again: a resumed process
+    # whose first step does not yet know the tensor's optimizer
+    loaded = QuantizedErrors()
+    loaded.load_state_dict(errors.state_dict())
+    loaded.ensure(first, "cpu")
+    assert torch.equal(loaded.worker[:numel], torch.arange(numel, dtype=torch.float32))
+    loaded.ensure(then, "cpu")
+    with pytest.raises(RuntimeError, match="one tensor layout"):  # once used, it is that tensor's
+        loaded.ensure(_Layout.plan(OneBitCodec(), numel + 8, 0, 4, 256, True), "cpu")
     scatter = ScatterErrors()
     scatter.ensure(4, 1024, "cpu", numel=1000)
     scatter.error[:, :1000] = 2.0
@@ -324,3 +333,7 @@ def test_a_tensor_whose_codec_changes_keeps_its_memory():
     assert not scatter.error[:, 1000:].any()
     with pytest.raises(RuntimeError, match="one layout"):
         scatter.ensure(4, 2048, "cpu", numel=2000)
+    loaded_scatter = ScatterErrors()
+    loaded_scatter.load_state_dict(scatter.state_dict())
+    loaded_scatter.ensure(4, 1024, "cpu", numel=1000)
+    assert (loaded_scatter.error[:, :1000] == 2.0).all() and not loaded_scatter.error[:, 1000:].any()

@@ -58,6 +58,7 @@ class QuantizedErrors(GuardedMemory):
         self._out: torch.Tensor | None = None    # the decompressed result, reused
         self._splits: dict = {}
         self._numel: int | None = None  # the compressed elements the buffers were laid out for
+        self._loaded = False  # loaded from a checkpoint and not used since
         # the guard's measure (base.update_guard): ||worker error|| over the running mean of
         # ||input||, the largest over the ranks of the exchange (the same on all)
 
@@ -66,21 +67,25 @@ class QuantizedErrors(GuardedMemory):
         if self.worker is None:
             self.worker = torch.zeros(shapes[0], device=device)
             self.server = torch.zeros(shapes[1], device=device)
-        elif (self.worker.numel(), self.server.numel()) != shapes and self._numel == layout.numel:
+        elif (self.worker.numel(), self.server.numel()) != shapes \
+                and (self._numel == layout.numel or self._loaded):
             # The same tensor, chunked otherwise: its codec changed (an adaptive optimizer's
-            # parameters learnt after a compressed step; topmark's chunks are its own). The
-            # worker memory is the tensor's elements in order, padding after: it carries over.
-            # The server's is its segment's, and segments moved: it restarts.
-            worker = torch.zeros(shapes[0], device=self.worker.device)
-            worker[:layout.numel] = self.worker[:layout.numel]
-            self.worker, self.server = worker, torch.zeros(shapes[1], device=self.worker.device)
+            # parameters learnt after a compressed step, or not yet known in a resumed process;
+            # topmark's chunks are its own). The worker memory is the tensor's elements in
+            # order, padding after: it carries over. The server's is its segment's, and segments
+            # moved: it restarts.
+            device = self.worker.device if device is None else device
+            worker = torch.zeros(shapes[0], device=device)
+            kept = min(layout.numel, self.worker.numel())
+            worker[:kept] = self.worker[:kept]
+            self.worker, self.server = worker, torch.zeros(shapes[1], device=device)
         elif (self.worker.numel(), self.server.numel()) != shapes:
             raise RuntimeError(
                 f"1-bit error buffers hold ({self.worker.numel()}, {self.server.numel()}) elements "
                 f"but this tensor needs {shapes}: one QuantizedErrors serves one tensor layout")
         elif self.worker.device != torch.device(device) and device is not None:
             self.worker, self.server = self.worker.to(device), self.server.to(device)
-        self._numel = layout.numel
+        self._numel, self._loaded = layout.numel, False
         if self._spare is None or self._spare.shape != self.worker.shape \
                 or self._spare.device != self.worker.device:
             # reused every step: fresh buffers this size would cost a page fault per 4 KiB
@@ -90,13 +95,12 @@ class QuantizedErrors(GuardedMemory):
 
     def state_dict(self) -> dict:
         """Copies: the buffers themselves are reused and overwritten by later steps."""
-        return {"worker": snapshot(self.worker), "server": snapshot(self.server),
-                "numel": self._numel}
+        return {"worker": snapshot(self.worker), "server": snapshot(self.server)}
 
     def load_state_dict(self, state: dict) -> None:
         self.worker, self.server = snapshot(state["worker"]), snapshot(state["server"])
-        # the elements they were laid out for: a codec with other chunks carries the worker's
-        self._spare, self._numel = None, state.get("numel")
+        self._spare, self._numel = None, None
+        self._loaded = True  # its tensor is the one it is loaded for (the caller's key says so)
 
     def flush(self) -> None:
         """Forget what was not sent (after an exact step that sent it)."""

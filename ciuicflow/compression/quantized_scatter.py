@@ -44,6 +44,7 @@ class ScatterErrors(GuardedMemory):
         self._mean: torch.Tensor | None = None   # the decompressed mean of the received rows
         self._split: tuple | None = None         # (exact mask, compressed at, exact at)
         self._numel: int | None = None           # compressed elements of a row laid out for
+        self._loaded = False  # loaded from a checkpoint and not used since (its rows are these)
 
     def ensure(self, rows: int, padded: int, device, numel: int | None = None) -> None:
         """Buffers for ``rows`` rows of ``padded`` elements, ``numel`` of them compressed (the
@@ -52,16 +53,17 @@ class ScatterErrors(GuardedMemory):
         if self.error is None:
             self.error = torch.zeros(rows, padded, device=device)
         elif tuple(self.error.shape) != (rows, padded) and numel is not None \
-                and self._numel == numel and self.error.shape[0] == rows:
-            error = torch.zeros(rows, padded, device=self.error.device)
-            error[:, :numel] = self.error[:, :numel]
+                and (self._numel == numel or self._loaded) and self.error.shape[0] == rows:
+            error = torch.zeros(rows, padded, device=device)
+            kept = min(numel, self.error.shape[1])
+            error[:, :kept] = self.error[:, :kept]
             self.error = error
         elif tuple(self.error.shape) != (rows, padded):
             raise RuntimeError(f"reduce-scatter error buffer is {tuple(self.error.shape)}, this "
                                f"input needs ({rows}, {padded}): one memory serves one layout")
         elif self.error.device != torch.device(device):
             self.error = self.error.to(device)
-        self._numel = numel
+        self._numel, self._loaded = numel, False
         if self._spare is None or self._spare.shape != self.error.shape \
                 or self._spare.device != self.error.device:
             self._spare = torch.empty_like(self.error)
@@ -85,6 +87,7 @@ class ScatterErrors(GuardedMemory):
 
     def load_state_dict(self, state: dict) -> None:
         self.error, self._spare, self._numel = snapshot(state["error"]), None, None
+        self._loaded = True
 
     def flush(self) -> None:
         if self.error is not None:
