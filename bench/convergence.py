@@ -14,7 +14,8 @@ Writes JSON (a list of records: task, method, metric, value, exact_value, gap,
 inter_node_bytes_per_step, curve, ...), a markdown table and a PNG of the curves under --out-dir.
 ``--check-targets`` exits 1 when a compressed method misses the target: within 1 point of exact
 accuracy, within 2% of exact loss/MSE. With ``--seeds`` every seed's run is judged against the
-exact run of the same seed (a miss on any seed is a miss), and the table of means over the seeds
+exact run of the same seed (a miss on any seed is a miss; the comparison with PyTorch's
+``powerSGD_hook`` is judged on the means over the seeds), and the table of means over the seeds
 (``seeds.json``, and in the markdown) says how a method does beyond one run's noise: on some
 tasks two exact runs that differ only in summation order end 2 points apart (docs/convergence.md).
 """

@@ -65,30 +65,53 @@ def meets_target(record: dict) -> bool | None:
     return record["relative_gap"] <= 0.02
 
 
+def _worse_than_torch(r: dict, base: dict) -> bool:
+    """Whether ``r`` ends worse than PyTorch's powerSGD_hook (``base``) while sending at least
+    its bytes."""
+    better = (r["value"] >= base["value"]) if r["metric"] == "accuracy" else \
+        (r["value"] <= base["value"])
+    return not better and r["inter_node_bytes_per_step"] >= base["inter_node_bytes_per_step"]
+
+
+def _torch_line(r: dict, base: dict, label: str) -> str:
+    return (f"{r['task']} {r['method']}{label}: worse than torch powerSGD_hook "
+            f"({r['value']:.4f} vs {base['value']:.4f}) at "
+            f"{r['inter_node_bytes_per_step'] / 1e3:.1f} vs "
+            f"{base['inter_node_bytes_per_step'] / 1e3:.1f} KB per step")
+
+
 def check_targets(records: list[dict]) -> list[str]:
     """Lines for every compressed method that misses its accuracy target, or ends worse than
-    PyTorch's powerSGD_hook while sending more bytes."""
+    PyTorch's powerSGD_hook while sending more bytes.
+
+    The accuracy target is judged on every run (with several seeds, a miss on any seed is a
+    miss). The comparison with PyTorch's hook is judged on one seed's runs when there is one
+    seed, and on the means over the seeds when there are several: the two hooks' per-seed order
+    is a coin toss where they are the same algorithm (``powersgd`` at torch's rank and bytes
+    ended above torch's on 2 of 4 seeds of ``mlp_sgd_constant``, and 0.5 pt above it by the
+    mean: docs/convergence.md), so only the mean says which one does better."""
     missed = []
-    torch_psgd = {_run(r): r for r in records if r["method"] == "torch_powerSGD"
-                  and not r.get("failed")}
-    several = len(_seeds(records)) > 1
+    seeds = _seeds(records)
+    several = len(seeds) > 1
     for r in records:
         if r["method"] not in COMPRESSED_HOOKS + OPTIMIZERS + FSDP_HOOKS:
             continue
         seed = f" (seed {r.get('seed', 0)})" if several else ""
-        ok = meets_target(r)
-        if ok is False:
+        if meets_target(r) is False:
             missed.append(f"{r['task']} {r['method']}{seed}: {r['metric']} {r['value']:.4f} vs "
                           f"exact {r['exact_value']:.4f} ({target_of(r)})")
-        base = torch_psgd.get(_run(r))
-        if base is not None and ok is not None and r["method"] in COMPRESSED_HOOKS:
-            better = (r["value"] >= base["value"]) if r["metric"] == "accuracy" else \
-                (r["value"] <= base["value"])
-            if not better and r["inter_node_bytes_per_step"] >= base["inter_node_bytes_per_step"]:
-                missed.append(f"{r['task']} {r['method']}{seed}: worse than torch powerSGD_hook "
-                              f"({r['value']:.4f} vs {base['value']:.4f}) at "
-                              f"{r['inter_node_bytes_per_step'] / 1e3:.1f} vs "
-                              f"{base['inter_node_bytes_per_step'] / 1e3:.1f} KB per step")
+    if several:
+        runs = seed_summary(records)
+        label = f" (mean over seeds {', '.join(map(str, seeds))})"
+    else:
+        runs = [r for r in records if not r.get("failed")]
+        label = ""
+    torch_psgd = {r["task"]: r for r in runs if r["method"] == "torch_powerSGD"}
+    for r in runs:
+        base = torch_psgd.get(r["task"])
+        if base is not None and r["method"] in COMPRESSED_HOOKS and "gap" in r \
+                and _worse_than_torch(r, base):
+            missed.append(_torch_line(r, base, label))
     return missed
 
 
