@@ -85,7 +85,8 @@ def test_under_adam_the_one_bit_methods_cost_their_adaptive_codec():
     has run on a GPU), so they cost what hierarchical_int4 / int4 cost; the other methods do not change."""
     sgd, adam = pl.Workload(params=1e6), pl.Workload(params=1e6, optimizer="adam")
     for nodes in (2, 4):
-        for ours, int4 in (("hierarchical_1bit", "hierarchical_int4"), ("onebit", "int4"),
+        # (flat onebit takes the hierarchical route on whole nodes: route="auto")
+        for ours, int4 in (("hierarchical_1bit", "hierarchical_int4"), ("onebit", "hierarchical_int4"),
                            ("fsdp_hierarchical_1bit", "fsdp_hierarchical_int4"), ("fsdp_onebit", "fsdp_int4")):
             under_adam = pl.estimate(ours, _cluster(nodes=nodes), adam)
             assert under_adam.inter_node_bytes_per_node == pytest.approx(
@@ -101,6 +102,22 @@ def test_under_adam_the_one_bit_methods_cost_their_adaptive_codec():
         assert pl.estimate(other, _cluster(), adam).as_dict() == pl.estimate(other, _cluster(), sgd).as_dict()
     with pytest.raises(ValueError, match="optimizer"):
         pl.Workload(params=1e6, optimizer="rmsprop")
+
+
+def test_flat_one_bit_costs_the_hierarchical_route_it_takes():
+    """The flat 1-bit state's route="auto" takes the hierarchical route on whole nodes of several
+    ranks (the planner's nodes are whole), so onebit costs what hierarchical_1bit costs; int8 and
+    int4 stay flat (route="flat") and send more inter-node bytes than their hierarchical hooks."""
+    for workload in (pl.Workload(params=1e6), pl.Workload(params=1e6, optimizer="adam")):
+        for nodes in (2, 4):
+            flat = pl.estimate("onebit", _cluster(nodes=nodes), workload).as_dict()
+            hier = pl.estimate("hierarchical_1bit", _cluster(nodes=nodes), workload).as_dict()
+            assert {k: v for k, v in flat.items() if k not in ("strategy", "name")} == \
+                {k: v for k, v in hier.items() if k not in ("strategy", "name")}, (nodes, flat, hier)
+    for method in ("int8", "int4"):
+        assert pl.estimate(method, _cluster(), pl.Workload(params=1e6)).inter_node_bytes_per_node > \
+            1.5 * pl.estimate(f"hierarchical_{method}", _cluster(),
+                              pl.Workload(params=1e6)).inter_node_bytes_per_node, method
 
 
 def test_the_adaptive_optimizer_option_costs_the_codec_it_names():

@@ -13,7 +13,7 @@ from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, Qua
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
 from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, FAMILIES, \
-    adaptive_bytes_per_element, adaptive_codec_name, adaptive_one_phase
+    ROUTE_POLICIES, adaptive_bytes_per_element, adaptive_codec_name, adaptive_one_phase
 from ciuicflow.topology import Topology
 
 log = logging.getLogger("ciuicflow.compression")
@@ -47,10 +47,18 @@ class QuantizedCompressor(Compressor):
             this compressor's own, "auto": topmark where each value is quantised once (a
             one-phase all-reduce exchange: up to 3 ranks; the reduce-scatter) and the tensor is
             on the CPU (its CUDA kernel has not yet run on a GPU), int4 elsewhere (two phases:
-            4 ranks or more; CUDA); on a flat route, the hierarchical one where the nodes are
-            whole and of several ranks (``route_for``). Default: the
-            registry's ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same".
+            4 ranks or more; CUDA), on the route ``route`` picks. Default: the registry's ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same".
             Ignored where ``adaptive_codecs`` is empty.
+        route: what a flat hook's state (``onebit``, ``int8``, ``int4``) does past warm-up where
+            the group's nodes are whole and hold several ranks: "auto" takes the hierarchical
+            route (an exact sum inside each node, then the nodes exchange: each value quantised
+            once on two nodes where the flat exchange over every rank quantises it twice, and the
+            inter-node links carry 1/L of the bytes; ``route_for``), "flat" keeps every rank in
+            the exchange (for nodes whose own links are no faster than the network's). Default:
+            the registry's (``Cost.route``): "auto" for 1-bit (flat 1 bit ended 0.6 points below
+            exact on the CNN over six seeds and below PyTorch's PowerSGD on the wide MLP, the
+            hierarchical route within the line on every seed: docs/convergence.md), "flat" for
+            int8 and int4 (within the line flat). Ignored by the hierarchical hooks and by FSDP.
     """
 
     codec: Codec
@@ -59,7 +67,7 @@ class QuantizedCompressor(Compressor):
     # a step per element), half for twobit (docs/convergence.md, "2 bits for Adam")
     adaptive_error_decays: dict = {}
     option_names = ("chunk_size", "error_decay", "phases", "guard", "guard_threshold",
-                    "adaptive_optimizer")
+                    "adaptive_optimizer", "route")
     layout_options = ("chunk_size", "phases")
     default_chunk_size: int
     default_error_decay: float
@@ -67,7 +75,7 @@ class QuantizedCompressor(Compressor):
 
     def __init__(self, *, chunk_size: int | None = None, error_decay: float | None = None,
                  phases="auto", guard: str = "warn", guard_threshold: float | None = None,
-                 adaptive_optimizer: str | None = None):
+                 adaptive_optimizer: str | None = None, route: str | None = None):
         chunk_size = self.default_chunk_size if chunk_size is None else chunk_size
         error_decay = self.default_error_decay if error_decay is None else error_decay
         granule = self.codec.granule
@@ -83,8 +91,12 @@ class QuantizedCompressor(Compressor):
         if adaptive_optimizer not in ADAPTIVE_OPTIMIZER_POLICIES:
             raise ValueError(f"adaptive_optimizer must be one of {ADAPTIVE_OPTIMIZER_POLICIES}, "
                              f"got {adaptive_optimizer!r}")
+        if route is None:
+            route = FAMILIES[self.name].cost.route
+        if route not in ROUTE_POLICIES:
+            raise ValueError(f"route must be one of {ROUTE_POLICIES}, got {route!r}")
         self.chunk_size, self.error_decay, self.phases = int(chunk_size), float(error_decay), phases
-        self.adaptive_optimizer = adaptive_optimizer
+        self.adaptive_optimizer, self.route = adaptive_optimizer, route
         self._told_adaptive = self._told_route = False
         self._set_guard(guard, self.default_guard_threshold if guard_threshold is None
                         else guard_threshold)
@@ -115,23 +127,21 @@ class QuantizedCompressor(Compressor):
         return adaptive_codec_name(self.adaptive_optimizer, once, _device_type(device))
 
     def route_for(self, route, hierarchical, adaptive: bool, device=None):
-        """Under ``adaptive_optimizer="auto"``, an adaptive optimizer's tensor on a flat route
-        takes the hierarchical one where the topology has whole nodes of several ranks: after the
-        node sum fewer ranks exchange, so each value is quantised at most as often (two nodes:
-        once, topmark at 20x, where flat over four ranks topmark ended +2.7% and int4 sent 7.7x;
-        docs/convergence.md) and the inter-node links carry 1/L of the bytes. A codec named
-        keeps the flat route."""
-        if not adaptive or self.adaptive_optimizer != "auto" or route is hierarchical \
-                or not hierarchical.crosses_nodes \
+        """Under ``route="auto"``, a tensor on a flat route takes the hierarchical one where the
+        topology has whole nodes of several ranks: after the node sum fewer ranks exchange, so
+        each value is quantised at most as often (two nodes: once; flat over four ranks, twice:
+        1 bit lost 0.6 points on the CNN, topmark under Adam +2.7% where int4 sent 7.7x and the
+        hierarchical topmark 20x; docs/convergence.md) and the inter-node links carry 1/L of the
+        bytes."""
+        if self.route != "auto" or route is hierarchical or not hierarchical.crosses_nodes \
                 or hierarchical.exchange_ranks >= route.exchange_ranks:
             return route
         if not self._told_route:  # once per compressor: why a flat hook's node sum is exact
             self._told_route = True
-            log.info("ciuicflow: an adaptive optimizer steps some of the flat %s state's "
-                     "parameters: they go the hierarchical route (an exact node sum, then %s "
-                     "between the nodes), not flat; adaptive_optimizer='int4' (or another "
-                     "codec) keeps them flat: docs/hooks.md, 'Adaptive optimizers'",
-                     self.name, self.adaptive_codec_name(hierarchical, device))
+            log.info("ciuicflow: the flat %s state's buckets go the hierarchical route (an exact "
+                     "node sum, then %s between the nodes; %s for an adaptive optimizer's), not "
+                     "flat; route='flat' keeps them flat: docs/hooks.md", self.name,
+                     self.codec.name, self.adaptive_codec_name(hierarchical, device))
         return hierarchical
 
     def codec_for(self, adaptive: bool, route=None, device=None) -> Codec:

@@ -36,6 +36,10 @@ class Cost:
     values: int = 0  # values a chunk of a concentrated window also sends on the all-reduce
     #                   routes, 24 bits each (compression.outliers; only such chunks carry
     #                   them), in chunks of at most VALUES_MAX_CHUNK elements
+    # the flat state's route (its ``route`` option): "auto" takes the hierarchical route where
+    # the nodes are whole and hold several ranks (an exact node sum, then fewer ranks exchange:
+    # each value quantised once on two nodes, half the inter-node bytes), "flat" never
+    route: str = "flat"
 
 # a value's position within its chunk is one byte (compression.outliers)
 VALUES_MAX_CHUNK = 256
@@ -55,6 +59,8 @@ ADAPTIVE_CODEC_BITS = {"topmark": (1, 36, 512), "int4": (4, 4, 0), "int8": (8, 4
 # (docs/convergence.md, "The largest marked")
 ADAPTIVE_AUTO = ("topmark", "int4")  # (each value quantised once, twice)
 ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODEC_BITS, "same")
+# a quantising state's ``route`` option (Cost.route)
+ROUTE_POLICIES = ("auto", "flat")
 # the device types "auto" may pick an adaptive codec on, where not every one: topmark's CUDA
 # kernel has not yet run on a GPU (none was lent), so "auto" sends int4 from CUDA tensors
 ADAPTIVE_CODEC_DEVICES = {"topmark": ("cpu",)}
@@ -149,7 +155,7 @@ ENTRIES = (
           {"hierarchical": "hierarchical_1bit", "flat": "onebit"},
           "1-bit signs with a scale per chunk and error feedback",
           Cost("quantized", payload_bits=1, adaptive_family="auto", chunk_size=256,
-               guard_threshold=4.0, values=4),
+               guard_threshold=4.0, values=4, route="auto"),
           "the most compression with SGD (21-28x: values where a gradient is concentrated); under Adam-family optimizers "
           "its buckets go as topmark (20x) where two nodes exchange CPU tensors, int4 (about 7.5x) elsewhere; watch "
           "the accuracy guard"),

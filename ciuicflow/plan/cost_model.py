@@ -139,6 +139,9 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
     """A quantising method (1-bit, int8): the two-phase exchange of compression.quantized."""
     g, n, p = c.gpus_per_node, c.nodes, c.world
     elems = w.params
+    # a flat state with route="auto" (1-bit's default) takes the hierarchical route on whole
+    # nodes of several ranks (QuantizedCompressor.route_for); the planner's nodes are whole
+    hierarchical = hierarchical or method_cost.route == "auto"
     per_elem = _packed_bytes_per_element(method_cost, w, values=True,
                                          exchange_ranks=n if hierarchical and g > 1 else p)
     if hierarchical and n > 1 and g > 1:
