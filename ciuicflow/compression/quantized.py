@@ -47,10 +47,11 @@ class QuantizedCompressor(Compressor):
             this compressor's own, "auto": topmark where each value is quantised once (a
             one-phase all-reduce exchange: up to 3 ranks; the reduce-scatter) and the tensor is
             on the CPU (its CUDA kernel has not yet run on a GPU), int4 elsewhere (two phases:
-            4 ranks or more; CUDA), on the route ``route`` picks. Default: the registry's ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same".
-            Ignored where ``adaptive_codecs`` is empty.
-        route: what a flat hook's state (``onebit``, ``int8``, ``int4``) does past warm-up where
-            the group's nodes are whole and hold several ranks: "auto" takes the hierarchical
+            4 ranks or more; CUDA), on the route ``route`` picks. Default: the registry's
+            ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same". Ignored
+            where ``adaptive_codecs`` is empty.
+        route: what a flat hook's state (``onebit``, ``int8``, ``int4``) does, warm-up included,
+            where the group's nodes are whole and hold several ranks: "auto" takes the hierarchical
             route (an exact sum inside each node, then the nodes exchange: each value quantised
             once on two nodes where the flat exchange over every rank quantises it twice, and the
             inter-node links carry 1/L of the bytes; ``route_for``), "flat" keeps every rank in

@@ -161,7 +161,9 @@ class AllReduceState:
         route = self._route(route_name)
         traffic = Traffic()
         past_warmup = self.compressor.compresses and step >= self.warmup_steps
-        if past_warmup and route.name != "hierarchical" and route.topology.world_size > 1:
+        # from the first step: the warm-up's exact mean costs the flat ring's bytes otherwise
+        if self.compressor.compresses and route.name != "hierarchical" \
+                and route.topology.world_size > 1:
             route = self.compressor.route_for(route, self._route("hierarchical"),
                                               self._adaptive(info.parameters),
                                               info.buffer.device)
