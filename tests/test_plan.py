@@ -114,6 +114,12 @@ def test_flat_one_bit_costs_the_hierarchical_route_it_takes():
             hier = pl.estimate("hierarchical_1bit", _cluster(nodes=nodes), workload).as_dict()
             assert {k: v for k, v in flat.items() if k not in ("strategy", "name")} == \
                 {k: v for k, v in hier.items() if k not in ("strategy", "name")}, (nodes, flat, hier)
+    # one node, or one rank per node: flat, as the state runs it (the hierarchical hook is the
+    # exact ring on one node and its own flat algorithm with one rank per node)
+    one_node = pl.estimate("onebit", _cluster(nodes=1, gpus=4), pl.Workload(params=1e6))
+    assert one_node.as_dict()["intra_node_bytes_per_gpu"] < pl.estimate(
+        "hierarchical_1bit", _cluster(nodes=1, gpus=4),
+        pl.Workload(params=1e6)).as_dict()["intra_node_bytes_per_gpu"] / 10
     for method in ("int8", "int4"):
         assert pl.estimate(method, _cluster(), pl.Workload(params=1e6)).inter_node_bytes_per_node > \
             1.5 * pl.estimate(f"hierarchical_{method}", _cluster(),

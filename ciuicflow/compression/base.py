@@ -151,7 +151,7 @@ class Compressor:
     def new_memory(self):
         return None
 
-    def route_for(self, route, hierarchical, adaptive: bool, device=None):
+    def route_for(self, route, hierarchical, device=None):
         """The route a tensor takes: ``route`` (the hook's), or ``hierarchical`` (the node sum,
         then an exchange between the nodes) where this compressor keeps accuracy only there."""
         return route

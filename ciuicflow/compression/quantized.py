@@ -127,7 +127,7 @@ class QuantizedCompressor(Compressor):
         once = not self.two_phases(route, True, device)
         return adaptive_codec_name(self.adaptive_optimizer, once, _device_type(device))
 
-    def route_for(self, route, hierarchical, adaptive: bool, device=None):
+    def route_for(self, route, hierarchical, device=None):
         """Under ``route="auto"``, a tensor on a flat route takes the hierarchical one where the
         topology has whole nodes of several ranks: after the node sum fewer ranks exchange, so
         each value is quantised at most as often (two nodes: once; flat over four ranks, twice:

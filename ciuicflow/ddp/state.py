@@ -165,7 +165,6 @@ class AllReduceState:
         if self.compressor.compresses and route.name != "hierarchical" \
                 and route.topology.world_size > 1:
             route = self.compressor.route_for(route, self._route("hierarchical"),
-                                              self._adaptive(info.parameters),
                                               info.buffer.device)
         result = info.buffer
         if info.buffer.numel() and route.topology.world_size > 1:
