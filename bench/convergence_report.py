@@ -3,6 +3,7 @@ markdown table and the PNG of the curves."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -68,9 +69,42 @@ def meets_target(record: dict) -> bool | None:
 def _worse_than_torch(r: dict, base: dict) -> bool:
     """Whether ``r`` ends worse than PyTorch's powerSGD_hook (``base``) while sending at least
     its bytes."""
-    better = (r["value"] >= base["value"]) if r["metric"] == "accuracy" else \
-        (r["value"] <= base["value"])
-    return not better and r["inter_node_bytes_per_step"] >= base["inter_node_bytes_per_step"]
+    return _torch_shortfall(r, base) > 0 and \
+        r["inter_node_bytes_per_step"] >= base["inter_node_bytes_per_step"]
+
+
+def _torch_shortfall(r: dict, base: dict) -> float:
+    """How much worse ``r`` ends than PyTorch's hook: accuracy lost, or the loss's relative
+    excess (> 0 is worse)."""
+    if r["metric"] == "accuracy":
+        return base["value"] - r["value"]
+    return (r["value"] - base["value"]) / abs(base["value"]) if base["value"] else \
+        r["value"] - base["value"]
+
+
+# Student's t at 95%, one-sided, by degrees of freedom (1.645 beyond the table): the paired test
+# of "worse than PyTorch's hook" over seeds. Hard-coded so the bench needs no scipy.
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782,
+        1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725)
+
+
+def paired_t(shortfalls: list[float]) -> float:
+    """The paired t statistic of per-seed shortfalls (inf when every seed is worse by the same
+    amount, 0 when none is)."""
+    n = len(shortfalls)
+    mean = sum(shortfalls) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in shortfalls) / (n - 1))
+    if sd == 0:
+        return math.inf if mean > 0 else (-math.inf if mean < 0 else 0.0)
+    return mean / (sd / math.sqrt(n))
+
+
+def significantly_worse(shortfalls: list[float]) -> bool:
+    """Worse than PyTorch's hook beyond the seeds' noise: a one-sided paired t-test at 95%."""
+    if len(shortfalls) < 2:
+        return bool(shortfalls) and shortfalls[0] > 0
+    critical = _T95[len(shortfalls) - 2] if len(shortfalls) - 1 <= len(_T95) else 1.645
+    return paired_t(shortfalls) > critical
 
 
 def _torch_line(r: dict, base: dict, label: str) -> str:
@@ -80,39 +114,106 @@ def _torch_line(r: dict, base: dict, label: str) -> str:
             f"{base['inter_node_bytes_per_step'] / 1e3:.1f} KB per step")
 
 
+def _by_task_method(records: list[dict]) -> dict:
+    runs: dict[tuple, dict] = {}
+    for r in records:
+        if not r.get("failed"):
+            runs.setdefault((r["task"], r["method"]), {})[r.get("seed", 0)] = r
+    return runs
+
+
+def _torch_shortfalls(records: list[dict]) -> dict:
+    """Per (task, method) of a compressed hook that sends at least PyTorch's bytes by the mean:
+    the per-seed shortfalls against PyTorch's hook on the same seed."""
+    runs = _by_task_method(records)
+    seeds = _seeds(records)
+    out = {}
+    for (task, method), by_seed in runs.items():
+        base = runs.get((task, "torch_powerSGD"))
+        if method not in COMPRESSED_HOOKS or base is None or \
+                any(s not in by_seed or s not in base for s in seeds):
+            continue
+        mean_bytes = sum(by_seed[s]["inter_node_bytes_per_step"] for s in seeds) / len(seeds)
+        base_bytes = sum(base[s]["inter_node_bytes_per_step"] for s in seeds) / len(seeds)
+        if mean_bytes >= base_bytes:
+            out[(task, method)] = [_torch_shortfall(by_seed[s], base[s]) for s in seeds]
+    return out
+
+
 def check_targets(records: list[dict]) -> list[str]:
     """Lines for every compressed method that misses its accuracy target, or ends worse than
     PyTorch's powerSGD_hook while sending more bytes.
 
-    The accuracy target is judged on every run (with several seeds, a miss on any seed is a
-    miss). The comparison with PyTorch's hook is judged on one seed's runs when there is one
-    seed, and on the means over the seeds when there are several: the two hooks' per-seed order
-    is a coin toss where they are the same algorithm (``powersgd`` at torch's rank and bytes
-    ended above torch's on 2 of 4 seeds of ``mlp_sgd_constant``, and 0.5 pt above it by the
-    mean: docs/convergence.md), so only the mean says which one does better."""
-    missed = []
+    With one seed each run is judged. With several, a run's chaos is not its method's: on
+    ``mlp_sgd_constant`` two *exact* runs that differ only in summation order end 2.1 points
+    apart, and ``powersgd`` at torch's rank and bytes (the same algorithm) ends above torch's on
+    some seeds and below on others (docs/convergence.md). So the accuracy target is judged on
+    the mean gap over the seeds, and the comparison with PyTorch's hook by a one-sided paired
+    t-test at 95% over the seeds: worse by the mean *and* beyond the seeds' spread (flat
+    ``onebit``'s 0.8-point shortfall on ``wide_mlp_bf16_step``, worse on 4 seeds of 4, is a miss;
+    a shortfall that changes sign from seed to seed is not). The single seeds' misses are in
+    :func:`seed_notes`."""
     seeds = _seeds(records)
-    several = len(seeds) > 1
+    if len(seeds) <= 1:
+        return _single_seed_misses(records)
+    missed = []
+    label = f" (mean over seeds {', '.join(map(str, seeds))})"
+    summaries = seed_summary(records)
+    for s in summaries:
+        if s.get("mean_meets_target") is False:
+            missed.append(f"{s['task']} {s['method']}{label}: {s['metric']} {s['value']:.4f} vs "
+                          f"exact {s['exact_value']:.4f} ({target_of(s)})")
+    runs = _by_task_method(records)
+    for (task, method), shortfalls in _torch_shortfalls(records).items():
+        if significantly_worse(shortfalls):
+            missed.append(_torch_line(_mean_run(runs[(task, method)]),
+                                      _mean_run(runs[(task, "torch_powerSGD")]), label) +
+                          f" (paired t = {paired_t(shortfalls):.2f} over {len(shortfalls)} seeds)")
+    return missed
+
+
+def _mean_run(by_seed: dict) -> dict:
+    rs = list(by_seed.values())
+    return {"task": rs[0]["task"], "method": rs[0]["method"],
+            **{key: sum(r[key] for r in rs) / len(rs)
+               for key in ("value", "inter_node_bytes_per_step")}}
+
+
+def _single_seed_misses(records: list[dict]) -> list[str]:
+    missed = []
     for r in records:
-        if r["method"] not in COMPRESSED_HOOKS + OPTIMIZERS + FSDP_HOOKS:
-            continue
-        seed = f" (seed {r.get('seed', 0)})" if several else ""
-        if meets_target(r) is False:
-            missed.append(f"{r['task']} {r['method']}{seed}: {r['metric']} {r['value']:.4f} vs "
+        if r["method"] in COMPRESSED_HOOKS + OPTIMIZERS + FSDP_HOOKS and meets_target(r) is False:
+            missed.append(f"{r['task']} {r['method']}: {r['metric']} {r['value']:.4f} vs "
                           f"exact {r['exact_value']:.4f} ({target_of(r)})")
-    if several:
-        runs = seed_summary(records)
-        label = f" (mean over seeds {', '.join(map(str, seeds))})"
-    else:
-        runs = [r for r in records if not r.get("failed")]
-        label = ""
+    runs = [r for r in records if not r.get("failed")]
     torch_psgd = {r["task"]: r for r in runs if r["method"] == "torch_powerSGD"}
     for r in runs:
         base = torch_psgd.get(r["task"])
         if base is not None and r["method"] in COMPRESSED_HOOKS and "gap" in r \
                 and _worse_than_torch(r, base):
-            missed.append(_torch_line(r, base, label))
+            missed.append(_torch_line(r, base, ""))
     return missed
+
+
+def seed_notes(records: list[dict]) -> list[str]:
+    """With several seeds, what :func:`check_targets` does not count as a miss but a reader
+    should see: single seeds past the accuracy target, and methods worse than PyTorch's hook
+    by the mean but within the seeds' spread."""
+    seeds = _seeds(records)
+    if len(seeds) <= 1:
+        return []
+    notes = []
+    for r in records:
+        if r["method"] in COMPRESSED_HOOKS + OPTIMIZERS + FSDP_HOOKS and meets_target(r) is False:
+            notes.append(f"{r['task']} {r['method']} (seed {r.get('seed', 0)}): {r['metric']} "
+                         f"{r['value']:.4f} vs exact {r['exact_value']:.4f} ({target_of(r)})")
+    for (task, method), shortfalls in _torch_shortfalls(records).items():
+        if sum(shortfalls) > 0 and not significantly_worse(shortfalls):
+            notes.append(f"{task} {method}: worse than torch powerSGD_hook by the mean of "
+                         f"{len(shortfalls)} seeds, within their spread (paired t = "
+                         f"{paired_t(shortfalls):.2f}; per seed "
+                         f"{', '.join(f'{x:+.4f}' for x in shortfalls)})")
+    return notes
 
 
 def _fmt_bytes(value):
@@ -211,6 +312,11 @@ def write_outputs(records, json_path, out_dir, png=True, config=None) -> str:
     # PyTorch's hook has no column of its own in the table
     targets = "\n\nTargets missed:\n\n" + "\n".join(f"- {m}" for m in missed) if missed else \
         "\n\nEvery target met."
+    notes = seed_notes(records)
+    if notes:  # not misses by the seeds' judge, but each worth a look
+        targets += ("\n\nSingle seeds past a target, and shortfalls against PyTorch's hook "
+                    "within the seeds' spread (not misses by the judge over the seeds):\n\n" +
+                    "\n".join(f"- {n}" for n in notes))
     if len(_seeds(records)) > 1:  # the means beside the runs, in their own JSON too
         summaries = seed_summary(records)
         with open(os.path.join(os.path.dirname(os.path.abspath(json_path)), "seeds.json"),

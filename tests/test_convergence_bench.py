@@ -60,8 +60,8 @@ def _seeded(task, method, value, seed, nbytes=100.0):
 
 
 def test_seeds_judge_each_run_against_the_exact_run_of_its_seed():
-    """--seeds: a run's gap is to the exact run of its own seed; a miss on any seed is a miss; the
-    means over the seeds sit beside."""
+    """--seeds: a run's gap is to the exact run of its own seed; the accuracy target is judged on
+    the mean gap over the seeds, single seeds past it are notes; the means sit beside."""
     records = report.compare([
         _seeded("a", "exact", 0.80, 0, nbytes=1000), _seeded("a", "exact", 0.90, 1, nbytes=1000),
         _seeded("a", "onebit", 0.795, 0), _seeded("a", "onebit", 0.875, 1),
@@ -75,15 +75,18 @@ def test_seeds_judge_each_run_against_the_exact_run_of_its_seed():
     assert by[("onebit", 1)]["gap"] == pytest.approx(0.025)
     assert by[("onebit", 1)]["exact_value"] == 0.90
     missed = report.check_targets(records)
-    assert any(m.startswith("a onebit (seed 1): accuracy") for m in missed), missed
-    assert not any(m.startswith("a onebit (seed 0)") for m in missed), missed
-    assert any(m.startswith("a hierarchical_1bit (seed 1)") for m in missed), missed
-    # against PyTorch's hook, the means over the seeds: powersgd is worse on seed 0 only and
-    # better by the mean (0.8725 vs 0.87); int8 better on seed 0 and worse by the mean (0.85)
-    assert not any(m.startswith("a powersgd") and "torch" in m for m in missed), missed
-    assert "a int8 (mean over seeds 0, 1): worse than torch powerSGD_hook (0.8500 vs 0.8700) " \
-        "at 0.1 vs 0.1 KB per step" in missed, missed
-    assert not any(m.startswith("a int8 (seed") for m in missed), missed
+    # onebit: 1.5 points below exact by the mean, a miss; hierarchical_1bit: 0.25 by the mean,
+    # met, its seed 1 (-1.5 pt) a note
+    assert "a onebit (mean over seeds 0, 1): accuracy 0.8350 vs exact 0.8500 " \
+        "(<= 0.01 accuracy below exact)" in missed, missed
+    assert not any("hierarchical_1bit" in m for m in missed), missed
+    notes = report.seed_notes(records)
+    assert any(n.startswith("a hierarchical_1bit (seed 1): accuracy") for n in notes), notes
+    # against PyTorch's hook: int8 is better on seed 0 and 5 points worse on seed 1, worse by
+    # the mean but not beyond two seeds' spread: a note, not a miss
+    assert not any("torch" in m for m in missed), missed
+    assert any(n.startswith("a int8: worse than torch powerSGD_hook by the mean of 2 seeds")
+               for n in notes), notes
     summary = {s["method"]: s for s in report.seed_summary(records)}
     assert summary["onebit"]["gap"] == pytest.approx(0.015)
     assert summary["onebit"]["worst_gap"] == pytest.approx(0.025)
@@ -99,6 +102,40 @@ def test_seeds_judge_each_run_against_the_exact_run_of_its_seed():
                                            {"task": "a", "method": "onebit", "failed": True,
                                             "seed": 1}])
     assert [s["method"] for s in report.seed_summary(failed)] == ["exact"]
+
+
+def _four_seeds(task, method, values, nbytes, metric="accuracy"):
+    return [dict(_record(task, method, v, metric, nbytes), seed=s) for s, v in enumerate(values)]
+
+
+def test_pytorchs_hook_is_judged_by_a_paired_test_over_the_seeds(tmp_path):
+    """Measured runs (docs/convergence.md, 2026-12-05 fourth; 2 nodes x 2 ranks, seeds 0-3): flat
+    onebit on wide_mlp_bf16_step was below PyTorch's hook on every seed while sending more bytes
+    (a real gap, fixed by the hierarchical route): a miss. int8 on regression_adam, at exact's
+    mean, is above torch's loss on 2 seeds and below on 2: within the spread, a note."""
+    records = report.compare(
+        _four_seeds("wide", "exact", [0.8928, 0.8928, 0.8863, 0.8945], 11083816) +
+        _four_seeds("wide", "onebit", [0.8830, 0.8855, 0.8823, 0.8830], 833032) +
+        _four_seeds("wide", "torch_powerSGD", [0.8915, 0.8888, 0.8988, 0.8882], 741689) +
+        _four_seeds("reg", "exact", [0.0812, 0.0806, 0.0810, 0.0833], 346176, "test_mse") +
+        _four_seeds("reg", "int8", [0.0814, 0.0806, 0.0810, 0.0829], 91413, "test_mse") +
+        _four_seeds("reg", "torch_powerSGD", [0.0810, 0.0807, 0.0811, 0.0825], 75174, "test_mse"))
+    missed = report.check_targets(records)
+    assert len(missed) == 1 and missed[0] == (
+        "wide onebit (mean over seeds 0, 1, 2, 3): worse than torch powerSGD_hook "
+        "(0.8834 vs 0.8918) at 833.0 vs 741.7 KB per step (paired t = 2.87 over 4 seeds)"), missed
+    notes = report.seed_notes(records)
+    assert any(n.startswith("reg int8: worse than torch powerSGD_hook by the mean of 4 seeds, "
+                            "within their spread (paired t = 1.") for n in notes), notes
+    report.write_outputs(records, str(tmp_path / "c.json"), str(tmp_path), png=False)
+    text = (tmp_path / "convergence.md").read_text()
+    assert "Targets missed:\n\n- wide onebit" in text and "within their spread" in text
+    # the test's edges: every seed worse by the same amount; fewer bytes than torch's is no miss
+    assert report.significantly_worse([0.01, 0.01]) and not report.significantly_worse([0.0, 0.0])
+    cheaper = report.compare(
+        _four_seeds("w", "exact", [0.9] * 4, 1000) + _four_seeds("w", "int4", [0.8] * 4, 10) +
+        _four_seeds("w", "torch_powerSGD", [0.9] * 4, 50))
+    assert not any("torch" in m for m in report.check_targets(cheaper))
 
 
 @pytest.mark.timeout(600)
