@@ -371,3 +371,44 @@ def plot(records, path):
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def merge(json_paths: list[str]) -> list[dict]:
+    """The records of several runs of bench/convergence.py as one set (for instance seeds run in
+    batches); a (task, method, seed) run twice is an error, not a silent pick of one."""
+    records, seen = [], set()
+    for path in json_paths:
+        with open(path) as f:
+            for r in json.load(f):
+                key = (r["task"], r["method"], r.get("seed", 0))
+                if key in seen:
+                    raise SystemExit(f"{path}: {key} is in another file too")
+                seen.add(key)
+                records.append(r)
+    return compare(records)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        description="Judge the records of several bench/convergence.py runs together (seeds run "
+                    "in batches): the table, the means over the seeds and the targets.")
+    p.add_argument("json", nargs="+", help="convergence.json files of earlier runs")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--no-png", action="store_true")
+    p.add_argument("--check-targets", action="store_true", help="exit 1 if a target is missed")
+    args = p.parse_args(argv)
+    records = merge(args.json)
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(write_outputs(records, os.path.join(args.out_dir, "convergence.json"), args.out_dir,
+                        png=not args.no_png, config={"merged": args.json}))
+    missed = check_targets(records)
+    for line in missed + seed_notes(records):
+        print(f"[convergence] {'target missed' if line in missed else 'note'}: {line}",
+              file=sys.stderr)
+    return 1 if args.check_targets and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

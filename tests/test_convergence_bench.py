@@ -138,6 +138,32 @@ def test_pytorchs_hook_is_judged_by_a_paired_test_over_the_seeds(tmp_path):
     assert not any("torch" in m for m in report.check_targets(cheaper))
 
 
+def test_seeds_run_in_batches_are_judged_together(tmp_path):
+    """convergence_report.py merges runs of other seeds into one judged set; a run present
+    twice is refused."""
+    first = _four_seeds("wide", "exact", [0.8928, 0.8928], 11083816) + \
+        _four_seeds("wide", "onebit", [0.8830, 0.8855], 833032) + \
+        _four_seeds("wide", "torch_powerSGD", [0.8915, 0.8888], 741689)
+    second = [dict(r, seed=r["seed"] + 2) for r in
+              _four_seeds("wide", "exact", [0.8863, 0.8945], 11083816) +
+              _four_seeds("wide", "onebit", [0.8823, 0.8830], 833032) +
+              _four_seeds("wide", "torch_powerSGD", [0.8988, 0.8882], 741689)]
+    for name, records in (("a.json", first), ("b.json", second)):
+        (tmp_path / name).write_text(json.dumps(records))
+    out = tmp_path / "merged"
+    rc = report.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out-dir", str(out),
+                      "--no-png", "--check-targets"])
+    assert rc == 1  # the four seeds together: the flat 1-bit shortfall of the test above
+    merged = json.loads((out / "convergence.json").read_text())
+    assert sorted({r["seed"] for r in merged}) == [0, 1, 2, 3]
+    assert "(paired t = 2.87 over 4 seeds)" in (out / "convergence.md").read_text()
+    # the first batch alone (two seeds) cannot tell the shortfall from the spread
+    assert report.main([str(tmp_path / "a.json"), "--out-dir", str(tmp_path / "one"),
+                        "--no-png", "--check-targets"]) == 0
+    with pytest.raises(SystemExit, match="in another file too"):
+        report.merge([str(tmp_path / "a.json"), str(tmp_path / "a.json")])
+
+
 @pytest.mark.timeout(600)
 def test_smoke_run_over_two_seeds(tmp_path):
     out = tmp_path / "conv"
