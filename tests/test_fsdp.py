@@ -258,6 +258,10 @@ def test_bad_arguments_are_refused():
         ciuicflow.fsdp.FSDPState("hierarchical_1bit", object())
     with pytest.raises(ValueError, match="2-D DeviceMesh"):
         ciuicflow.fsdp.FSDPState("hierarchical_1bit", None)
+    for mesh in (two_d, SimpleNamespace(ndim=1, mesh_dim_names=("shard",))):
+        with pytest.raises(ValueError, match="route='flat' is an option of DDP's flat hooks"):
+            ciuicflow.fsdp.FSDPState("onebit" if mesh.ndim == 1 else "hierarchical_1bit", mesh,
+                                     route="flat")
 
 
 def _snapshot(obj):

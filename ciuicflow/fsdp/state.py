@@ -119,6 +119,13 @@ class FSDPState:
         if self.scatter and self.method.name not in scatter_methods():
             raise ValueError(f"with a 1-D mesh (FSDP over every rank) ciuicflow.fsdp compresses "
                              f"FSDP's reduce-scatter, with {scatter_methods()}; got {method!r}")
+        if "route" in options:
+            # DDP's flat hooks choose between two routes; here the mesh has chosen: a user who
+            # asks for one should hear that it is not taken, not have it ignored
+            raise ValueError(f"route={options['route']!r} is an option of DDP's flat hooks; "
+                             "ciuicflow.fsdp's exchange is set by its mesh (a 2-D mesh: FSDP "
+                             "inside the node, HSDP's replicas across nodes; a 1-D mesh: FSDP's "
+                             "own reduce-scatter)")
         self.compressor = self.method.entry.compressor_class()(**options)
         if self.scatter and options.get("outliers") not in (None, "auto", 0):
             # the reduce-scatter's rows have fixed sizes: it sends no values (compression.outliers)
