@@ -572,6 +572,9 @@ def _unknown_hook(rank, world):
 
     with pytest.raises(ValueError, match="unknown hook"):
         ciuicflow.register(DDP(Net()), "threebit")
+    with pytest.raises(ValueError, match="'hierarchical_1bit' always takes the hierarchical"):
+        ciuicflow.register(DDP(Net()), "hierarchical_1bit", route="flat")
+    assert ciuicflow.register(DDP(Net()), "onebit", route="flat").compressor.route == "flat"
     ddp = DDP(Net())
     state = ciuicflow.OneBitState(warmup_steps=0, exclude=["*.bias"])
     ddp.register_comm_hook(state, ciuicflow.hierarchical_1bit)

@@ -158,6 +158,10 @@ def register(model: torch.nn.parallel.DistributedDataParallel, hook: str = "hier
     if hook not in HOOKS:
         raise ValueError(f"unknown hook {hook!r}; choose one of {sorted(HOOKS)}")
     function, cls = HOOKS[hook]
+    if "route" in options and registry.METHODS[hook].hierarchical:
+        # the hierarchical hooks always take their route: a route asked of one would be ignored
+        raise ValueError(f"route={options['route']!r} is an option of the flat hooks "
+                         f"(onebit, int8, int4); {hook!r} always takes the hierarchical route")
     options.setdefault("process_group", model.process_group)
     state = cls(model=model, **options)
     model.register_comm_hook(state, function)
