@@ -161,8 +161,7 @@ def check_targets(records: list[dict]) -> list[str]:
     summaries = seed_summary(records)
     for s in summaries:
         if s.get("mean_meets_target") is False:
-            missed.append(f"{s['task']} {s['method']}{label}: {s['metric']} {s['value']:.4f} vs "
-                          f"exact {s['exact_value']:.4f} ({target_of(s)})")
+            missed.append(_target_line(s, label))
     runs = _by_task_method(records)
     for (task, method), shortfalls in _torch_shortfalls(records).items():
         if significantly_worse(shortfalls):
@@ -179,12 +178,18 @@ def _mean_run(by_seed: dict) -> dict:
                for key in ("value", "inter_node_bytes_per_step")}}
 
 
+def _target_line(r: dict, label: str = "") -> str:
+    return (f"{r['task']} {r['method']}{label}: {r['metric']} {r['value']:.4f} vs exact "
+            f"{r['exact_value']:.4f} ({target_of(r)})")
+
+
+def _runs_past_target(records: list[dict]) -> list[dict]:
+    judged = COMPRESSED_HOOKS + OPTIMIZERS + FSDP_HOOKS
+    return [r for r in records if r["method"] in judged and meets_target(r) is False]
+
+
 def _single_seed_misses(records: list[dict]) -> list[str]:
-    missed = []
-    for r in records:
-        if r["method"] in COMPRESSED_HOOKS + OPTIMIZERS + FSDP_HOOKS and meets_target(r) is False:
-            missed.append(f"{r['task']} {r['method']}: {r['metric']} {r['value']:.4f} vs "
-                          f"exact {r['exact_value']:.4f} ({target_of(r)})")
+    missed = [_target_line(r) for r in _runs_past_target(records)]
     runs = [r for r in records if not r.get("failed")]
     torch_psgd = {r["task"]: r for r in runs if r["method"] == "torch_powerSGD"}
     for r in runs:
@@ -202,11 +207,7 @@ def seed_notes(records: list[dict]) -> list[str]:
     seeds = _seeds(records)
     if len(seeds) <= 1:
         return []
-    notes = []
-    for r in records:
-        if r["method"] in COMPRESSED_HOOKS + OPTIMIZERS + FSDP_HOOKS and meets_target(r) is False:
-            notes.append(f"{r['task']} {r['method']} (seed {r.get('seed', 0)}): {r['metric']} "
-                         f"{r['value']:.4f} vs exact {r['exact_value']:.4f} ({target_of(r)})")
+    notes = [_target_line(r, f" (seed {r.get('seed', 0)})") for r in _runs_past_target(records)]
     for (task, method), shortfalls in _torch_shortfalls(records).items():
         if sum(shortfalls) > 0 and not significantly_worse(shortfalls):
             notes.append(f"{task} {method}: worse than torch powerSGD_hook by the mean of "
@@ -404,9 +405,9 @@ def main(argv=None) -> int:
     print(write_outputs(records, os.path.join(args.out_dir, "convergence.json"), args.out_dir,
                         png=not args.no_png, config={"merged": args.json}))
     missed = check_targets(records)
-    for line in missed + seed_notes(records):
-        print(f"[convergence] {'target missed' if line in missed else 'note'}: {line}",
-              file=sys.stderr)
+    for kind, lines in (("target missed", missed), ("note", seed_notes(records))):
+        for line in lines:
+            print(f"[convergence] {kind}: {line}", file=sys.stderr)
     return 1 if args.check_targets and missed else 0
 
 

@@ -59,7 +59,8 @@ class QuantizedCompressor(Compressor):
             the registry's (``Cost.route``): "auto" for 1-bit (flat 1 bit ended 0.6 points below
             exact on the CNN over six seeds and below PyTorch's PowerSGD on the wide MLP, the
             hierarchical route within the line on every seed: docs/convergence.md), "flat" for
-            int8 and int4 (within the line flat). Ignored by the hierarchical hooks and by FSDP.
+            int8 and int4 (within the line flat). ``ciuicflow.register`` refuses it for a
+            hierarchical hook, ``ciuicflow.fsdp`` always (neither would take it).
     """
 
     codec: Codec
