@@ -131,7 +131,7 @@ def make_optimizer(task, params):
 def setup(task, method):
     """(model, the module to call, optimizer, hook state or None, byte counter)."""
     import ciuicflow
-    from ciuicflow.compression.powersgd import DEFAULT_RANK as POWERSGD_RANK
+    from ciuicflow.compression.powersgd import PowerSGDCompressor
     from ciuicflow.ddp.hooks import DEFAULT_WARMUP_STEPS, HOOKS
     from ciuicflow.optim import OneBitAdam, ZeroOneAdam
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -156,8 +156,11 @@ def setup(task, method):
     if method == "exact":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif method == "torch_powerSGD":
+        # at the rank ciuicflow's PowerSGD sends this task's tensors with by default
+        default = PowerSGDCompressor()
         state = torch_psgd.PowerSGDState(
-            process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+            process_group=None,
+            matrix_approximation_rank=default.adaptive_rank if task.adam_family else default.rank,
             start_powerSGD_iter=max(2, DEFAULT_WARMUP_STEPS))
         ddp.register_comm_hook(state, waiting(torch_psgd.powerSGD_hook))
         state = None

@@ -39,6 +39,8 @@ def test_planner_defaults_are_the_hooks_defaults():
     import ciuicflow
 
     assert pl.POWERSGD_RANK == ciuicflow.PowerSGDState().rank
+    assert pl.estimate("powersgd", _cluster(), pl.Workload(params=1e6, optimizer="adam")).rank \
+        == ciuicflow.PowerSGDState().adaptive_rank
     # every compressing method of the registry is a strategy, with the hooks' chunk size
     from ciuicflow.compression import registry
     assert set(registry.compressed_methods()) <= set(pl.STRATEGIES)
@@ -98,8 +100,15 @@ def test_under_adam_the_one_bit_methods_cost_their_adaptive_codec():
                     ours, _cluster(nodes=nodes), sgd).inter_node_bytes_per_node, ours
     assert pl.estimate("hierarchical_1bit", _cluster(), adam).inter_node_bytes_per_node == pytest.approx(
         1e6 * (4 / 8 + 4 / 256))
-    for other in ("hierarchical_int8", "int4", "hierarchical_powersgd", "hierarchical", "flat_ring"):
+    for other in ("hierarchical_int8", "int4", "hierarchical", "flat_ring"):
         assert pl.estimate(other, _cluster(), adam).as_dict() == pl.estimate(other, _cluster(), sgd).as_dict()
+    # PowerSGD sends an adaptive optimizer's tensors at twice its rank (compression.powersgd)
+    for ranked in ("hierarchical_powersgd", "powersgd"):
+        under_adam = pl.estimate(ranked, _cluster(), adam)
+        assert under_adam.rank == 32
+        assert under_adam.as_dict() == pl.estimate(ranked, _cluster(), sgd, rank=32).as_dict()
+        assert pl.estimate(ranked, _cluster(), adam, rank=8).as_dict() == \
+            pl.estimate(ranked, _cluster(), sgd, rank=8).as_dict()
     with pytest.raises(ValueError, match="optimizer"):
         pl.Workload(params=1e6, optimizer="rmsprop")
 
@@ -447,6 +456,8 @@ def test_powersgd_ranks_default_to_the_accurate_one(capsys):
     c = pl.ClusterSpec(128, 8, 600e9, 25e9, 5e-6, 15e-6)
     ranked = {e.rank for e in pl.plan(c, w) if e.rank is not None}
     assert ranked == {pl.POWERSGD_RANK} == {16}
+    adam = pl.Workload(params=7e9, hidden=4096, optimizer="adam")
+    assert {e.rank for e in pl.plan(c, adam) if e.rank is not None} == {32}
     low = [e for e in pl.plan(c, w, ranks=(1,)) if e.strategy == "hierarchical_powersgd"][0]
     _, why = pl.recommend([low, pl.estimate("flat_ring", c, w)])
     assert "below PowerSGD's default (16)" in why

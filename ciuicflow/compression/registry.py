@@ -32,6 +32,8 @@ class Cost:
     adaptive_family: str = ""
     chunk_size: int = 0
     rank: int = 0
+    # PowerSGD's rank for the tensors an adaptive optimizer steps, as a multiple of ``rank``
+    adaptive_rank_factor: int = 1
     guard_threshold: float = 0.0
     values: int = 0  # values a chunk of a concentrated window also sends on the all-reduce
     #                   routes, 24 bits each (compression.outliers; only such chunks carry
@@ -162,7 +164,7 @@ ENTRIES = (
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",
           {"hierarchical": "hierarchical_powersgd", "flat": "powersgd"},
           "rank-r PowerSGD factors with error feedback and warm start",
-          Cost("lowrank", rank=16, guard_threshold=200.0),
+          Cost("lowrank", rank=16, adaptive_rank_factor=2, guard_threshold=200.0),
           "models made mostly of large matrices (transformers, MLPs)"),
     Entry("int8", "ciuicflow.compression.int8:Int8Compressor", "Int8State",
           {"hierarchical": "hierarchical_int8", "flat": "int8"},

@@ -8,7 +8,8 @@ from dataclasses import asdict
 from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, adaptive_codec_name
 from ciuicflow.plan.cost_model import plan, recommend
 from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, ClusterSpec, Workload, compute_seconds_from_flops
-from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, cost
+from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, cost, \
+    default_rank
 from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, parse_count, parse_seconds
 
 # what the opt-in codecs cost in training under Adam, as measured (docs/convergence.md)
@@ -44,7 +45,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
     parser.add_argument("--ranks", default=None,
                         help="PowerSGD ranks to consider, e.g. 4,16 (default: PowerSGD's default rank, "
-                             f"{POWERSGD_RANK}; lower ranks lost accuracy in bench/convergence.py)")
+                             f"{POWERSGD_RANK}, and {default_rank('adam')} with --optimizer adam; lower ranks "
+                             "lost accuracy in bench/convergence.py)")
     parser.add_argument("--hidden", type=int, help="hidden size, for PowerSGD (default: estimated from size)")
     parser.add_argument("--local-ns-per-element", type=float, default=0.02,
                         help="compressors' element-wise work, ns per gradient element (default 0.02: GPU)")

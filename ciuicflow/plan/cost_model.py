@@ -8,7 +8,7 @@ from ciuicflow.compression import registry
 from ciuicflow.plan.alpha_beta import _ring_allreduce, _scatter_or_gather
 from ciuicflow.plan.inputs import ClusterSpec, Workload, powersgd_elements
 from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, \
-    RANKED, STRATEGIES, cost, hierarchical
+    RANKED, STRATEGIES, cost, default_rank, hierarchical
 
 @dataclass
 class Estimate:
@@ -69,7 +69,7 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
     if strategy not in ALL_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {ALL_STRATEGIES}")
     if strategy in RANKED:
-        rank = int(rank or POWERSGD_RANK)
+        rank = int(rank or default_rank(workload.optimizer))
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
     else:
@@ -205,10 +205,11 @@ def _powersgd(c: ClusterSpec, w: Workload, rank: int, elements, hierarchical: bo
 
 def plan(cluster: ClusterSpec, workload: Workload, strategies=None, ranks=None) -> list:
     """Estimates of every strategy (PowerSGD ones at each rank in ``ranks``, default PowerSGD's own
-    default rank: lower ranks cost less but lost accuracy in bench/convergence.py), fastest first."""
+    default rank for the workload's optimizer: lower ranks cost less but lost accuracy in
+    bench/convergence.py), fastest first."""
     out = []
     for s in strategies or STRATEGIES:
-        for r in ((ranks or (POWERSGD_RANK,)) if s in RANKED else (None,)):
+        for r in ((ranks or (default_rank(workload.optimizer),)) if s in RANKED else (None,)):
             out.append(estimate(s, cluster, workload, r))
     return sorted(out, key=lambda e: e.step_seconds)
 

@@ -46,3 +46,10 @@ FSDP_BENCH_METHODS = {"hsdp": "fsdp_hsdp",
                       "fsdp": "fsdp", **{f"fsdp:{name}": f"fsdp_{name}" for name in SCATTER_METHODS}}
 
 POWERSGD_RANK = registry.FAMILIES["powersgd"].cost.rank  # the rank when none is given
+
+
+def default_rank(optimizer: str) -> int:
+    """PowerSGD's default rank for a workload's optimizer: under an adaptive one ("adam") its
+    tensors go at ``adaptive_rank``, a multiple of the rank (compression.powersgd)."""
+    factor = registry.FAMILIES["powersgd"].cost.adaptive_rank_factor if optimizer == "adam" else 1
+    return factor * POWERSGD_RANK
