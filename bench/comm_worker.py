@@ -168,7 +168,9 @@ def register(ddp, name, rank, clock):
     if name != "hierarchical_allreduce":
         options["warmup_steps"] = 2  # compress from step 2, like powerSGD_hook above (default: 10)
     if rank is not None:
-        options["rank"] = rank
+        # the rank every bucket is sent at, as powerSGD_hook's (this model trains with Adam, whose
+        # buckets would otherwise go at PowerSGD's adaptive_rank, twice the rank)
+        options["rank"] = options["adaptive_rank"] = rank
     options.update(as_named(name))
     try:
         state = ciuicflow.register(ddp, name, **options)

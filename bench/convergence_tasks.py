@@ -237,6 +237,18 @@ TASKS = {
         bf16=True, heldout=True,
         note="char transformer LM (3 layers, d=128, 620K), Adam 2e-3, bf16 autocast",
         extra={"data": ("text", 64), "d": 128, "layers": 3}),
+    # held out since 2026-12-05 (sixth), after PowerSGD's adaptive_rank was chosen: the two above
+    # had been looked at by then
+    "cnn_adamw_cosine_bf16": Task(
+        "cnn_adamw_cosine_bf16", "classification", "accuracy", steps=300, batch=16,
+        optimizer="adamw", lr=2e-3, schedule="cosine", weight_decay=0.05, bf16=True,
+        heldout=True, note="CNN (3 conv + 2 linear, 160K) on other templates, AdamW 2e-3 with "
+        "weight decay 0.05, cosine lr, bf16 autocast", extra={"data": ("shapes", 6)}),
+    "charlm_adamw_wide_cosine": Task(
+        "charlm_adamw_wide_cosine", "lm", "val_loss", steps=300, batch=16, optimizer="adamw",
+        lr=1.5e-3, schedule="cosine", weight_decay=0.01, heldout=True,
+        note="char transformer LM (1 layer, d=192, context 32, 500K), AdamW 1.5e-3, cosine lr, "
+        "fp32", extra={"data": ("text", 32), "d": 192, "layers": 1}),
 }
 
 
