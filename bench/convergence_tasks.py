@@ -211,6 +211,12 @@ TASKS = {
         "charlm_adamw", "lm", "val_loss", steps=400, batch=8, optimizer="adamw", lr=3e-3,
         weight_decay=0.01, note="char transformer LM (2 layers, d=96, 240K), AdamW 3e-3, fp32",
         extra={"data": ("text", 64), "d": 96, "layers": 2}),
+    # since 2026-12-05 (seventh): the first CNN under Adam; its dead-then-revived ReLU units made
+    # both 1-bit optimizers diverge until their directions were bounded (docs/onebit_adam.md)
+    "cnn_adam_step": Task(
+        "cnn_adam_step", "classification", "accuracy", steps=300, batch=16, optimizer="adam",
+        lr=1e-3, schedule="step", note="CNN (3 conv + 2 linear, 160K), Adam 1e-3, step lr, fp32",
+        extra={"data": ("shapes", 2)}),
     "regression_adam": Task(
         "regression_adam", "regression", "test_mse", steps=800, batch=32, optimizer="adam",
         lr=2e-3, note="MLP 64-256-256-16 regression (86K), Adam 2e-3, fp32",

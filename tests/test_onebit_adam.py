@@ -5,6 +5,7 @@ Communication is measured by ``CollectiveBytes``, which wraps the torch.distribu
 """
 import inspect
 import io
+import math
 import sys
 import time
 import warnings
@@ -124,23 +125,27 @@ def _warmup_then_compressed(rank, world):
     for hierarchical, decay in ((True, 0.0), (False, 0.0), (True, 0.1)):
         model, reference = _mlp(0), _mlp(0)
         unused = torch.nn.Parameter(torch.ones(3))  # never gets a gradient: must never move
-        optimizer = OneBitAdam(list(model.parameters()) + [unused], lr=1e-2, freeze_steps=freeze,
-                               hierarchical=hierarchical, weight_decay=decay)
-        adam = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=decay)
+        # a zero gradient on the first step, then a gradient: Adam moves it from the second step
+        late, late_reference = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(5))
+        optimizer = OneBitAdam(list(model.parameters()) + [unused, late], lr=1e-2,
+                               freeze_steps=freeze, hierarchical=hierarchical, weight_decay=decay)
+        adam = torch.optim.AdamW(list(reference.parameters()) + [late_reference], lr=1e-2,
+                                 weight_decay=decay)
         warmup_gap, frozen_flags = 0.0, []
         for step in range(steps):
             batch = _batch(rank, step)
             optimizer.zero_grad()
-            _loss(model, batch).backward()
+            (_loss(model, batch) + min(step, 1) * late.sum()).backward()
             optimizer.step()
             frozen_flags.append(optimizer.frozen)
             if step < freeze:
                 adam.zero_grad()
-                _loss(reference, batch).backward()
+                (_loss(reference, batch) + min(step, 1) * late_reference.sum()).backward()
                 _average_grads_exactly(reference, world)
                 adam.step()
                 warmup_gap = max(warmup_gap, max((a - b).abs().max().item() for a, b in
-                                                 zip(model.parameters(), reference.parameters())))
+                                                 zip(list(model.parameters()) + [late],
+                                                     list(reference.parameters()) + [late_reference])))
         report[(hierarchical, decay)] = {
             "warmup_gap": warmup_gap, "frozen_flags": frozen_flags,
             "in_sync": _same_on_every_rank(list(model.parameters())),
@@ -155,10 +160,15 @@ def _warmup_then_compressed(rank, world):
 
 
 def _frozen_variance_reference_gap(rank, world, freeze=3, steps=8, lr=1e-2, betas=(0.9, 0.999)):
-    """A group with ``compress=False`` against 1-bit Adam's update written out: after the freeze,
-    m = b1 m + (1 - b1) mean(g), p -= lr / (1 - b1^t) * m / (sqrt(v_T / (1 - b2^T)) + eps)."""
+    """A group with ``compress=False`` against 1-bit Adam's update written out. During warm-up,
+    Adam on the mean gradient; after the freeze, with d = sqrt(v_T / (1 - b2^T)) + eps, each rank
+    folds its own gradient into the momentum, m_r = b1 m + (1 - b1) g_r, and the ranks average
+    their directions clamped to exact Adam's largest (a frozen variance may be smaller than the
+    gradients after the freeze): a = mean_r clamp(m_r / d); p -= lr / (1 - b1^t) * a; m = a * d."""
     from ciuicflow.optim import OneBitAdam
+    from ciuicflow.optim.compressed_momentum import adam_direction_bound
 
+    bound = adam_direction_bound(*betas)
     model, reference = _mlp(2), _mlp(2)
     optimizer = OneBitAdam([{"params": list(model.parameters()), "compress": False}], lr=lr,
                            betas=betas, freeze_steps=freeze)
@@ -172,13 +182,19 @@ def _frozen_variance_reference_gap(rank, world, freeze=3, steps=8, lr=1e-2, beta
         optimizer.step()
         reference.zero_grad()
         _loss(reference, batch).backward()
-        _average_grads_exactly(reference, world)
+        if t <= freeze:
+            _average_grads_exactly(reference, world)
         with torch.no_grad():
             for p, m_, v_ in zip(params, m, v):
-                m_.mul_(betas[0]).add_(p.grad, alpha=1 - betas[0])
                 if t <= freeze:
+                    m_.mul_(betas[0]).add_(p.grad, alpha=1 - betas[0])
                     v_.mul_(betas[1]).addcmul_(p.grad, p.grad, value=1 - betas[1])
                 denom = (v_ / (1 - betas[1] ** min(t, freeze))).sqrt() + 1e-8
+                if t > freeze:
+                    direction = ((betas[0] * m_ + (1 - betas[0]) * p.grad) / denom).clamp(-bound, bound)
+                    dist.all_reduce(direction)
+                    direction /= world
+                    m_.copy_(direction * denom)
                 p.sub_(lr / (1 - betas[0] ** t) * m_ / denom)
     return max((a - b).abs().max().item() for a, b in zip(model.parameters(), params))
 
@@ -434,6 +450,81 @@ def test_zero_one_adam_schedules_agreement_and_bytes(compress_before_freeze):
                 assert row["bytes"] == 0, row
             # every rank holds the same parameters, except between syncs
             assert row["in_sync"] == (step <= 12 or step in syncs), row
+
+
+# -- a unit that revives after the variance was measured: bounded steps ----------------------------
+
+
+def test_direction_bound_is_the_largest_step_exact_adam_takes():
+    """The bound holds for exact Adam on any gradients (random, sparse, a spike after a long
+    silence) and is all but reached by its worst case, gradients growing as (b1 / b2)^t."""
+    from ciuicflow.optim.compressed_momentum import adam_direction_bound
+
+    def largest_direction(grads, betas):
+        m = v = 0.0
+        largest = 0.0
+        for t, g in enumerate(grads.tolist(), 1):
+            m = betas[0] * m + (1 - betas[0]) * g
+            v = betas[1] * v + (1 - betas[1]) * g * g
+            if v > 0:
+                largest = max(largest, abs(m) / math.sqrt(v / (1 - betas[1] ** t)))
+        return largest
+
+    gen = torch.Generator().manual_seed(0)
+    for betas in ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9999)):
+        bound = adam_direction_bound(*betas)
+        sequences = [torch.randn(300, generator=gen, dtype=torch.float64),
+                     torch.randn(300, generator=gen, dtype=torch.float64) *
+                     (torch.rand(300, generator=gen, dtype=torch.float64) < 0.05),
+                     torch.cat([torch.full((200,), 1e-6, dtype=torch.float64),
+                                torch.ones(100, dtype=torch.float64)])]
+        for grads in sequences:
+            assert largest_direction(grads, betas) <= bound * (1 + 1e-9)
+        # the newest gradient 1, the one k steps before (b1 / b2)^k; long enough for b2's bias
+        # correction to have worn off
+        steps = int(20 / (1 - betas[1]))
+        worst = (betas[0] / betas[1]) ** torch.arange(steps - 1, -1, -1, dtype=torch.float64)
+        assert largest_direction(worst, betas) > 0.99 * bound
+    assert 7.2 < adam_direction_bound(0.9, 0.999) < 7.3
+    assert adam_direction_bound(0.99, 0.9) == float("inf")  # b1^2 >= b2: Adam has no bound
+
+
+def _revived_unit(rank, world, name):
+    """1024 elements, 32 of them with a gradient of 1e-6 on the steps the variance is measured
+    (a ReLU unit not yet alive) and of about 1 on the others, as every other element."""
+    from ciuicflow.optim import OneBitAdam, ZeroOneAdam
+
+    lr = 1e-2
+    p = torch.nn.Parameter(torch.zeros(1024))
+    if name == "onebit":
+        optimizer, variance_steps = OneBitAdam([p], lr=lr, freeze_steps=4), {1, 2, 3, 4}
+    else:  # variance steps 1, 2, 4, 6, 8, 12
+        optimizer, variance_steps = ZeroOneAdam([p], lr=lr, var_update_scaler=2), {1, 2, 4, 6, 8, 12}
+    gen = torch.Generator().manual_seed(rank)
+    largest = 0.0
+    for step in range(1, 13):
+        g = 1 + 0.1 * torch.randn(1024, generator=gen)
+        if step in variance_steps:
+            g[:32] *= 1e-6
+        p.grad = g
+        before = p.detach().clone()
+        optimizer.step()
+        largest = max(largest, float((p.detach() - before).abs().max()) / lr)
+    return {"largest_step_in_lr": largest, "finite": bool(torch.isfinite(p).all()),
+            "in_sync": _same_on_every_rank([p]), "revived_moved_down": float(p[:32].mean())}
+
+
+@pytest.mark.parametrize("name", ["onebit", "zero_one"])
+def test_a_unit_reviving_after_its_variance_was_measured_takes_bounded_steps(name):
+    """Unbounded, the revived elements' directions m / sqrt(v_hat) are ~1e5, the 1-bit chunk's
+    scale with them, and every element of the chunk jumps by thousands of learning rates (a CNN
+    under Adam diverged so: docs/onebit_adam.md, "Bounded directions")."""
+    for r in run_distributed(_revived_unit, WORLD, nodes=NODES, args=(name,)):
+        assert r["finite"] and r["in_sync"]
+        # exact Adam steps at most 7.27 / (1 - 0.9^t) learning rates (72.7 at t = 1, 14.5 from t = 6);
+        # 1-bit error feedback may add a little on top
+        assert r["largest_step_in_lr"] < 30, r
+        assert r["revived_moved_down"] < 0  # the revived elements do follow their gradient
 
 
 # -- arguments ----------------------------------------------------------------------------------------

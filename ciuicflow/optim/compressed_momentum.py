@@ -238,8 +238,28 @@ class CompressedMomentumOptimizer(Optimizer):
         return 1 - g["betas"][0] ** self.steps_taken if g["bias_correction"] else 1.0
 
     def _directions(self, bucket: _FlatBucket, denominators: list) -> list:
-        """``m / (sqrt(v_hat) + eps)`` per parameter (new tensors; m's bias correction is _apply's)."""
-        return torch._foreach_div(self._momenta(bucket), denominators)
+        """``m / (sqrt(v_hat) + eps)`` per parameter, bounded (new tensors; m's bias correction is
+        _apply's)."""
+        directions = torch._foreach_div(self._momenta(bucket), denominators)
+        self._bound_directions(bucket, directions)
+        return directions
+
+    def _bound_directions(self, bucket: _FlatBucket, directions: list) -> None:
+        """Clamp update directions, in place, to the largest ``|m / sqrt(v_hat)|`` exact Adam can
+        reach with the group's betas (``adam_direction_bound``), and zero them where the variance
+        is 0.
+
+        Exact Adam never reaches the bound: its variance holds every gradient its momentum does.
+        A variance frozen, or updated only on some steps, does not: a unit that had no gradient when
+        the variance was last updated (a ReLU that revives) divides its new momentum by almost
+        nothing. Unbounded, one such element set its 1-bit chunk's scale in the thousands and a CNN
+        under Adam diverged (docs/onebit_adam.md, "Bounded directions")."""
+        self._zero_where_no_variance(bucket, directions)
+        for g, indices in bucket.group_indices:
+            bound = adam_direction_bound(*g["betas"])
+            if math.isfinite(bound):
+                torch._foreach_clamp_min_([directions[i] for i in indices], -bound)
+                torch._foreach_clamp_max_([directions[i] for i in indices], bound)
 
     def _apply(self, bucket: _FlatBucket, directions: list) -> None:
         """``p = (1 - lr wd) p - lr / (1 - b1^t) * direction``: Adam's step, decoupled decay."""
@@ -257,6 +277,7 @@ class CompressedMomentumOptimizer(Optimizer):
         before, they agree after, bit for bit."""
         momenta = self._momenta(bucket)
         torch._foreach_div_(momenta, denominators)
+        self._bound_directions(bucket, momenta)  # before the 1-bit chunks take their scales
         self._compressed_average(bucket, bucket.flats["exp_avg"])
         self._zero_where_no_variance(bucket, momenta)
         self._apply(bucket, momenta)
@@ -355,6 +376,16 @@ class CompressedMomentumOptimizer(Optimizer):
                 "Save and load each rank's own state_dict to resume exactly.",
                 RuntimeWarning, stacklevel=3)
         return []
+
+
+def adam_direction_bound(beta1: float, beta2: float) -> float:
+    """The largest ``|m / sqrt(v_hat)|`` exact Adam reaches: by Cauchy-Schwarz over the gradients
+    both averages hold, ``(1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))`` (7.27 for 0.9, 0.999; the
+    bias corrections only lower it); unbounded when ``b1^2 >= b2``."""
+    ratio = beta1 * beta1 / beta2 if beta2 > 0 else math.inf
+    if ratio >= 1:
+        return math.inf
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - ratio))
 
 
 def _check_adam_args(lr, betas, eps, weight_decay) -> None:

@@ -96,6 +96,7 @@ class OneBitAdam(CompressedMomentumOptimizer):
         grads = self._mean_grads(bucket)
         self._fold_into_momentum(bucket, grads)
         self._fold_into_variance(bucket, grads)
+        bucket.cache.clear()  # derived from the variance (where it is 0)
         self._apply(bucket, self._directions(bucket, self._denominators(bucket, self.steps_taken)))
 
     def _compressed_step(self, bucket: _FlatBucket) -> None:

@@ -46,7 +46,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ranks", default=None,
                         help="PowerSGD ranks to consider, e.g. 4,16 (default: PowerSGD's default rank, "
                              f"{POWERSGD_RANK}, and {default_rank('adam')} with --optimizer adam; lower ranks "
-                             "lost accuracy in bench/convergence.py)")
+                             "lost accuracy in bench/convergence.py). Each is costed as the rank "
+                             "sent: PowerSGDState(rank=R) sends its adaptive optimizer's buckets at "
+                             "adaptive_rank, 2R unless set")
     parser.add_argument("--hidden", type=int, help="hidden size, for PowerSGD (default: estimated from size)")
     parser.add_argument("--local-ns-per-element", type=float, default=0.02,
                         help="compressors' element-wise work, ns per gradient element (default 0.02: GPU)")
