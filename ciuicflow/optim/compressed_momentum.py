@@ -237,11 +237,12 @@ class CompressedMomentumOptimizer(Optimizer):
     def _momentum_correction(self, g: dict) -> float:
         return 1 - g["betas"][0] ** self.steps_taken if g["bias_correction"] else 1.0
 
-    def _directions(self, bucket: _FlatBucket, denominators: list) -> list:
-        """``m / (sqrt(v_hat) + eps)`` per parameter, bounded (new tensors; m's bias correction is
-        _apply's)."""
+    def _directions(self, bucket: _FlatBucket, denominators: list, bounded: bool = True) -> list:
+        """``m / (sqrt(v_hat) + eps)`` per parameter, bounded unless the step is exact Adam's, which
+        never reaches the bound (new tensors; m's bias correction is _apply's)."""
         directions = torch._foreach_div(self._momenta(bucket), denominators)
-        self._bound_directions(bucket, directions)
+        if bounded:
+            self._bound_directions(bucket, directions)
         return directions
 
     def _bound_directions(self, bucket: _FlatBucket, directions: list) -> None:

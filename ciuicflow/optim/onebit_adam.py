@@ -97,7 +97,10 @@ class OneBitAdam(CompressedMomentumOptimizer):
         self._fold_into_momentum(bucket, grads)
         self._fold_into_variance(bucket, grads)
         bucket.cache.clear()  # derived from the variance (where it is 0)
-        self._apply(bucket, self._directions(bucket, self._denominators(bucket, self.steps_taken)))
+        # exact Adam: never past the bound, and zero where the variance is (no per-tensor mask, which
+        # on a GPU would cost a host sync per tensor per step)
+        denominators = self._denominators(bucket, self.steps_taken)
+        self._apply(bucket, self._directions(bucket, denominators, bounded=False))
 
     def _compressed_step(self, bucket: _FlatBucket) -> None:
         self._fold_into_momentum(bucket, self._grads(bucket))
