@@ -575,10 +575,18 @@ def _unknown_hook(rank, world):
     with pytest.raises(ValueError, match="'hierarchical_1bit' always takes the hierarchical"):
         ciuicflow.register(DDP(Net()), "hierarchical_1bit", route="flat")
     assert ciuicflow.register(DDP(Net()), "onebit", route="flat").compressor.route == "flat"
+    x, y = _batch(rank, 0)
+    # a state built by hand: the hook refuses the route it cannot take, rather than ignore it
+    ddp = DDP(Net())
+    ddp.register_comm_hook(ciuicflow.OneBitState(route="flat"), ciuicflow.hierarchical_1bit)
+    with pytest.raises(ValueError, match="always takes the hierarchical route"):
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    ddp = DDP(Net())  # int8's route is "flat" by default: nothing was asked
+    ddp.register_comm_hook(ciuicflow.Int8State(), ciuicflow.hierarchical_int8)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
     ddp = DDP(Net())
     state = ciuicflow.OneBitState(warmup_steps=0, exclude=["*.bias"])
     ddp.register_comm_hook(state, ciuicflow.hierarchical_1bit)
-    x, y = _batch(rank, 0)
     with pytest.raises(RuntimeError, match="parameter names"):
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
     return True
