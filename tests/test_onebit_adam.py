@@ -457,7 +457,7 @@ def test_zero_one_adam_schedules_agreement_and_bytes(compress_before_freeze):
 
 def test_direction_bound_is_the_largest_step_exact_adam_takes():
     """The bound holds for exact Adam on any gradients (random, sparse, a spike after a long
-    silence) and is all but reached by its worst case, gradients growing as (b1 / b2)^t."""
+    silence) and is all but reached by its worst case, gradients growing as (b2 / b1)^t."""
     from ciuicflow.optim.compressed_momentum import adam_direction_bound
 
     def largest_direction(grads, betas):

@@ -96,9 +96,8 @@ class OneBitAdam(CompressedMomentumOptimizer):
         grads = self._mean_grads(bucket)
         self._fold_into_momentum(bucket, grads)
         self._fold_into_variance(bucket, grads)
-        bucket.cache.clear()  # derived from the variance (where it is 0)
         # exact Adam: never past the bound, and zero where the variance is (no per-tensor mask, which
-        # on a GPU would cost a host sync per tensor per step)
+        # on a GPU would cost a host sync per tensor per step; the cache stays empty until the freeze)
         denominators = self._denominators(bucket, self.steps_taken)
         self._apply(bucket, self._directions(bucket, denominators, bounded=False))
 
