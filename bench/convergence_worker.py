@@ -191,6 +191,8 @@ def train(task, method, data, rank, world):
                 loss = tasks.loss_fn(task, module(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if optimizer_method and step == task.steps // 2:
+                second_half = replace(optimizer.traffic)
             optimizer.step()
             losses.append(float(loss))
             if (step + 1) % eval_every == 0 or step + 1 == task.steps:
@@ -220,7 +222,11 @@ def train(task, method, data, rank, world):
         record["compression_ratio"] = None
     elif optimizer_method:
         record["inter_node_bytes_per_step"] = optimizer.traffic.inter_bytes / task.steps
-        record["compression_ratio"] = None
+        # past warm-up, as the hooks' stats() give it: over the run's second half (OneBitAdam's
+        # freeze is long past; ZeroOneAdam's variance and local steps both counted)
+        sent = optimizer.traffic.inter_bytes - second_half.inter_bytes
+        exact = optimizer.traffic.exact_inter_bytes - second_half.exact_inter_bytes
+        record["compression_ratio"] = exact / sent if sent else None
     else:
         record["inter_node_bytes_per_step"] = counter[0] / task.steps
         record["compression_ratio"] = None

@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 
 from ciuicflow.collectives.hierarchical import flat_all_reduce, hierarchical_all_reduce
 from ciuicflow.collectives.primitives import Traffic
+from ciuicflow.collectives.routes import FlatRoute, HierarchicalRoute
 from ciuicflow.compression.onebit import DEFAULT_CHUNK_SIZE, OneBitCompressor
 from ciuicflow.compression.quantized import QuantizedErrors, quantized_all_reduce
 from ciuicflow.optim.engines import prepare_engines
@@ -64,11 +65,8 @@ class CompressedMomentumOptimizer(Optimizer):
         self.group = group
         self.hierarchical = bool(hierarchical)
         self.chunk_size = int(chunk_size)
-        # 1-bit Adam's exchange: all of the error carried over, no accuracy guard; one phase where
-        # the exchange has two ranks (two nodes' sums), as the hooks: a second compression of the
-        # mean cost accuracy (charlm_adamw, 2 nodes x 2 ranks, 0/1 Adam with 1-bit gradients before
-        # its freeze: +3.9% above AdamW with two phases, +1.1% with one, at the same bytes;
-        # OneBitAdam +1.2% and +1.0%)
+        # 1-bit Adam's exchange: all of the error carried over, no accuracy guard; its phases are
+        # set once the topology is known (_topo, ONE_PHASE_RANKS).
         # Plain scale x sign (outliers=0): the optimizers' results were measured without values.
         self._compressor = OneBitCompressor(chunk_size=self.chunk_size, error_decay=1.0, phases="auto",
                                             guard="off", outliers=0)
@@ -111,6 +109,8 @@ class CompressedMomentumOptimizer(Optimizer):
                 raise RuntimeError(f"{type(self).__name__}.step is collective: initialise "
                                    "torch.distributed (init_process_group) first")
             self._topology = Topology.detect(self.group)
+            route = (HierarchicalRoute if self.hierarchical else FlatRoute)(self._topology)
+            self._compressor.phases = exchange_phases(route.exchange_ranks)
         return self._topology
 
     def _flat_buckets(self) -> list[_FlatBucket]:
@@ -377,6 +377,24 @@ class CompressedMomentumOptimizer(Optimizer):
                 "Save and load each rank's own state_dict to resume exactly.",
                 RuntimeWarning, stacklevel=3)
         return []
+
+
+# Ranks of the 1-bit exchange (nodes' sums, hierarchically) up to which it goes in one phase: each
+# rank's packed tensor sent to every other, each value quantised once, (W-1) packed copies per rank
+# (28.4x fewer bytes than float32 on two ranks, 18.9x on three, 14.2x on four); beyond, two phases
+# (2(W-1)/W copies, 28.4x on any W) whose server quantises the mean again. That second quantisation
+# cost accuracy wherever it was measured on charlm_adamw: on two nodes x two ranks (seed 0) 0/1
+# Adam +3.9% above AdamW with two phases, +1.1% with one; one rank per node, seeds 0-2, mean /
+# worst seed: on three nodes 0/1 Adam +1.4% / +2.3% with two phases, +0.2% / +0.8% with one; on
+# four 0/1 Adam +1.0% / +1.8% and 1-bit Adam +1.2% / +2.0% with two, +0.2% / +0.6% and +0.8% /
+# +1.1% with one
+# (docs/onebit_adam.md, "One phase up to four ranks").
+ONE_PHASE_RANKS = 4
+
+
+def exchange_phases(ranks: int) -> int:
+    """Phases of the optimizers' 1-bit exchange over ``ranks`` ranks (``ONE_PHASE_RANKS``)."""
+    return 1 if ranks <= ONE_PHASE_RANKS else 2
 
 
 def adam_direction_bound(beta1: float, beta2: float) -> float:
