@@ -302,6 +302,29 @@ def test_fsdp_compute_is_fitted_on_the_probed_shard_reductions():
     assert pl.calibrate_fsdp(records, machine)[0]["matmul_flops"] == 3e9
 
 
+def test_fsdp_calibration_costs_what_the_run_sent_under_adam():
+    """bench/fsdp.py trains with Adam: PowerSGD's default sends those groups at its adaptive rank
+    (twice the rank), and its 1-bit rows send their own codec (adaptive_optimizer='same'); the
+    planner's rows must cost that, not SGD's rank 16 (they predicted half the bytes measured)."""
+    shape = {"params": 4 * (1000 * 1000 + 1000), "width": 1000, "layers": 4}
+    machine = {"nodes": 2, "ranks_per_node": 2, "alpha": 3e-4}
+    no_comm = {"method": "no_comm", "step_seconds": 0.2, "shaped": True, "rate_bps": 1e9, **shape}
+
+    def predicted(**run):
+        records = [{"method": m, "step_seconds": 1.0, "inter_node_bytes_per_step": 1, **shape, **run}
+                   for m in ("hsdp", "hierarchical_1bit", "hierarchical_powersgd")]
+        return {r["method"]: r["predicted_inter_node_bytes"]
+                for r in pl.calibrate_fsdp(records + [no_comm], machine)}
+
+    sgd, adam = predicted(), predicted(optimizer="adam", adaptive_optimizer="same")
+    # (the biases go uncompressed: a little under twice)
+    assert adam["hierarchical_powersgd"] == pytest.approx(2 * sgd["hierarchical_powersgd"], rel=0.02)
+    assert adam["hierarchical_1bit"] == sgd["hierarchical_1bit"]  # its own codec: 1 bit
+    assert adam["hsdp"] == sgd["hsdp"]
+    # the 1-bit default under Adam sends another codec: more bytes than 1 bit
+    assert predicted(optimizer="adam")["hierarchical_1bit"] > 1.5 * sgd["hierarchical_1bit"]
+
+
 def test_time_model_and_recommendation():
     w = pl.Workload(params=25e6, compute_seconds=0.4)
     c = _cluster(inter=125e6)

@@ -90,10 +90,14 @@ def calibrate_fsdp(records, machine: dict) -> list:
         strategy = FSDP_BENCH_METHODS.get(r["method"])
         if strategy is None:
             continue
+        # what stepped the run (bench/fsdp.py: Adam, whose groups PowerSGD sends at its
+        # adaptive rank) and what the 1-bit states sent them with
         workload = Workload(params=r["params"], compute_seconds=floor["step_seconds"],
                             matrix_shapes=[(r["width"], r["width"])] * r["layers"],
                             local_seconds_per_element=local, matmul_flops=matmul_flops,
-                            bucket_bytes=r["params"] * 4 / r["layers"])
+                            bucket_bytes=r["params"] * 4 / r["layers"],
+                            optimizer=r.get("optimizer", "sgd"),
+                            adaptive_optimizer=r.get("adaptive_optimizer", ""))
         row = _row(r, estimate(strategy, cluster, workload, r.get("rank")), local)
         row["matmul_flops"] = matmul_flops
         out.append(row)
