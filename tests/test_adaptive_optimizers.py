@@ -83,6 +83,21 @@ def test_the_first_reduction_with_the_adaptive_codec_says_so_once(caplog):
     assert "go as twobit" in messages[2] and "14.8x" in messages[2]
     assert "12.2x" in messages[3]  # 64-element chunks: 2 bits and 5 bytes per 64 elements
     assert "20.5x" in messages[4]  # topmark's chunks are its own
+    assert not any("OneBitAdam" in m for m in messages)  # 20x or a codec asked for
+
+
+def test_where_auto_falls_to_int4_it_points_to_the_one_bit_optimizers(caplog):
+    """Four or more exchanging ranks under Adam: "auto" sends int4 (7.8x); the INFO line says that
+    OneBitAdam / ZeroOneAdam compress Adam's momentum at 1 bit instead."""
+    import logging
+    from types import SimpleNamespace
+
+    from ciuicflow.compression.onebit import OneBitCompressor
+
+    with caplog.at_level(logging.INFO, logger="ciuicflow.compression"):
+        OneBitCompressor()._pick(True, None, SimpleNamespace(exchange_ranks=4))
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "go as int4" in message and "OneBitAdam" in message and "ZeroOneAdam" in message
 
 
 def test_auto_sends_topmark_where_an_exchange_quantises_once_and_int4_elsewhere():

@@ -12,7 +12,7 @@ from ciuicflow.compression.base import Compressor, Context
 from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, QuantizedStep, \
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
-from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, FAMILIES, \
+from ciuicflow.compression.registry import ADAPTIVE_AUTO, ADAPTIVE_OPTIMIZER_POLICIES, FAMILIES, \
     ROUTE_POLICIES, adaptive_bytes_per_element, adaptive_codec_name, adaptive_one_phase
 from ciuicflow.topology import Topology
 
@@ -172,10 +172,15 @@ class QuantizedCompressor(Compressor):
         if not self._told_adaptive:  # once per compressor: why its ratio is not 1-bit's
             self._told_adaptive = True
             ratio = 4 / adaptive_bytes_per_element(name, self.chunk_size)
+            # where "auto" falls to int4 (four or more exchanging ranks, or GPUs), the optimizers
+            # that compress Adam's momentum keep 1 bit (docs/onebit_adam.md)
+            hint = ("; ciuicflow.OneBitAdam / ZeroOneAdam send Adam's momentum at 1 bit instead "
+                    "(docs/onebit_adam.md)" if self.adaptive_optimizer == "auto"
+                    and name == ADAPTIVE_AUTO[1] else "")
             log.info("ciuicflow: an adaptive optimizer (Adam, AdamW, ...) steps some of the %s "
                      "state's parameters: their gradients go as %s, not %s (adaptive_optimizer=%r; "
-                     "%.1fx fewer bytes than float32): docs/hooks.md, 'Adaptive optimizers'",
-                     self.name, name, self.name, self.adaptive_optimizer, ratio)
+                     "%.1fx fewer bytes than float32): docs/hooks.md, 'Adaptive optimizers'%s",
+                     self.name, name, self.name, self.adaptive_optimizer, ratio, hint)
         return codec, self.adaptive_error_decays.get(name, 1.0)
 
     def chunk_for(self, codec: Codec) -> int:
