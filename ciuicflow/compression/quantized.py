@@ -172,9 +172,10 @@ class QuantizedCompressor(Compressor):
         if not self._told_adaptive:  # once per compressor: why its ratio is not 1-bit's
             self._told_adaptive = True
             ratio = 4 / adaptive_bytes_per_element(name, self.chunk_size)
-            # where "auto" falls to int4 (four or more exchanging ranks, or GPUs), the optimizers
-            # that compress Adam's momentum keep 1 bit (docs/onebit_adam.md)
-            hint = ("; ciuicflow.OneBitAdam / ZeroOneAdam send Adam's momentum at 1 bit instead "
+            # where "auto" falls to int4 (four or more exchanging ranks, or GPUs), 1-bit Adam
+            # compresses Adam's momentum at 1 bit and held AdamW's loss on up to six nodes
+            # (docs/onebit_adam.md; 0/1 Adam missed on six)
+            hint = ("; ciuicflow.OneBitAdam sends Adam's momentum at 1 bit instead "
                     "(docs/onebit_adam.md)" if self.adaptive_optimizer == "auto"
                     and name == ADAPTIVE_AUTO[1] else "")
             log.info("ciuicflow: an adaptive optimizer (Adam, AdamW, ...) steps some of the %s "
