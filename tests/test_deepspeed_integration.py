@@ -112,7 +112,8 @@ def _engine_matches_plain(rank, world, checkpoint_dir):
     # optimizer sends 1-bit gradients (3, 5), then 1-bit syncs of local steps (7, 8, 10), not 9
     def zero_one_for(model):
         return ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2,
-                           local_step_scaler=2, local_step_clipper=2, hierarchical=False)
+                           local_step_scaler=2, local_step_clipper=2, hierarchical=False,
+                           warmup_steps=0)
 
     plain = _mlp(11)
     _plain_steps(plain, zero_one_for(plain), rank, range(steps))

@@ -53,7 +53,7 @@ def _train_optimizer(kind, device):
 
     model = Net().to(device)
     optimizer = OneBitAdam(model.parameters(), lr=1e-2, freeze_steps=3) if kind == "onebit_adam" \
-        else ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=3)
+        else ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=3, warmup_steps=0)
     for step in range(STEPS):
         x, y = _batch(dist.get_rank(), step)
         optimizer.zero_grad()

@@ -352,7 +352,8 @@ def _checkpoint(rank, world, kind):
         model = _mlp(3)
         if kind == "zero_one":  # saved at step 6: frozen, between two syncs
             return model, ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=3,
-                                      var_update_scaler=1, local_step_scaler=1, local_step_clipper=4)
+                                      var_update_scaler=1, local_step_scaler=1, local_step_clipper=4,
+                                      warmup_steps=0)
         return model, OneBitAdam(model.parameters(), lr=1e-2, freeze_steps=3)
 
     def train(model, optimizer, steps):
@@ -408,15 +409,17 @@ def test_checkpoint_resume_continues_the_run_exactly(kind):
 # -- 0/1 Adam: its schedules, bit-for-bit agreement at syncs, bytes --------------------------------------
 
 
-def _zero_one_schedule(rank, world, compress_before_freeze):
+def _zero_one_schedule(rank, world, compress_before_freeze, warmup_steps):
     from ciuicflow.optim import ZeroOneAdam
 
     model = _mlp(0, (64, 64, 16))
-    # variance steps 1, 2, then every 2nd (4, 6), then every 4th (8, 12); frozen after 12; local
-    # steps sync every step (13-15), then every 2nd (16-20), then every 4th
+    # variance steps 1, 2, then every 2nd (4, 6), then every 4th (8, 12), and every step of the
+    # warm-up; frozen after 12; local steps sync every step (13-15), then every 2nd (16-20), then
+    # every 4th
     optimizer = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=12, var_update_scaler=2,
                             local_step_scaler=3, local_step_clipper=4, hierarchical=False,
-                            compress_before_freeze=compress_before_freeze)
+                            compress_before_freeze=compress_before_freeze,
+                            warmup_steps=warmup_steps)
     announced = []  # what the optimizer tells an engine before each step: average exactly?
     optimizer.add_exact_step_listener(announced.append)
     rows = []
@@ -432,10 +435,15 @@ def _zero_one_schedule(rank, world, compress_before_freeze):
             "params": sum(p.numel() for p in model.parameters())}
 
 
-@pytest.mark.parametrize("compress_before_freeze", ["directions", "gradients"])
-def test_zero_one_adam_schedules_agreement_and_bytes(compress_before_freeze):
-    results = run_distributed(_zero_one_schedule, WORLD, nodes=NODES, args=(compress_before_freeze,))
-    exact_steps, syncs = {1, 2, 4, 6, 8, 12}, {13, 14, 15, 16, 18, 20, 24, 28}
+@pytest.mark.parametrize("compress_before_freeze, warmup_steps", [
+    ("directions", 0), ("gradients", 0), ("directions", 5)])
+def test_zero_one_adam_schedules_agreement_and_bytes(compress_before_freeze, warmup_steps):
+    """The variance steps' schedule (0: the paper's); a warm-up makes its first steps variance
+    steps as well and leaves the schedule after it as it was (5: steps 3 and 5 exact too)."""
+    results = run_distributed(_zero_one_schedule, WORLD, nodes=NODES,
+                              args=(compress_before_freeze, warmup_steps))
+    exact_steps = {1, 2, 4, 6, 8, 12} | set(range(1, warmup_steps + 1))
+    syncs = {13, 14, 15, 16, 18, 20, 24, 28}
     for r in results:
         exact = 4 * r["params"]
         assert [s for s, flag in enumerate(r["announced"], 1) if flag] == sorted(exact_steps)
@@ -499,7 +507,8 @@ def _revived_unit(rank, world, name):
     if name == "onebit":
         optimizer, variance_steps = OneBitAdam([p], lr=lr, freeze_steps=4), {1, 2, 3, 4}
     else:  # variance steps 1, 2, 4, 6, 8, 12
-        optimizer, variance_steps = ZeroOneAdam([p], lr=lr, var_update_scaler=2), {1, 2, 4, 6, 8, 12}
+        optimizer, variance_steps = ZeroOneAdam([p], lr=lr, var_update_scaler=2, warmup_steps=0), \
+            {1, 2, 4, 6, 8, 12}
     gen = torch.Generator().manual_seed(rank)
     largest = 0.0
     for step in range(1, 13):
@@ -548,6 +557,8 @@ def test_bad_arguments_raise_clear_errors():
         ZeroOneAdam(params, var_freeze_step=0)
     with pytest.raises(ValueError, match="local_step_clipper"):
         ZeroOneAdam(params, local_step_clipper=0.5)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        ZeroOneAdam(params, warmup_steps=-1)
     with pytest.raises(ValueError, match="compress_before_freeze must be one of"):
         ZeroOneAdam(params, compress_before_freeze="momentum")
     with pytest.raises(ValueError, match="no 'onebit' entry"):

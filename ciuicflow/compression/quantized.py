@@ -174,7 +174,7 @@ class QuantizedCompressor(Compressor):
             ratio = 4 / adaptive_bytes_per_element(name, self.chunk_size)
             # where "auto" falls to int4 (four or more exchanging ranks, or GPUs), 1-bit Adam
             # compresses Adam's momentum at 1 bit and held AdamW's loss on up to six nodes
-            # (docs/onebit_adam.md; 0/1 Adam missed on six)
+            # (docs/onebit_adam.md)
             hint = ("; ciuicflow.OneBitAdam sends Adam's momentum at 1 bit instead "
                     "(docs/onebit_adam.md)" if self.adaptive_optimizer == "auto"
                     and name == ADAPTIVE_AUTO[1] else "")
