@@ -387,8 +387,7 @@ class CompressedMomentumOptimizer(Optimizer):
 # Adam +3.9% above AdamW with two phases, +1.1% with one; one rank per node, seeds 0-2, mean /
 # worst seed: on three nodes 0/1 Adam +1.4% / +2.3% with two phases, +0.2% / +0.8% with one; on
 # four 0/1 Adam +1.0% / +1.8% and 1-bit Adam +1.2% / +2.0% with two, +0.2% / +0.6% and +0.8% /
-# +1.1% with one
-# (docs/onebit_adam.md, "One phase up to four ranks").
+# +1.1% with one (0/1 Adam before its warm-up; docs/onebit_adam.md, "One phase up to four ranks").
 ONE_PHASE_RANKS = 4
 
 
