@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ciuicflow.compression import optimizer_watch
+from ciuicflow.compression.registry import FAMILIES
 from tests.dist_utils import run_distributed
 from tests.test_hooks import Net, _batch, _flat_params, _replicas_equal
 
@@ -114,10 +115,18 @@ def test_auto_sends_topmark_where_an_exchange_quantises_once_and_int4_elsewhere(
     # more ranks: one phase (once, topmark) where its (W-1) copies cost at most 2/3 of int4's
     # two phases, 2(W-1)/W copies: 3 ranks (0.57x; 4 ranks 0.76x, 5 ranks 0.95x)
     assert auto.codec_for(True, Route(3)).name == "topmark"
-    assert not auto.two_phases(Route(3), True) and auto.two_phases(Route(3))
+    assert not auto.two_phases(Route(3), True)
     for ranks in (4, 5, 8):
         assert auto.codec_for(True, Route(ranks)).name == "int4", ranks  # twice quantised
         assert auto.two_phases(Route(ranks), True), ranks
+    # 1 bit's own codec (SGD's tensors, and "same") goes in one phase up to four ranks
+    # (registry.ONE_PHASE_RANKS), two beyond; int8 and int4 in two beyond two ranks
+    same = OneBitCompressor(adaptive_optimizer="same")
+    for ranks, two in ((3, False), (4, False), (5, True), (8, True)):
+        assert auto.two_phases(Route(ranks)) == same.two_phases(Route(ranks), True) == two, ranks
+    for family in ("int8", "int4"):
+        compressor = FAMILIES[family].compressor_class()()
+        assert compressor.two_phases(Route(3)) and not compressor.two_phases(Route(2)), family
     assert OneBitCompressor(adaptive_optimizer="topmark").two_phases(Route(4), True)
     assert OneBitCompressor(phases=2).codec_for(True, Route(2)).name == "int4"
     assert OneBitCompressor(phases=1).codec_for(True, Route(8)).name == "topmark"
@@ -265,11 +274,12 @@ def _three_nodes(rank, world):
 
 def test_three_nodes_exchange_adaptive_tensors_in_one_phase_where_that_sends_fewer_bytes():
     """Three nodes: AdamW's tensors go in one phase (each value quantised once, topmark to each of
-    the two other nodes: fewer bytes than int4's two phases), SGD's in two (1 bit)."""
+    the two other nodes: fewer bytes than int4's two phases), SGD's too (1 bit: one phase up to
+    four ranks, registry.ONE_PHASE_RANKS)."""
     results = run_distributed(_three_nodes, 3, nodes=3, timeout=300)[0]
     by = {(opt, dict(options).get("phases", dict(options).get("adaptive_optimizer", "default"))): r
           for (opt, options), r in results.items()}
-    for optimizer, same_as, other in (("adamw", 1, 2), ("sgd", 2, 1)):
+    for optimizer, same_as, other in (("adamw", 1, 2), ("sgd", 1, 2)):
         default, same, different = by[(optimizer, "default")], by[(optimizer, same_as)], \
             by[(optimizer, other)]
         assert default["gap"] == same["gap"] != different["gap"], optimizer

@@ -63,7 +63,7 @@ class OneBitCompressor(QuantizedCompressor):
     """``hierarchical_1bit`` / ``onebit``. Defaults (docs/hooks.md, "Defaults, and why"): 256
     elements per scale; half of the error carried over (the carried error is gradient sent late,
     and momentum at a constant learning rate turns late gradient into oscillation: accuracy
-    collapsed with all of it carried); one phase where the exchange has two ranks; the guard
+    collapsed with all of it carried); one phase up to four exchanging ranks; the guard
     warns past 4x; tensors an adaptive optimizer steps go as topmark where each value is
     quantised once (a one-phase exchange, FSDP's reduce-scatter; CPU tensors), as int4 elsewhere
     (``adaptive_optimizer="auto"``;

@@ -31,9 +31,11 @@ class QuantizedCompressor(Compressor):
             (1: classic error feedback).
         phases: 2 (each rank serves a segment and quantises its mean again: 2(W-1)/W of the packed
             bytes), 1 (every rank gathers every packed tensor: (W-1)), or "auto": 1 when the
-            exchange has two ranks (the same bytes, without the server's second quantisation),
-            and for an adaptive optimizer's tensors under ``adaptive_optimizer="auto"`` where
-            that saves a third of two phases' bytes (3 ranks: ``two_phases``), else 2.
+            exchange has two ranks (the same bytes, without the server's second quantisation);
+            for 1 bit's own codec up to four ranks (``registry.ONE_PHASE_RANKS``: the second
+            quantisation cost up to 1.5 points on three and four nodes); for an adaptive
+            optimizer's tensors under ``adaptive_optimizer="auto"`` where that saves a third of
+            two phases' bytes (3 ranks: ``two_phases``); else 2.
         guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
             tensor's next step sends exactly what it would have compressed: its input plus the
@@ -98,6 +100,7 @@ class QuantizedCompressor(Compressor):
         if route not in ROUTE_POLICIES:
             raise ValueError(f"route must be one of {ROUTE_POLICIES}, got {route!r}")
         self.chunk_size, self.error_decay, self.phases = int(chunk_size), float(error_decay), phases
+        self.one_phase_ranks = FAMILIES[self.name].cost.one_phase_ranks  # phases="auto"
         self.adaptive_optimizer, self.route = adaptive_optimizer, route
         self._told_adaptive = self._told_route = False
         self._set_guard(guard, self.default_guard_threshold if guard_threshold is None
@@ -109,9 +112,11 @@ class QuantizedCompressor(Compressor):
     def two_phases(self, route, adaptive: bool = False, device=None) -> bool:
         """Whether an exchange on ``route`` serves segments (two phases: each value quantised
         twice); the reduce-scatter form (``route`` None) quantises once. ``phases="auto"``: one
-        phase up to two ranks, and for an adaptive optimizer's tensor (``adaptive``, on
-        ``device``) under ``adaptive_optimizer="auto"`` where sending its once-quantised codec
-        to every rank saves a third of the bytes (``registry.adaptive_one_phase``: 3 ranks)."""
+        phase up to two ranks; for the compressor's own codec up to its registry
+        ``one_phase_ranks`` (1 bit: four, ``registry.ONE_PHASE_RANKS``); for an adaptive
+        optimizer's tensor (``adaptive``, on ``device``) under ``adaptive_optimizer="auto"`` where
+        sending its once-quantised codec to every rank saves a third of the bytes
+        (``registry.adaptive_one_phase``: 3 ranks)."""
         if route is None:
             return False
         if self.phases != "auto":
@@ -119,7 +124,9 @@ class QuantizedCompressor(Compressor):
         ranks = route.exchange_ranks
         if ranks <= 2:
             return False
-        return not (adaptive and self.adaptive_optimizer == "auto" and adaptive_one_phase(
+        if not adaptive or self.adaptive_optimizer == "same" or not self.adaptive_codecs:
+            return ranks > self.one_phase_ranks  # the compressor's own codec
+        return not (self.adaptive_optimizer == "auto" and adaptive_one_phase(
             ranks, self.chunk_size, _device_type(device)))
 
     def adaptive_codec_name(self, route=None, device=None) -> str:

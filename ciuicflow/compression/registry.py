@@ -35,6 +35,10 @@ class Cost:
     # PowerSGD's rank for the tensors an adaptive optimizer steps, as a multiple of ``rank``
     adaptive_rank_factor: int = 1
     guard_threshold: float = 0.0
+    # ranks of an all-reduce exchange up to which the compressor's own codec goes in one phase
+    # (each rank's packed tensor to every other: each value quantised once, (W-1) packed copies per
+    # rank); beyond, two phases (2(W-1)/W copies) whose server quantises each segment's mean again
+    one_phase_ranks: int = 2
     values: int = 0  # values a chunk of a concentrated window also sends on the all-reduce
     #                   routes, 24 bits each (compression.outliers; only such chunks carry
     #                   them), in chunks of at most VALUES_MAX_CHUNK elements
@@ -147,6 +151,20 @@ class Method:
         return f"{self.entry.summary}, over the whole group (no topology)"
 
 
+# 1 bit goes in one phase up to four exchanging ranks (nodes' sums, hierarchically): 1-bit SGD
+# gradients (the hooks) and 1-bit Adam's momentum (ciuicflow.optim) alike. The server's second
+# quantisation cost accuracy wherever it was measured. SGD, bench/convergence.py's
+# cnn_sgd_cosine, gap to exact per seed, two phases -> one: 4 nodes x 2 ranks (seeds 0-3) -1.5 /
+# -0.4 / -0.5 / -1.15 -> -0.5 / +0.25 / +0.05 / -0.5 pt; 4 x 1 -0.35 / -1.1 -> -0.3 / -0.4;
+# 3 x 2 -0.6 / -0.95 -> -0.2 / -0.25; wide_mlp_bf16_step 4 x 1 -0.98 / -0.73 -> +0.1 / -0.1
+# (docs/convergence.md, "More than two nodes under SGD"). Adam, charlm_adamw, one rank per node,
+# seeds 0-2, mean / worst seed: three nodes 0/1 Adam +1.4% / +2.3% with two phases, +0.2% / +0.8%
+# with one; four: 0/1 Adam +1.0% / +1.8% and 1-bit Adam +1.2% / +2.0% with two, +0.2% / +0.6% and
+# +0.8% / +1.1% with one (docs/onebit_adam.md, "One phase up to four ranks"). The price: 1 bit at
+# about 28x fewer bytes than float32 on two ranks, 19x on three, 14x on four (two phases: 28x on
+# any W); with the hooks' values, on the CNN: 15x and 11x where two phases sent 22x. Beyond four ranks two phases, whose cost stays (eight nodes, the CNN: -1.3 / -0.15 pt).
+ONE_PHASE_RANKS = 4
+
 ENTRIES = (
     Entry("allreduce", "ciuicflow.compression.base:ExactCompressor", "AllReduceState",
           {"hierarchical": "hierarchical_allreduce"},
@@ -157,8 +175,8 @@ ENTRIES = (
           {"hierarchical": "hierarchical_1bit", "flat": "onebit"},
           "1-bit signs with a scale per chunk and error feedback",
           Cost("quantized", payload_bits=1, adaptive_family="auto", chunk_size=256,
-               guard_threshold=4.0, values=4, route="auto"),
-          "the most compression with SGD (21-28x: values where a gradient is concentrated); under Adam-family optimizers "
+               guard_threshold=4.0, values=4, route="auto", one_phase_ranks=ONE_PHASE_RANKS),
+          "the most compression with SGD (21-28x: values where a gradient is concentrated; 11-19x on three and four nodes, which exchange in one phase); under Adam-family optimizers "
           "its buckets go as topmark (20x) where two nodes exchange CPU tensors, int4 (about 7.5x) elsewhere; watch "
           "the accuracy guard"),
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",

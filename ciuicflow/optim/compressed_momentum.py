@@ -16,6 +16,7 @@ from ciuicflow.collectives.primitives import Traffic
 from ciuicflow.collectives.routes import FlatRoute, HierarchicalRoute
 from ciuicflow.compression.onebit import DEFAULT_CHUNK_SIZE, OneBitCompressor
 from ciuicflow.compression.quantized import QuantizedErrors, quantized_all_reduce
+from ciuicflow.compression.registry import ONE_PHASE_RANKS
 from ciuicflow.optim.engines import prepare_engines
 from ciuicflow.topology import Topology
 
@@ -379,20 +380,9 @@ class CompressedMomentumOptimizer(Optimizer):
         return []
 
 
-# Ranks of the 1-bit exchange (nodes' sums, hierarchically) up to which it goes in one phase: each
-# rank's packed tensor sent to every other, each value quantised once, (W-1) packed copies per rank
-# (28.4x fewer bytes than float32 on two ranks, 18.9x on three, 14.2x on four); beyond, two phases
-# (2(W-1)/W copies, 28.4x on any W) whose server quantises the mean again. That second quantisation
-# cost accuracy wherever it was measured on charlm_adamw: on two nodes x two ranks (seed 0) 0/1
-# Adam +3.9% above AdamW with two phases, +1.1% with one; one rank per node, seeds 0-2, mean /
-# worst seed: on three nodes 0/1 Adam +1.4% / +2.3% with two phases, +0.2% / +0.8% with one; on
-# four 0/1 Adam +1.0% / +1.8% and 1-bit Adam +1.2% / +2.0% with two, +0.2% / +0.6% and +0.8% /
-# +1.1% with one (0/1 Adam before its warm-up; docs/onebit_adam.md, "One phase up to four ranks").
-ONE_PHASE_RANKS = 4
-
-
 def exchange_phases(ranks: int) -> int:
-    """Phases of the optimizers' 1-bit exchange over ``ranks`` ranks (``ONE_PHASE_RANKS``)."""
+    """Phases of the optimizers' 1-bit exchange over ``ranks`` ranks: one up to
+    ``registry.ONE_PHASE_RANKS`` (the hooks' rule; it says what two phases cost), two beyond."""
     return 1 if ranks <= ONE_PHASE_RANKS else 2
 
 

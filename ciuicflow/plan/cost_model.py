@@ -122,7 +122,7 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
     bits = method_cost.payload_bits
     chunk = w.chunk_size or method_cost.chunk_size
     policy = w.adaptive_optimizer or method_cost.adaptive_family
-    if w.optimizer == "adam" and method_cost.adaptive_family and policy != "same":
+    if not _sends_own_codec(method_cost, w):
         once = exchange_ranks is None or exchange_ranks <= 2
         # the planner's gradients are on GPUs: "auto" sends int4 there until topmark's CUDA
         # kernel has run on one (registry.ADAPTIVE_CODEC_DEVICES), in two phases beyond two ranks
@@ -135,8 +135,37 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
     return bits / 8 + 4 / chunk
 
 
+def _sends_own_codec(method_cost, w: Workload) -> bool:
+    """Whether a quantising method sends the workload's gradients with its own codec (not, under
+    Adam, with the one its ``adaptive_optimizer`` policy picks)."""
+    policy = w.adaptive_optimizer or method_cost.adaptive_family
+    return not (w.optimizer == "adam" and method_cost.adaptive_family and policy != "same")
+
+
+def _one_phase(method_cost, w: Workload, ranks: int) -> bool:
+    """Whether the exchange over ``ranks`` (> 2) ranks goes in one phase: the method's own codec up
+    to its ``one_phase_ranks`` (QuantizedCompressor.two_phases; an adaptive optimizer's codec on
+    the planner's GPUs, int4, goes in two). Two ranks are modelled as two phases: the same bytes,
+    one latency more."""
+    return 2 < ranks <= method_cost.one_phase_ranks and _sends_own_codec(method_cost, w)
+
+
+def _exchange(ranks: int, nbytes: float, bw: float, lat: float, one_phase: bool, parts: dict,
+              tag: str = "inter_") -> tuple:
+    """(seconds, bytes each rank sends) of the quantised exchange of ``nbytes`` packed bytes per
+    rank over ``ranks`` ranks: two phases (an all-to-all and an all-gather of 1/ranks each:
+    2(ranks-1)/ranks of the bytes) or one (an all-gather of the whole: ranks-1)."""
+    if one_phase:
+        seconds = _scatter_or_gather(ranks, ranks * nbytes, bw, lat)
+        parts[tag + "all_gather"] = seconds
+        return seconds, (ranks - 1) * nbytes
+    phase = _scatter_or_gather(ranks, nbytes, bw, lat)
+    parts.update({tag + "all_to_all": phase, tag + "all_gather": phase})
+    return 2 * phase, 2 * (ranks - 1) / ranks * nbytes
+
+
 def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, parts: dict) -> tuple:
-    """A quantising method (1-bit, int8): the two-phase exchange of compression.quantized."""
+    """A quantising method (1-bit, int8): the exchange of compression.quantized (``_exchange``)."""
     g, n, p = c.gpus_per_node, c.nodes, c.world
     elems = w.params
     # a flat state with route="auto" (1-bit's default) takes the hierarchical route on whole
@@ -149,25 +178,30 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
         nbytes = elems * w.grad_bytes
         rs = _scatter_or_gather(g, nbytes, c.intra_bw, c.intra_latency)
         shard = elems / g
-        # all-to-all then all-gather of the compressed shard among N nodes; G groups share the link
-        phase = _scatter_or_gather(n, shard * per_elem, c.inter_goodput / g, c.inter_latency)
+        # the compressed shard's exchange among N nodes; G groups share the link
+        parts.update(intra_reduce_scatter=rs, intra_all_gather=rs)
+        exchange, sent = _exchange(n, shard * per_elem, c.inter_goodput / g, c.inter_latency,
+                                   _one_phase(method_cost, w, n), parts)
         compress = elems * w.local_seconds_per_element
-        parts.update(intra_reduce_scatter=rs, inter_all_to_all=phase, inter_all_gather=phase, intra_all_gather=rs,
-                     compress=compress)
-        inter = 2 * (n - 1) / n * elems * per_elem
+        parts["compress"] = compress
         intra = 2 * (g - 1) / g * nbytes
-        return 2 * rs + 2 * phase, inter, intra, compress
+        return 2 * rs + exchange, sent * g, intra, compress
     if hierarchical and n == 1:  # nothing crosses a node: exact
         comm, inter, intra = _flat_ring(c, elems * w.grad_bytes)
         parts["ring"] = comm
         return comm, inter, intra, 0.0
-    # flat over all p ranks. Phase 1, pairwise all-to-all of the compressed tensor
     dc = elems * per_elem
+    compress = elems * w.local_seconds_per_element
+    if _one_phase(method_cost, w, p):  # every rank all-gathers every packed tensor (ring)
+        ag = _scatter_or_gather(p, p * dc, min(c.inter_goodput, c.intra_bw) if n > 1 else c.intra_bw,
+                                c.inter_latency if n > 1 else c.intra_latency)
+        parts.update(all_gather=ag, compress=compress)
+        return ag, (p - 1) * dc if n > 1 else 0.0, (p - 1) * dc * (g - 1) / g, compress
+    # flat over all p ranks in two phases. Phase 1, pairwise all-to-all of the compressed tensor
     a2a, a2a_inter, a2a_intra = _flat_all_to_all(c, dc)
     # phase 2, ring all-gather of the served segments (as gloo and NCCL run it): one edge per node crosses
     ag = _scatter_or_gather(p, dc, min(c.inter_goodput, c.intra_bw) if n > 1 else c.intra_bw,
                             c.inter_latency if n > 1 else c.intra_latency)
-    compress = elems * w.local_seconds_per_element
     parts.update(all_to_all=a2a, all_gather=ag, compress=compress)
     ag_inter = (p - 1) / p * dc if n > 1 else 0.0
     return a2a + ag, a2a_inter + ag_inter, a2a_intra + (p - 1) / p * dc * (g - 1) / g, compress
@@ -219,8 +253,11 @@ def recommend(estimates) -> tuple:
     best = min(estimates, key=lambda e: e.step_seconds)
     exact = [e for e in estimates if e.strategy in EXACT_STRATEGIES]
     best_exact = min(exact, key=lambda e: e.step_seconds) if exact else None
-    if best_exact is None or best is best_exact:
+    if best is best_exact:
         return best, "fastest, and exact"
+    if best_exact is None:  # --strategies left out every exact one
+        return best, ("fastest of the strategies asked for, none of them exact; compression "
+                      "changes the update: check accuracy on your model")
     if best.step_seconds >= 0.9 * best_exact.step_seconds:
         return best_exact, (f"exact, within 10% of the fastest ({best.name}, "
                             f"{best.step_seconds / best_exact.step_seconds:.2f}x its step time)")

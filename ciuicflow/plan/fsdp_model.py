@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ciuicflow.plan.alpha_beta import _ring_allreduce, _scatter_or_gather
-from ciuicflow.plan.cost_model import _flat_all_to_all, _flat_ring, _packed_bytes_per_element
+from ciuicflow.plan.cost_model import _exchange, _flat_all_to_all, _flat_ring, _one_phase, \
+    _packed_bytes_per_element
 from ciuicflow.plan.inputs import Workload, powersgd_elements
 from ciuicflow.plan.methods import ONE_DIM_STRATEGIES, cost
 
@@ -44,10 +45,11 @@ def fsdp_terms(strategy, c, w, workload, rank, buckets, parts) -> tuple:
     if method.kind == "quantized":
         # the replicas' all-reduce (one rank per node) sends the values
         per_elem = _packed_bytes_per_element(method, w, values=True, exchange_ranks=n)
-        phase = _scatter_or_gather(n, shard * per_elem, inter_bw, c.inter_latency)
+        exchange, sent = _exchange(n, shard * per_elem, inter_bw, c.inter_latency,
+                                   _one_phase(method, w, n), parts)
         compress = shard * w.local_seconds_per_element
-        parts.update(inter_all_to_all=phase, inter_all_gather=phase, compress=compress)
-        return 3 * gather + 2 * phase, 2 * (n - 1) / n * w.params * per_elem, intra, compress
+        parts["compress"] = compress
+        return 3 * gather + exchange, sent * g, intra, compress
     # low rank: each shard of a matrix is a matrix of rows / G
     shards = Workload(**{**asdict(workload), "params": workload.params / g,
                          "matrix_shapes": [(max(1, r // g), cols) for r, cols in workload.matrix_shapes]
