@@ -162,7 +162,8 @@ class Method:
 # with one; four: 0/1 Adam +1.0% / +1.8% and 1-bit Adam +1.2% / +2.0% with two, +0.2% / +0.6% and
 # +0.8% / +1.1% with one (docs/onebit_adam.md, "One phase up to four ranks"). The price: 1 bit at
 # about 28x fewer bytes than float32 on two ranks, 19x on three, 14x on four (two phases: 28x on
-# any W); with the hooks' values, on the CNN: 15x and 11x where two phases sent 22x. Beyond four ranks two phases, whose cost stays (eight nodes, the CNN: -1.3 / -0.15 pt).
+# any W); with the hooks' values, on the CNN: 15x and 11x where two phases sent 22x. Beyond four
+# ranks two phases, whose cost stays (eight nodes, the CNN: -1.3 / -0.15 pt).
 ONE_PHASE_RANKS = 4
 
 ENTRIES = (

@@ -13,10 +13,8 @@ from torch.optim import Optimizer
 
 from ciuicflow.collectives.hierarchical import flat_all_reduce, hierarchical_all_reduce
 from ciuicflow.collectives.primitives import Traffic
-from ciuicflow.collectives.routes import FlatRoute, HierarchicalRoute
 from ciuicflow.compression.onebit import DEFAULT_CHUNK_SIZE, OneBitCompressor
 from ciuicflow.compression.quantized import QuantizedErrors, quantized_all_reduce
-from ciuicflow.compression.registry import ONE_PHASE_RANKS
 from ciuicflow.optim.engines import prepare_engines
 from ciuicflow.topology import Topology
 
@@ -66,8 +64,8 @@ class CompressedMomentumOptimizer(Optimizer):
         self.group = group
         self.hierarchical = bool(hierarchical)
         self.chunk_size = int(chunk_size)
-        # 1-bit Adam's exchange: all of the error carried over, no accuracy guard; its phases are
-        # set once the topology is known (_topo, ONE_PHASE_RANKS).
+        # 1-bit Adam's exchange: all of the error carried over, no accuracy guard; phases "auto":
+        # one up to registry.ONE_PHASE_RANKS exchanging ranks, two beyond (the hooks' rule).
         # Plain scale x sign (outliers=0): the optimizers' results were measured without values.
         self._compressor = OneBitCompressor(chunk_size=self.chunk_size, error_decay=1.0, phases="auto",
                                             guard="off", outliers=0)
@@ -110,8 +108,6 @@ class CompressedMomentumOptimizer(Optimizer):
                 raise RuntimeError(f"{type(self).__name__}.step is collective: initialise "
                                    "torch.distributed (init_process_group) first")
             self._topology = Topology.detect(self.group)
-            route = (HierarchicalRoute if self.hierarchical else FlatRoute)(self._topology)
-            self._compressor.phases = exchange_phases(route.exchange_ranks)
         return self._topology
 
     def _flat_buckets(self) -> list[_FlatBucket]:
@@ -378,12 +374,6 @@ class CompressedMomentumOptimizer(Optimizer):
                 "Save and load each rank's own state_dict to resume exactly.",
                 RuntimeWarning, stacklevel=3)
         return []
-
-
-def exchange_phases(ranks: int) -> int:
-    """Phases of the optimizers' 1-bit exchange over ``ranks`` ranks: one up to
-    ``registry.ONE_PHASE_RANKS`` (the hooks' rule; it says what two phases cost), two beyond."""
-    return 1 if ranks <= ONE_PHASE_RANKS else 2
 
 
 def adam_direction_bound(beta1: float, beta2: float) -> float:

@@ -192,16 +192,17 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
         return comm, inter, intra, 0.0
     dc = elems * per_elem
     compress = elems * w.local_seconds_per_element
-    if _one_phase(method_cost, w, p):  # every rank all-gathers every packed tensor (ring)
-        ag = _scatter_or_gather(p, p * dc, min(c.inter_goodput, c.intra_bw) if n > 1 else c.intra_bw,
-                                c.inter_latency if n > 1 else c.intra_latency)
+    # a ring all-gather over all p ranks (as gloo and NCCL run it): one edge per node crosses
+    ring_bw = min(c.inter_goodput, c.intra_bw) if n > 1 else c.intra_bw
+    ring_lat = c.inter_latency if n > 1 else c.intra_latency
+    if _one_phase(method_cost, w, p):  # every rank all-gathers every packed tensor
+        ag = _scatter_or_gather(p, p * dc, ring_bw, ring_lat)
         parts.update(all_gather=ag, compress=compress)
         return ag, (p - 1) * dc if n > 1 else 0.0, (p - 1) * dc * (g - 1) / g, compress
     # flat over all p ranks in two phases. Phase 1, pairwise all-to-all of the compressed tensor
     a2a, a2a_inter, a2a_intra = _flat_all_to_all(c, dc)
-    # phase 2, ring all-gather of the served segments (as gloo and NCCL run it): one edge per node crosses
-    ag = _scatter_or_gather(p, dc, min(c.inter_goodput, c.intra_bw) if n > 1 else c.intra_bw,
-                            c.inter_latency if n > 1 else c.intra_latency)
+    # phase 2, ring all-gather of the served segments
+    ag = _scatter_or_gather(p, dc, ring_bw, ring_lat)
     parts.update(all_to_all=a2a, all_gather=ag, compress=compress)
     ag_inter = (p - 1) / p * dc if n > 1 else 0.0
     return a2a + ag, a2a_inter + ag_inter, a2a_intra + (p - 1) / p * dc * (g - 1) / g, compress
