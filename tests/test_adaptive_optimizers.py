@@ -127,6 +127,24 @@ def test_auto_sends_topmark_where_an_exchange_quantises_once_and_int4_elsewhere(
     for family in ("int8", "int4"):
         compressor = FAMILIES[family].compressor_class()()
         assert compressor.two_phases(Route(3)) and not compressor.two_phases(Route(2)), family
+        assert compressor.server_codec_for(compressor.codec, Route(8)) is None, family
+    # beyond four ranks 1 bit's servers send int4 (registry.SERVER_FAMILY); not where phases=2
+    # is asked for, nor with server_codec="same", nor for an adaptive optimizer's codec
+    for ranks, server in ((2, None), (3, None), (4, None), (5, "int4"), (8, "int4")):
+        for compressor in (auto, same):
+            got = compressor.server_codec_for(compressor.own_codec(Route(ranks)), Route(ranks))
+            assert (got and got.name) == server, ranks
+    assert auto.server_codec_for(auto.own_codec(Route(8)), None) is None
+    assert auto.server_codec_for(auto.codec_for(True, Route(8)), Route(8)) is None  # int4 already
+    for asked in (OneBitCompressor(phases=2), OneBitCompressor(server_codec="same")):
+        assert asked.server_codec_for(asked.own_codec(Route(8)), Route(8)) is None
+    with pytest.raises(ValueError, match="server_codec"):
+        OneBitCompressor(server_codec="int4")
+    # the 1-bit optimizers keep 1 bit at the server (measured so: docs/onebit_adam.md)
+    from ciuicflow.optim import OneBitAdam
+    exchange = OneBitAdam([torch.nn.Parameter(torch.zeros(3))])._compressor
+    assert exchange.two_phases(Route(8)) and not exchange.two_phases(Route(4))
+    assert exchange.server_codec_for(exchange.own_codec(Route(8)), Route(8)) is None
     assert OneBitCompressor(adaptive_optimizer="topmark").two_phases(Route(4), True)
     assert OneBitCompressor(phases=2).codec_for(True, Route(2)).name == "int4"
     assert OneBitCompressor(phases=1).codec_for(True, Route(8)).name == "topmark"

@@ -199,6 +199,56 @@ def test_onebit_error_feedback_invariant_and_overflow():
         assert untouched and has_inf and finite_ok and fallbacks == 1
 
 
+def _served_as_int4(rank, world, steps, numel, chunk_size):
+    """The default 1-bit compressor where six nodes exchange (two phases, int4 from the servers),
+    and with server_codec="same" (1 bit from them): what the invariant check needs, and the
+    first step's distance from the exact mean."""
+    from ciuicflow.collectives.primitives import Traffic
+    from ciuicflow.compression.onebit import OneBitCompressor
+    from ciuicflow.compression.quantized import QuantizedErrors, quantized_all_reduce
+    from ciuicflow.topology import Topology
+
+    topology = Topology.detect()
+    out = {}
+    for server_codec in ("auto", "same"):
+        compressor = OneBitCompressor(chunk_size=chunk_size, error_decay=1.0,
+                                      server_codec=server_codec)
+        errors, traffic, outputs = QuantizedErrors(), Traffic(), []
+        for step in range(steps):
+            x = _input(rank, step, numel)
+            quantized_all_reduce(compressor, x, errors, topology, traffic=traffic)
+            for other in _gather(x):
+                assert torch.equal(other, x), "1-bit results differ across ranks"
+            outputs.append(x)
+        out[server_codec] = {
+            "outputs": torch.stack(outputs), "worker": errors.worker.clone(),
+            "server": errors.server.clone(), "traffic": traffic.as_dict(),
+            "relative_error": errors.relative_error, "local_rank": topology.local_rank,
+            "node": topology.node, "mask": None,
+            "first_gap": (outputs[0].double() - _exact_mean(world, 0, numel)).norm().item()}
+    return out
+
+
+def test_beyond_four_nodes_the_servers_send_int4():
+    """Six nodes exchange in two phases; by default the servers pack each segment's mean as int4
+    (registry.SERVER_FAMILY): the error-feedback invariant holds with the int4 memory, the result
+    is nearer the exact mean than with 1 bit from the servers, and the servers' bytes are int4's."""
+    world, steps, numel, chunk = 6, 4, 6007, 64
+    per_rank = run_distributed(_served_as_int4, world, nodes=world, args=(steps, numel, chunk),
+                               timeout=300)
+    for codec in ("auto", "same"):
+        _check_onebit_invariant([r[codec] for r in per_rank], world, world, steps, True, chunk,
+                                numel, 0, True)
+    auto, same = per_rank[0]["auto"], per_rank[0]["same"]
+    assert auto["first_gap"] < 0.8 * same["first_gap"], (auto["first_gap"], same["first_gap"])
+    # per rank: (W-1)/W of the workers' packed bytes, then as much of the servers': 1 bit plus
+    # scales (and any values) both ways with "same"; with int4 the second half is 4 bits + scales
+    worker = same["traffic"]["inter_bytes"] / 2
+    int4 = steps * (world - 1) / world * numel * (4 / 8 + 4 / chunk)
+    assert auto["traffic"]["inter_bytes"] == pytest.approx(worker + int4, rel=0.03), \
+        (auto["traffic"], same["traffic"])
+
+
 def _onebit_overflow_by_reduce_scatter(rank, world):
     from ciuicflow.collectives.routes import NODE_SUM_ENV
 

@@ -82,15 +82,17 @@ def test_bytes_per_link_follow_the_algorithms():
 
 def test_one_bit_exchanges_in_one_phase_up_to_four_nodes():
     """1 bit's own codec goes in one phase up to four exchanging ranks (registry.ONE_PHASE_RANKS,
-    QuantizedCompressor.two_phases): N-1 packed copies per node, not two phases' 2(N-1)/N; int8
-    always in two beyond two ranks."""
+    QuantizedCompressor.two_phases): N-1 packed copies per node, not two phases' 2(N-1)/N; beyond,
+    two phases whose servers send int4 (registry.SERVER_FAMILY): (N-1)/N of the workers' packed
+    bytes and as much of the servers'; int8 always in two beyond two ranks."""
     w = pl.Workload(params=1e6)
-    packed = 1e6 * (1 / 8 + (4 + 12) / 256)
-    for nodes, copies in ((2, 1), (3, 2), (4, 3), (5, 8 / 5), (8, 14 / 8)):
+    packed, served = 1e6 * (1 / 8 + (4 + 12) / 256), 1e6 * (4 / 8 + 4 / 256)
+    for nodes, sent in ((2, packed), (3, 2 * packed), (4, 3 * packed),
+                        (5, 4 / 5 * (packed + served)), (8, 7 / 8 * (packed + served))):
         for method, gpus in (("hierarchical_1bit", 2), ("onebit", 2), ("onebit", 1),
                              ("fsdp_hierarchical_1bit", 2)):
             got = pl.estimate(method, _cluster(nodes=nodes, gpus=gpus), w)
-            assert got.inter_node_bytes_per_node == pytest.approx(copies * packed), (method, nodes, gpus)
+            assert got.inter_node_bytes_per_node == pytest.approx(sent), (method, nodes, gpus)
             one_phase = 2 < nodes <= 4
             assert ("inter_all_to_all" in got.parts or "all_to_all" in got.parts) != one_phase or \
                 nodes == 2, (method, nodes, gpus, got.parts)

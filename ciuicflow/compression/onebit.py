@@ -64,7 +64,8 @@ class OneBitCompressor(QuantizedCompressor):
     elements per scale; half of the error carried over (the carried error is gradient sent late,
     and momentum at a constant learning rate turns late gradient into oscillation: accuracy
     collapsed with all of it carried); one phase up to four exchanging ranks; the guard
-    warns past 4x; tensors an adaptive optimizer steps go as topmark where each value is
+    warns past 4x; beyond four ranks the servers of the two phases send int4
+    (``server_codec="auto"``); tensors an adaptive optimizer steps go as topmark where each value is
     quantised once (a one-phase exchange, FSDP's reduce-scatter; CPU tensors), as int4 elsewhere
     (``adaptive_optimizer="auto"``;
     ``compression.optimizer_watch`` says why, docs/convergence.md "The largest marked" what each
@@ -75,6 +76,7 @@ class OneBitCompressor(QuantizedCompressor):
     adaptive_codecs = {"topmark": TopMarkCodec(), "int4": Int4InOneBitLayout(),
                        "int8": Int8InOneBitLayout(), "twobit": TwoBitCodec()}
     adaptive_error_decays = {"twobit": 0.5, "topmark": 0.5}
+    server_codecs = {"int4": adaptive_codecs["int4"]}  # registry.SERVER_FAMILY, 1 bit's layout
     option_names = QuantizedCompressor.option_names + ("outliers",)
     default_chunk_size = DEFAULT_CHUNK_SIZE
     default_error_decay = 0.5

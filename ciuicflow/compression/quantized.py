@@ -36,6 +36,12 @@ class QuantizedCompressor(Compressor):
             quantisation cost up to 1.5 points on three and four nodes); for an adaptive
             optimizer's tensors under ``adaptive_optimizer="auto"`` where that saves a third of
             two phases' bytes (3 ranks: ``two_phases``); else 2.
+        server_codec: what the servers of a two-phase exchange that ``phases="auto"`` picks for
+            this compressor's own codec (beyond ``one_phase_ranks``) pack each segment's mean
+            with: "auto" (the default) the registry's ``server_family`` (1 bit: int4, whose error
+            is small; the second 1-bit quantisation cost a point on eight nodes:
+            ``registry.SERVER_FAMILY``), "same" this compressor's codec. ``phases=2`` always
+            sends the compressor's codec from the servers (its bytes, asked for).
         guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
             tensor's next step sends exactly what it would have compressed: its input plus the
@@ -70,8 +76,9 @@ class QuantizedCompressor(Compressor):
     # ... and their error decay: all of it carried for int4 and int8 (their errors are below half
     # a step per element), half for twobit (docs/convergence.md, "2 bits for Adam")
     adaptive_error_decays: dict = {}
+    server_codecs: dict = {}  # codecs a server may pack with (``server_codec``), by family name
     option_names = ("chunk_size", "error_decay", "phases", "guard", "guard_threshold",
-                    "adaptive_optimizer", "route")
+                    "adaptive_optimizer", "route", "server_codec")
     layout_options = ("chunk_size", "phases")
     default_chunk_size: int
     default_error_decay: float
@@ -79,7 +86,8 @@ class QuantizedCompressor(Compressor):
 
     def __init__(self, *, chunk_size: int | None = None, error_decay: float | None = None,
                  phases="auto", guard: str = "warn", guard_threshold: float | None = None,
-                 adaptive_optimizer: str | None = None, route: str | None = None):
+                 adaptive_optimizer: str | None = None, route: str | None = None,
+                 server_codec: str = "auto"):
         chunk_size = self.default_chunk_size if chunk_size is None else chunk_size
         error_decay = self.default_error_decay if error_decay is None else error_decay
         granule = self.codec.granule
@@ -99,8 +107,14 @@ class QuantizedCompressor(Compressor):
             route = FAMILIES[self.name].cost.route
         if route not in ROUTE_POLICIES:
             raise ValueError(f"route must be one of {ROUTE_POLICIES}, got {route!r}")
+        if server_codec not in ("auto", "same"):
+            raise ValueError(f"server_codec must be 'auto' or 'same', got {server_codec!r}")
         self.chunk_size, self.error_decay, self.phases = int(chunk_size), float(error_decay), phases
-        self.one_phase_ranks = FAMILIES[self.name].cost.one_phase_ranks  # phases="auto"
+        cost = FAMILIES[self.name].cost
+        self.one_phase_ranks = cost.one_phase_ranks  # phases="auto"
+        self.server_codec = server_codec
+        self._server_family = cost.server_family if server_codec == "auto" else ""
+        self._told_server = False
         self.adaptive_optimizer, self.route = adaptive_optimizer, route
         self._told_adaptive = self._told_route = False
         self._set_guard(guard, self.default_guard_threshold if guard_threshold is None
@@ -196,13 +210,34 @@ class QuantizedCompressor(Compressor):
         ``chunk_size``."""
         return codec.chunk_size or self.chunk_size
 
+    def server_codec_for(self, codec: Codec, route) -> Codec | None:
+        """What the servers of a two-phase exchange of ``codec`` on ``route`` pack with, where not
+        ``codec`` itself (None): the ``server_family``'s codec, for this compressor's own codec
+        where ``phases="auto"`` picked two phases (beyond ``one_phase_ranks``)."""
+        if not self._server_family or self.phases != "auto" or route is None \
+                or codec is not self.own_codec(route) \
+                or route.exchange_ranks <= max(2, self.one_phase_ranks):
+            return None
+        server = self.server_codecs[self._server_family]
+        if not self._told_server:  # once per compressor: why its bytes are not 1 bit's
+            self._told_server = True
+            log.info("ciuicflow: %d ranks exchange the %s state's buckets in two phases; the "
+                     "servers send each segment's mean as %s, not %s (server_codec='auto'; "
+                     "'same' or phases=2 keeps %s): docs/hooks.md", route.exchange_ranks,
+                     self.name, server.name, codec.name, codec.name)
+        return server
+
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
              traffic: Traffic | None = None, device=None) -> QuantizedStep:
         codec, decay = self._pick(adaptive, traffic, route, device)
         server = self.two_phases(route, adaptive, device)
+        server_codec = self.server_codec_for(codec, route) if server else None
         return QuantizedStep(codec, errors, self.chunk_for(codec), exact_mask, error_decay=decay,
                              server=server, guard_threshold=self.exact_step_threshold,
-                             measure=self.measure, guard_half=self.guard_half)
+                             measure=self.measure, guard_half=self.guard_half,
+                             server_codec=server_codec, server_error_decay=None
+                             if server_codec is None
+                             else self.adaptive_error_decays.get(server_codec.name, 1.0))
 
     def exchange(self, flat, memory, route, context: Context, traffic) -> torch.Tensor:
         return route.reduce(flat, self.step(memory, route, context.exact_mask, context.adaptive,

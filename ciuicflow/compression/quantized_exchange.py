@@ -10,7 +10,9 @@ of W ranks in one of two forms:
   1. worker: each rank packs its tensor plus its worker error, keeping what that drops;
   2. all-to-all: segment j of every rank goes to rank j;
   3. server: rank j averages the W packed copies of its segment (``unpack_mean``), adds its server
-     error, packs again and keeps what that drops as its server error;
+     error, packs again (with the step's ``server_codec`` where it has one: 1 bit's server sends
+     int4 beyond four ranks, ``QuantizedCompressor.server_codec_for``) and keeps what that drops
+     as its server error;
   4. all-gather: every rank receives every packed segment and unpacks the whole tensor.
 - one phase: every rank gathers every rank's packed tensor and averages them itself: no second
   quantisation, (W-1) instead of 2(W-1)/W of the packed bytes, the same for W = 2.
@@ -27,7 +29,7 @@ GradScaler then sees the overflow and skips the step).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -146,6 +148,15 @@ class _Layout:
         return _Layout(numel, exact, world, segment, chunk, raw, server,
                        codec.payload_bytes(segment, chunk), codec.side_bytes)
 
+    def served_with(self, codec: Codec) -> "_Layout":
+        """The layout of the servers' all-gather where they pack with ``codec`` (the same chunks:
+        its granule divides them)."""
+        if self.chunk % codec.granule:
+            raise ValueError(f"the server's codec {codec.name} needs chunks of a multiple of "
+                             f"{codec.granule} elements, these hold {self.chunk}")
+        return replace(self, packed_bytes=codec.payload_bytes(self.segment, self.chunk)
+                       if self.segment else 0, side_bytes=codec.side_bytes)
+
     @property
     def parts(self) -> int:
         return self.world if self.server else 1
@@ -174,6 +185,8 @@ class QuantizedStep:
     (``_flush``).
     ``measure``: compute that measure (two norms per call, free with a native one-pass pack; and a
     read of them on the host). ``guard_half``: the guard's step sends float16, not float32.
+    ``server_codec``: what a server packs its segment's mean with (None: ``codec``), in
+    ``codec``'s chunks, its memory carried by ``server_error_decay`` (None: ``error_decay``).
     """
 
     needs_flag = True
@@ -181,8 +194,12 @@ class QuantizedStep:
     def __init__(self, codec: Codec, errors: QuantizedErrors, chunk_size: int,
                  exact_mask: torch.Tensor | None = None, *, error_decay: float = 1.0,
                  server: bool = True, guard_threshold: float | None = None,
-                 measure: bool = True, guard_half: bool = False):
+                 measure: bool = True, guard_half: bool = False,
+                 server_codec: Codec | None = None, server_error_decay: float | None = None):
         self.codec = codec
+        self.server_codec = codec if server_codec is None else server_codec
+        self.server_error_decay = float(error_decay if server_error_decay is None
+                                        else server_error_decay)
         self.errors = errors
         self.chunk_size = chunk_size
         self.exact_mask = exact_mask
@@ -279,14 +296,16 @@ class QuantizedStep:
         # Phase 2 (server of segment `me`): average, compress again with the server error, gather.
         me = dist.get_rank(hop.group)
         real = max(0, min(layout.segment, layout.numel - me * layout.segment))
+        served = layout.served_with(self.server_codec)
         if layout.segment:
             mean = codec.unpack_mean(r_packed, r_scales, layout.segment, layout.chunk,
                                      errors._mean,
                                      side=side_per_row(r_side, r_scales, layout.side_bytes))
             mean[real:] = 0
-            s_packed, s_scales, _ = codec.pack_ef(mean, errors.server, self.error_decay,
-                                                  errors.server, layout.chunk, measure=False)
-            s_packed, s_side = s_packed[:layout.packed_bytes], s_packed[layout.packed_bytes:]
+            s_packed, s_scales, _ = self.server_codec.pack_ef(
+                mean, errors.server, self.server_error_decay, errors.server, layout.chunk,
+                measure=False)
+            s_packed, s_side = s_packed[:served.packed_bytes], s_packed[served.packed_bytes:]
             errors.server[real:].zero_()
         else:
             s_packed, s_scales, s_side = packed[:0], scales[:0], side[:0]
@@ -294,21 +313,23 @@ class QuantizedStep:
         send2 = pack_rows(1, s_packed, s_scales, None, raw_mean)
         gathered = send2.new_empty(world, send2.shape[1])
         all_gather(gathered, send2.view(-1), hop, traffic)
-        g_packed, g_scales, _, g_raw = unpack_rows(gathered, layout, with_flag=False)
+        g_packed, g_scales, _, g_raw = unpack_rows(gathered, served, with_flag=False)
         g_side = None
-        if layout.side_bytes:  # every rank has every server's scales: the same decision
+        if served.side_bytes:  # every rank has every server's scales: the same decision
             counts = count_marked(g_scales, world).tolist()
             if sum(counts) > 0:
-                g_side = exchange_side(s_side, [s_side.numel() // layout.side_bytes],
-                                        [int(c) for c in counts], layout.side_bytes, hop, traffic)
-        return self._finish(x, layout, compressed_at, exact_at, g_packed, g_scales,
-                            g_raw.reshape(-1), mean_of_rows=False, side=g_side)
+                g_side = exchange_side(s_side, [s_side.numel() // served.side_bytes],
+                                        [int(c) for c in counts], served.side_bytes, hop, traffic)
+        return self._finish(x, served, compressed_at, exact_at, g_packed, g_scales,
+                            g_raw.reshape(-1), mean_of_rows=False, side=g_side,
+                            codec=self.server_codec)
 
     def _finish(self, x, layout, compressed_at, exact_at, packed, scales, raw, mean_of_rows,
-                side=None):
+                side=None, codec=None):
         """Write the decompressed result into x: the rows' mean (one phase) or the rows laid end to
-        end (two phases: row j is segment j). ``side``: the rows' side blocks, in row order."""
-        codec, errors = self.codec, self.errors
+        end (two phases: row j is segment j). ``side``: the rows' side blocks, in row order;
+        ``codec``: the rows' (None: the step's)."""
+        codec, errors = codec or self.codec, self.errors
         nbytes = (lambda n: codec.payload_bytes(n, layout.chunk))
         nscales = (lambda n: -(-n // layout.chunk))
         rows_side = side_per_row(side, scales, layout.side_bytes) if mean_of_rows else None
@@ -352,7 +373,7 @@ class QuantizedStep:
             seg = errors.server.numel()
             lo, hi = me * seg, min(numel, (me + 1) * seg)
             if hi > lo:
-                owed[lo:hi] += errors.server[:hi - lo] * (hop.size * self.error_decay)
+                owed[lo:hi] += errors.server[:hi - lo] * (hop.size * self.server_error_decay)
         if compressed_at is None:
             pending += owed
         else:

@@ -39,6 +39,9 @@ class Cost:
     # (each rank's packed tensor to every other: each value quantised once, (W-1) packed copies per
     # rank); beyond, two phases (2(W-1)/W copies) whose server quantises each segment's mean again
     one_phase_ranks: int = 2
+    # beyond ``one_phase_ranks`` (phases "auto"), the family whose codec the servers pack each
+    # segment's mean with ("": the compressor's own): 1 bit's servers send int4
+    server_family: str = ""
     values: int = 0  # values a chunk of a concentrated window also sends on the all-reduce
     #                   routes, 24 bits each (compression.outliers; only such chunks carry
     #                   them), in chunks of at most VALUES_MAX_CHUNK elements
@@ -163,8 +166,16 @@ class Method:
 # +0.8% / +1.1% with one (docs/onebit_adam.md, "One phase up to four ranks"). The price: 1 bit at
 # about 28x fewer bytes than float32 on two ranks, 19x on three, 14x on four (two phases: 28x on
 # any W); with the hooks' values, on the CNN: 15x and 11x where two phases sent 22x. Beyond four
-# ranks two phases, whose cost stays (eight nodes, the CNN: -1.3 / -0.15 pt).
+# ranks two phases (one phase's W-1 copies grow with W), with int4 at the server (below).
 ONE_PHASE_RANKS = 4
+
+# Beyond four ranks 1 bit's exchange has two phases, and its servers pack each segment's mean as
+# int4, not 1 bit: the second 1-bit quantisation cost a point on eight nodes (the CNN, seeds 0-3,
+# -0.95 / -0.8 / -1.1 / -1.2 pt; int4 at the server -0.5 / +0.2 / +0.05 / -0.25) at 1/12.9 of
+# exact's bytes, int4 at the server 1/8.5 (docs/convergence.md, "Beyond four nodes"). The
+# hooks' and HSDP's replicas' rule; the 1-bit optimizers keep 1 bit there (server_codec="same":
+# within their line on six nodes, docs/onebit_adam.md).
+SERVER_FAMILY = "int4"
 
 ENTRIES = (
     Entry("allreduce", "ciuicflow.compression.base:ExactCompressor", "AllReduceState",
@@ -176,8 +187,9 @@ ENTRIES = (
           {"hierarchical": "hierarchical_1bit", "flat": "onebit"},
           "1-bit signs with a scale per chunk and error feedback",
           Cost("quantized", payload_bits=1, adaptive_family="auto", chunk_size=256,
-               guard_threshold=4.0, values=4, route="auto", one_phase_ranks=ONE_PHASE_RANKS),
-          "the most compression with SGD (21-28x: values where a gradient is concentrated; 11-19x on three and four nodes, which exchange in one phase); under Adam-family optimizers "
+               guard_threshold=4.0, values=4, route="auto", one_phase_ranks=ONE_PHASE_RANKS,
+               server_family=SERVER_FAMILY),
+          "the most compression with SGD (21-28x: values where a gradient is concentrated; 11-19x on three and four nodes, which exchange in one phase; about 11x beyond, whose servers send int4); under Adam-family optimizers "
           "its buckets go as topmark (20x) where two nodes exchange CPU tensors, int4 (about 7.5x) elsewhere; watch "
           "the accuracy guard"),
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",

@@ -65,10 +65,12 @@ class CompressedMomentumOptimizer(Optimizer):
         self.hierarchical = bool(hierarchical)
         self.chunk_size = int(chunk_size)
         # 1-bit Adam's exchange: all of the error carried over, no accuracy guard; phases "auto":
-        # one up to registry.ONE_PHASE_RANKS exchanging ranks, two beyond (the hooks' rule).
-        # Plain scale x sign (outliers=0): the optimizers' results were measured without values.
+        # one up to registry.ONE_PHASE_RANKS exchanging ranks, two beyond (the hooks' rule), whose
+        # servers send 1 bit (server_codec="same"; the hooks' send int4): within the line on six
+        # nodes (docs/onebit_adam.md). Plain scale x sign (outliers=0): the optimizers' results
+        # were measured without values.
         self._compressor = OneBitCompressor(chunk_size=self.chunk_size, error_decay=1.0, phases="auto",
-                                            guard="off", outliers=0)
+                                            guard="off", outliers=0, server_codec="same")
         self.caller_averages_grads = bool(caller_averages_grads)
         self.traffic = Traffic()  # modelled bytes sent by this rank, warm-up and compressed
         self.steps_taken = 0

@@ -150,18 +150,33 @@ def _one_phase(method_cost, w: Workload, ranks: int) -> bool:
     return 2 < ranks <= method_cost.one_phase_ranks and _sends_own_codec(method_cost, w)
 
 
+def _served_bytes_per_element(method_cost, w: Workload, ranks: int, per_elem: float) -> float:
+    """Bytes per element the servers of a two-phase exchange over ``ranks`` ranks send back: the
+    method's ``server_family``'s where its own codec goes in two phases beyond its
+    ``one_phase_ranks`` (QuantizedCompressor.server_codec_for: 1 bit's servers send int4), else
+    what the workers sent (``per_elem``)."""
+    if not method_cost.server_family or ranks <= max(2, method_cost.one_phase_ranks) \
+            or not _sends_own_codec(method_cost, w):
+        return per_elem
+    server = registry.FAMILIES[method_cost.server_family].cost
+    return server.payload_bits / 8 + 4 / (w.chunk_size or method_cost.chunk_size)
+
+
 def _exchange(ranks: int, nbytes: float, bw: float, lat: float, one_phase: bool, parts: dict,
-              tag: str = "inter_") -> tuple:
+              tag: str = "inter_", served: float | None = None) -> tuple:
     """(seconds, bytes each rank sends) of the quantised exchange of ``nbytes`` packed bytes per
-    rank over ``ranks`` ranks: two phases (an all-to-all and an all-gather of 1/ranks each:
-    2(ranks-1)/ranks of the bytes) or one (an all-gather of the whole: ranks-1)."""
+    rank over ``ranks`` ranks: two phases (an all-to-all of 1/ranks each, then an all-gather of
+    the servers' ``served`` bytes, default ``nbytes``, 1/ranks each) or one (an all-gather of the
+    whole: ranks-1)."""
     if one_phase:
         seconds = _scatter_or_gather(ranks, ranks * nbytes, bw, lat)
         parts[tag + "all_gather"] = seconds
         return seconds, (ranks - 1) * nbytes
-    phase = _scatter_or_gather(ranks, nbytes, bw, lat)
-    parts.update({tag + "all_to_all": phase, tag + "all_gather": phase})
-    return 2 * phase, 2 * (ranks - 1) / ranks * nbytes
+    served = nbytes if served is None else served
+    scatter = _scatter_or_gather(ranks, nbytes, bw, lat)
+    gather = _scatter_or_gather(ranks, served, bw, lat)
+    parts.update({tag + "all_to_all": scatter, tag + "all_gather": gather})
+    return scatter + gather, (ranks - 1) / ranks * (nbytes + served)
 
 
 def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, parts: dict) -> tuple:
@@ -181,7 +196,8 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
         # the compressed shard's exchange among N nodes; G groups share the link
         parts.update(intra_reduce_scatter=rs, intra_all_gather=rs)
         exchange, sent = _exchange(n, shard * per_elem, c.inter_goodput / g, c.inter_latency,
-                                   _one_phase(method_cost, w, n), parts)
+                                   _one_phase(method_cost, w, n), parts, served=shard *
+                                   _served_bytes_per_element(method_cost, w, n, per_elem))
         compress = elems * w.local_seconds_per_element
         parts["compress"] = compress
         intra = 2 * (g - 1) / g * nbytes
@@ -201,11 +217,12 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
         return ag, (p - 1) * dc if n > 1 else 0.0, (p - 1) * dc * (g - 1) / g, compress
     # flat over all p ranks in two phases. Phase 1, pairwise all-to-all of the compressed tensor
     a2a, a2a_inter, a2a_intra = _flat_all_to_all(c, dc)
-    # phase 2, ring all-gather of the served segments
-    ag = _scatter_or_gather(p, dc, ring_bw, ring_lat)
+    # phase 2, ring all-gather of the served segments (as the servers pack them)
+    served = elems * _served_bytes_per_element(method_cost, w, p, per_elem)
+    ag = _scatter_or_gather(p, served, ring_bw, ring_lat)
     parts.update(all_to_all=a2a, all_gather=ag, compress=compress)
-    ag_inter = (p - 1) / p * dc if n > 1 else 0.0
-    return a2a + ag, a2a_inter + ag_inter, a2a_intra + (p - 1) / p * dc * (g - 1) / g, compress
+    ag_inter = (p - 1) / p * served if n > 1 else 0.0
+    return a2a + ag, a2a_inter + ag_inter, a2a_intra + (p - 1) / p * served * (g - 1) / g, compress
 
 
 def _flat_all_to_all(c: ClusterSpec, nbytes: float) -> tuple:

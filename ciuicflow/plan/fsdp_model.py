@@ -20,7 +20,7 @@ from dataclasses import asdict
 
 from ciuicflow.plan.alpha_beta import _ring_allreduce, _scatter_or_gather
 from ciuicflow.plan.cost_model import _exchange, _flat_all_to_all, _flat_ring, _one_phase, \
-    _packed_bytes_per_element
+    _packed_bytes_per_element, _served_bytes_per_element
 from ciuicflow.plan.inputs import Workload, powersgd_elements
 from ciuicflow.plan.methods import ONE_DIM_STRATEGIES, cost
 
@@ -46,7 +46,8 @@ def fsdp_terms(strategy, c, w, workload, rank, buckets, parts) -> tuple:
         # the replicas' all-reduce (one rank per node) sends the values
         per_elem = _packed_bytes_per_element(method, w, values=True, exchange_ranks=n)
         exchange, sent = _exchange(n, shard * per_elem, inter_bw, c.inter_latency,
-                                   _one_phase(method, w, n), parts)
+                                   _one_phase(method, w, n), parts,
+                                   served=shard * _served_bytes_per_element(method, w, n, per_elem))
         compress = shard * w.local_seconds_per_element
         parts["compress"] = compress
         return 3 * gather + exchange, sent * g, intra, compress
