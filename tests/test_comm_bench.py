@@ -72,6 +72,24 @@ def test_smoke_bytes_match_the_algorithms(smoke):
     assert "planner" in base and base["planner"]["predicted_inter_node_bytes"] > 0
 
 
+def test_targets_are_judged_at_their_shape_only():
+    """The 1/25 bytes and 1.3x no_comm targets are the issue's on 2 nodes x 2 ranks; on other
+    shapes (1 bit's exchange sends more bytes beyond two nodes, by design) they are shown, not judged."""
+    from comm import targets
+
+    def records(nodes, ranks):
+        shape = dict(nodes=nodes, ranks_per_node=ranks)
+        return [dict(method="allreduce", inter_node_bytes_per_step=100.0, step_seconds=2.0, **shape),
+                dict(method="no_comm", inter_node_bytes_per_step=0.0, step_seconds=1.0, **shape),
+                dict(method="hierarchical_1bit", inter_node_bytes_per_step=10.0, step_seconds=1.5, **shape)]
+
+    at_shape = targets(records(2, 2))
+    assert [passed for _, passed in at_shape[:2]] == [False, False]  # 1/10 of the bytes; 1.5x
+    elsewhere = targets(records(4, 2))
+    assert [text for text, _ in elsewhere] == [text for text, _ in at_shape]
+    assert all(passed is None for _, passed in elsewhere)
+
+
 def test_rounds_combine_into_medians_and_ratios_within_rounds():
     """--rounds: one record per method, medians over the runs that finished, a failed run counted
     and left out, a method listed twice paired with the right round."""
