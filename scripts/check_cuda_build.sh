@@ -33,13 +33,20 @@ if ! ls "${includes[0]}/c10/cuda/impl/cuda_cmake_macros.h" >/dev/null 2>&1; then
   printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$out/stub/c10/cuda/impl/cuda_cmake_macros.h"
   flags+=(-isystem "$out/stub")
 fi
+# One nvcc per source for both architectures (the host side, most of the time, is parsed once),
+# two sources at a time (CI's two cores); any failure fails the script.
+compile() {
+  "$NVCC" -std=c++17 -O3 -Werror all-warnings -gencode arch=compute_80,code=sm_80 \
+    -gencode arch=compute_90,code=sm_90 "${flags[@]}" -c "$1" -o "$out/$(basename "$1").o"
+  echo "[cuda-build] $1 compiles for sm_80 and sm_90"
+}
+pids=()
 for source in csrc/cuda/*.cu; do
-  for arch in 80 90; do
-    "$NVCC" -std=c++17 -O3 -Werror all-warnings -gencode "arch=compute_${arch},code=sm_${arch}" \
-      "${flags[@]}" -c "$source" -o "$out/$(basename "$source").sm${arch}.o"
-    echo "[cuda-build] $source compiles for sm_${arch}"
-  done
+  if [ "${#pids[@]}" -ge 2 ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+  compile "$source" &
+  pids+=($!)
 done
+for pid in "${pids[@]}"; do wait "$pid"; done
 for source in csrc/cuda/*.cpp; do
   "${CXX:-g++}" -std=c++20 -O1 -fsyntax-only -Wall -Werror "${flags[@]}" "$source"
   echo "[cuda-build] $source compiles (host side)"
