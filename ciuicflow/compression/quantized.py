@@ -13,7 +13,8 @@ from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, Qua
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
 from ciuicflow.compression.registry import ADAPTIVE_AUTO, ADAPTIVE_OPTIMIZER_POLICIES, FAMILIES, \
-    ROUTE_POLICIES, adaptive_bytes_per_element, adaptive_codec_name, adaptive_one_phase
+    ROUTE_POLICIES, adaptive_bytes_per_element, adaptive_codec_name, adaptive_one_phase, \
+    served_family
 from ciuicflow.topology import Topology
 
 log = logging.getLogger("ciuicflow.compression")
@@ -113,7 +114,6 @@ class QuantizedCompressor(Compressor):
         cost = FAMILIES[self.name].cost
         self.one_phase_ranks = cost.one_phase_ranks  # phases="auto"
         self.server_codec = server_codec
-        self._server_family = cost.server_family if server_codec == "auto" else ""
         self._told_server = False
         self.adaptive_optimizer, self.route = adaptive_optimizer, route
         self._told_adaptive = self._told_route = False
@@ -214,11 +214,13 @@ class QuantizedCompressor(Compressor):
         """What the servers of a two-phase exchange of ``codec`` on ``route`` pack with, where not
         ``codec`` itself (None): the ``server_family``'s codec, for this compressor's own codec
         where ``phases="auto"`` picked two phases (beyond ``one_phase_ranks``)."""
-        if not self._server_family or self.phases != "auto" or route is None \
-                or codec is not self.own_codec(route) \
-                or route.exchange_ranks <= max(2, self.one_phase_ranks):
+        if self.server_codec != "auto" or self.phases != "auto" or route is None \
+                or codec is not self.own_codec(route):
             return None
-        server = self.server_codecs[self._server_family]
+        family = served_family(FAMILIES[self.name].cost, route.exchange_ranks)
+        if not family:
+            return None
+        server = self.server_codecs[family]
         if not self._told_server:  # once per compressor: why its bytes are not 1 bit's
             self._told_server = True
             log.info("ciuicflow: %d ranks exchange the %s state's buckets in two phases; the "

@@ -296,7 +296,7 @@ class QuantizedStep:
         # Phase 2 (server of segment `me`): average, compress again with the server error, gather.
         me = dist.get_rank(hop.group)
         real = max(0, min(layout.segment, layout.numel - me * layout.segment))
-        served = layout.served_with(self.server_codec)
+        served = layout if self.server_codec is codec else layout.served_with(self.server_codec)
         if layout.segment:
             mean = codec.unpack_mean(r_packed, r_scales, layout.segment, layout.chunk,
                                      errors._mean,

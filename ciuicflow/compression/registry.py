@@ -177,6 +177,13 @@ ONE_PHASE_RANKS = 4
 # within their line on six nodes, docs/onebit_adam.md).
 SERVER_FAMILY = "int4"
 
+
+def served_family(cost: Cost, ranks: int) -> str:
+    """The family whose codec the servers of an exchange of ``cost``'s own codec over ``ranks``
+    ranks pack with, under ``phases="auto"``: its ``server_family`` beyond ``one_phase_ranks``
+    (and two), else "" (the codec itself). The compressors' rule and the planner's."""
+    return cost.server_family if ranks > max(2, cost.one_phase_ranks) else ""
+
 ENTRIES = (
     Entry("allreduce", "ciuicflow.compression.base:ExactCompressor", "AllReduceState",
           {"hierarchical": "hierarchical_allreduce"},

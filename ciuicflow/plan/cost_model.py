@@ -155,11 +155,10 @@ def _served_bytes_per_element(method_cost, w: Workload, ranks: int, per_elem: fl
     method's ``server_family``'s where its own codec goes in two phases beyond its
     ``one_phase_ranks`` (QuantizedCompressor.server_codec_for: 1 bit's servers send int4), else
     what the workers sent (``per_elem``)."""
-    if not method_cost.server_family or ranks <= max(2, method_cost.one_phase_ranks) \
-            or not _sends_own_codec(method_cost, w):
+    family = registry.served_family(method_cost, ranks)
+    if not family or not _sends_own_codec(method_cost, w):
         return per_elem
-    server = registry.FAMILIES[method_cost.server_family].cost
-    return server.payload_bits / 8 + 4 / (w.chunk_size or method_cost.chunk_size)
+    return registry.adaptive_bytes_per_element(family, w.chunk_size or method_cost.chunk_size)
 
 
 def _exchange(ranks: int, nbytes: float, bw: float, lat: float, one_phase: bool, parts: dict,
