@@ -138,8 +138,18 @@ def test_auto_sends_topmark_where_an_exchange_quantises_once_and_int4_elsewhere(
     assert auto.server_codec_for(auto.codec_for(True, Route(8)), Route(8)) is None  # int4 already
     for asked in (OneBitCompressor(phases=2), OneBitCompressor(server_codec="same")):
         assert asked.server_codec_for(asked.own_codec(Route(8)), Route(8)) is None
+    # server_codec="onebit_int4": 1 bit with int4 in a tenth of the chunks, where "auto" has a
+    # server codec (beyond four ranks), its plain chunks carrying the state's error_decay
+    refined = OneBitCompressor(server_codec="onebit_int4", error_decay=0.25)
+    for ranks, server in ((4, None), (5, "onebit_int4"), (8, "onebit_int4")):
+        got = refined.server_codec_for(refined.own_codec(Route(ranks)), Route(ranks))
+        assert (got and got.name) == server, ranks
+    assert refined.server_codecs["onebit_int4"].plain_decay == 0.25
+    assert refined.step(refined.new_memory(), Route(8)).server_error_decay == 1.0
+    pinned_int4 = OneBitCompressor(server_codec="int4")
+    assert pinned_int4.server_codec_for(pinned_int4.own_codec(Route(8)), Route(8)).name == "int4"
     with pytest.raises(ValueError, match="server_codec"):
-        OneBitCompressor(server_codec="int4")
+        OneBitCompressor(server_codec="int2")
     # the 1-bit optimizers keep 1 bit at the server (measured so: docs/onebit_adam.md)
     from ciuicflow.optim import OneBitAdam
     exchange = OneBitAdam([torch.nn.Parameter(torch.zeros(3))])._compressor

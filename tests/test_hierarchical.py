@@ -210,7 +210,7 @@ def _served_as_int4(rank, world, steps, numel, chunk_size):
 
     topology = Topology.detect()
     out = {}
-    for server_codec in ("auto", "same"):
+    for server_codec in ("auto", "same", "onebit_int4"):
         compressor = OneBitCompressor(chunk_size=chunk_size, error_decay=1.0,
                                       server_codec=server_codec)
         errors, traffic, outputs = QuantizedErrors(), Traffic(), []
@@ -232,21 +232,30 @@ def _served_as_int4(rank, world, steps, numel, chunk_size):
 def test_beyond_four_nodes_the_servers_send_int4():
     """Six nodes exchange in two phases; by default the servers pack each segment's mean as int4
     (registry.SERVER_FAMILY): the error-feedback invariant holds with the int4 memory, the result
-    is nearer the exact mean than with 1 bit from the servers, and the servers' bytes are int4's."""
+    is nearer the exact mean than with 1 bit from the servers, and the servers' bytes are int4's;
+    the same with server_codec="onebit_int4" (1 bit, int4 in a tenth of the chunks)."""
     world, steps, numel, chunk = 6, 4, 6007, 64
     per_rank = run_distributed(_served_as_int4, world, nodes=world, args=(steps, numel, chunk),
                                timeout=300)
-    for codec in ("auto", "same"):
+    for codec in ("auto", "same", "onebit_int4"):
         _check_onebit_invariant([r[codec] for r in per_rank], world, world, steps, True, chunk,
                                 numel, 0, True)
     auto, same = per_rank[0]["auto"], per_rank[0]["same"]
+    refined = per_rank[0]["onebit_int4"]
     assert auto["first_gap"] < 0.8 * same["first_gap"], (auto["first_gap"], same["first_gap"])
+    # server_codec="onebit_int4": a tenth of the servers' chunks (two of each segment's 16) as
+    # int4, the rest 1 bit: nearer exact than 1 bit from the servers
+    assert refined["first_gap"] < same["first_gap"], (refined["first_gap"], same["first_gap"])
     # per rank: (W-1)/W of the workers' packed bytes, then as much of the servers': 1 bit plus
     # scales (and any values) both ways with "same"; with int4 the second half is 4 bits + scales
     worker = same["traffic"]["inter_bytes"] / 2
     int4 = steps * (world - 1) / world * numel * (4 / 8 + 4 / chunk)
     assert auto["traffic"]["inter_bytes"] == pytest.approx(worker + int4, rel=0.03), \
         (auto["traffic"], same["traffic"])
+    segment, nchunks = 1024, 16  # 6007 / 6 elements per server, in chunks of 64
+    refined_bytes = steps * (world - 1) * (segment / 8 + 4 * nchunks + 2 * 96)
+    assert refined["traffic"]["inter_bytes"] == pytest.approx(worker + refined_bytes, rel=0.03), \
+        (refined["traffic"], same["traffic"])
 
 
 def _onebit_overflow_by_reduce_scatter(rank, world):

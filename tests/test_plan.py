@@ -98,6 +98,16 @@ def test_one_bit_exchanges_in_one_phase_up_to_four_nodes():
                 nodes == 2, (method, nodes, gpus, got.parts)
         int8 = pl.estimate("hierarchical_int8", _cluster(nodes=nodes), w)
         assert int8.inter_node_bytes_per_node == pytest.approx(2 * (nodes - 1) / nodes * 1e6 * (1 + 4 / 256))
+    # --server-codec: what the servers send beyond four nodes (the workers' 1 bit unchanged)
+    refined = 1e6 * (1 / 8 + 4 / 256 + 0.1 * 96 / 256)  # a tenth of the chunks' 96-byte int4 blocks
+    for codec, served_bytes in (("onebit_int4", refined), ("same", packed), ("int4", served),
+                                ("auto", served)):
+        got = pl.estimate("hierarchical_1bit", _cluster(nodes=8), pl.Workload(params=1e6, server_codec=codec))
+        assert got.inter_node_bytes_per_node == pytest.approx(7 / 8 * (packed + served_bytes)), codec
+        four = pl.estimate("hierarchical_1bit", _cluster(nodes=4), pl.Workload(params=1e6, server_codec=codec))
+        assert four.inter_node_bytes_per_node == pytest.approx(3 * packed), codec  # one phase there
+    with pytest.raises(ValueError, match="server_codec"):
+        pl.Workload(params=1e6, server_codec="int2")
 
 
 def test_under_adam_the_one_bit_methods_cost_their_adaptive_codec():

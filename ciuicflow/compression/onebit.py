@@ -17,6 +17,7 @@ from ciuicflow.compression.int8 import Int8Codec
 from ciuicflow.compression.outliers import MAX_CHUNK, OneBitOutlierCodec
 from ciuicflow.compression.quantized import Codec, QuantizedCompressor, QuantizedErrors, \
     native_ops, quantized_all_reduce
+from ciuicflow.compression.refined import RefinedOneBitCodec
 from ciuicflow.compression.registry import FAMILIES
 from ciuicflow.compression.topmark import TopMarkCodec
 from ciuicflow.compression.twobit import TwoBitCodec
@@ -65,7 +66,8 @@ class OneBitCompressor(QuantizedCompressor):
     and momentum at a constant learning rate turns late gradient into oscillation: accuracy
     collapsed with all of it carried); one phase up to four exchanging ranks; the guard
     warns past 4x; beyond four ranks the servers of the two phases send int4
-    (``server_codec="auto"``); tensors an adaptive optimizer steps go as topmark where each value is
+    (``server_codec="auto"``; "onebit_int4": 1 bit with int4 in a tenth of the chunks,
+    ``compression.refined``, half the bytes at about half a point); tensors an adaptive optimizer steps go as topmark where each value is
     quantised once (a one-phase exchange, FSDP's reduce-scatter; CPU tensors), as int4 elsewhere
     (``adaptive_optimizer="auto"``;
     ``compression.optimizer_watch`` says why, docs/convergence.md "The largest marked" what each
@@ -76,7 +78,9 @@ class OneBitCompressor(QuantizedCompressor):
     adaptive_codecs = {"topmark": TopMarkCodec(), "int4": Int4InOneBitLayout(),
                        "int8": Int8InOneBitLayout(), "twobit": TwoBitCodec()}
     adaptive_error_decays = {"twobit": 0.5, "topmark": 0.5}
-    server_codecs = {"int4": adaptive_codecs["int4"]}  # registry.SERVER_FAMILY, 1 bit's layout
+    # what the servers of two phases may send (``server_codec``; registry.SERVER_FAMILY): int4 in
+    # 1 bit's layout, or 1 bit with int4 in the tenth of the chunks where 1 bit errs most
+    server_codecs = {"int4": adaptive_codecs["int4"], "onebit_int4": RefinedOneBitCodec()}
     option_names = QuantizedCompressor.option_names + ("outliers",)
     default_chunk_size = DEFAULT_CHUNK_SIZE
     default_error_decay = 0.5
@@ -94,6 +98,9 @@ class OneBitCompressor(QuantizedCompressor):
         at 4 values), so a gradient with no concentrated window costs what plain scale x sign
         does. FSDP's compressed reduce-scatter (route None) sends none: not measured with them."""
         super().__init__(**options)
+        # the refined codec's plain chunks carry this state's share of their memory
+        self.server_codecs = {**self.server_codecs,
+                              "onebit_int4": RefinedOneBitCodec(plain_decay=self.error_decay)}
         if outliers != "auto" and (isinstance(outliers, bool) or not isinstance(outliers, int)
                                    or not 0 <= outliers <= 16):
             raise ValueError(f"outliers must be an int in [0, 16] or 'auto', got {outliers!r}")

@@ -41,7 +41,10 @@ class QuantizedCompressor(Compressor):
             this compressor's own codec (beyond ``one_phase_ranks``) pack each segment's mean
             with: "auto" (the default) the registry's ``server_family`` (1 bit: int4, whose error
             is small; the second 1-bit quantisation cost a point on eight nodes:
-            ``registry.SERVER_FAMILY``), "same" this compressor's codec. ``phases=2`` always
+            ``registry.SERVER_FAMILY``), "same" this compressor's codec, or one of its
+            ``server_codecs`` by name (1 bit: "int4"; "onebit_int4", 1 bit with int4 in the tenth
+            of the chunks where 1 bit errs most, ``compression.refined``: 1 bit's bytes, about half
+            a point on the CNN on eight nodes where int4 kept a fifth). ``phases=2`` always
             sends the compressor's codec from the servers (its bytes, asked for).
         guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
@@ -108,8 +111,9 @@ class QuantizedCompressor(Compressor):
             route = FAMILIES[self.name].cost.route
         if route not in ROUTE_POLICIES:
             raise ValueError(f"route must be one of {ROUTE_POLICIES}, got {route!r}")
-        if server_codec not in ("auto", "same"):
-            raise ValueError(f"server_codec must be 'auto' or 'same', got {server_codec!r}")
+        if server_codec not in ("auto", "same", *self.server_codecs):
+            raise ValueError(f"server_codec must be one of {('auto', 'same', *self.server_codecs)}"
+                             f", got {server_codec!r}")
         self.chunk_size, self.error_decay, self.phases = int(chunk_size), float(error_decay), phases
         cost = FAMILIES[self.name].cost
         self.one_phase_ranks = cost.one_phase_ranks  # phases="auto"
@@ -214,13 +218,13 @@ class QuantizedCompressor(Compressor):
         """What the servers of a two-phase exchange of ``codec`` on ``route`` pack with, where not
         ``codec`` itself (None): the ``server_family``'s codec, for this compressor's own codec
         where ``phases="auto"`` picked two phases (beyond ``one_phase_ranks``)."""
-        if self.server_codec != "auto" or self.phases != "auto" or route is None \
+        if self.server_codec == "same" or self.phases != "auto" or route is None \
                 or codec is not self.own_codec(route):
             return None
         family = served_family(FAMILIES[self.name].cost, route.exchange_ranks)
         if not family:
             return None
-        server = self.server_codecs[family]
+        server = self.server_codecs[family if self.server_codec == "auto" else self.server_codec]
         if not self._told_server:  # once per compressor: why its bytes are not 1 bit's
             self._told_server = True
             log.info("ciuicflow: %d ranks exchange the %s state's buckets in two phases; the "

@@ -176,6 +176,21 @@ ONE_PHASE_RANKS = 4
 # hooks' and HSDP's replicas' rule; the 1-bit optimizers keep 1 bit there (server_codec="same":
 # within their line on six nodes, docs/onebit_adam.md).
 SERVER_FAMILY = "int4"
+# the share of a segment's chunks the "onebit_int4" server codec sends as int4 (compression.refined;
+# an option, server_codec="onebit_int4": 1 bit's bytes, about half a point below exact on the CNN on
+# eight nodes where int4 stays within a fifth; docs/convergence.md, "A tenth of the servers' chunks")
+REFINED_SHARE = 0.1
+# what the 1-bit servers may send (a quantising state's server_codec, besides "auto" and "same")
+SERVED_FAMILIES = ("int4", "onebit_int4")
+
+
+def served_bytes_per_element(family: str, chunk: int) -> float:
+    """Bytes per element of what servers send with ``family``'s codec in ``chunk``-element chunks:
+    int4's, or "onebit_int4"'s (1 bit and a scale per chunk, and for ``REFINED_SHARE`` of the
+    chunks a side block of 3 bits per element of a ``VALUES_MAX_CHUNK``-element chunk)."""
+    if family == "onebit_int4":
+        return 1 / 8 + 4 / chunk + REFINED_SHARE * (3 * VALUES_MAX_CHUNK / 8) / chunk
+    return adaptive_bytes_per_element(family, chunk)
 
 
 def served_family(cost: Cost, ranks: int) -> str:
@@ -196,7 +211,7 @@ ENTRIES = (
           Cost("quantized", payload_bits=1, adaptive_family="auto", chunk_size=256,
                guard_threshold=4.0, values=4, route="auto", one_phase_ranks=ONE_PHASE_RANKS,
                server_family=SERVER_FAMILY),
-          "the most compression with SGD (21-28x: values where a gradient is concentrated; 11-19x on three and four nodes, which exchange in one phase; about 11x beyond, whose servers send int4); under Adam-family optimizers "
+          "the most compression with SGD (21-28x: values where a gradient is concentrated; 11-19x on three and four nodes, which exchange in one phase; about 11x beyond, whose servers send int4, 22x with server_codec='onebit_int4' at about half a point); under Adam-family optimizers "
           "its buckets go as topmark (20x) where two nodes exchange CPU tensors, int4 (about 7.5x) elsewhere; watch "
           "the accuracy guard"),
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",

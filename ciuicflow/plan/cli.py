@@ -7,7 +7,8 @@ from dataclasses import asdict
 
 from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, adaptive_codec_name
 from ciuicflow.plan.cost_model import plan, recommend
-from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, ClusterSpec, Workload, compute_seconds_from_flops
+from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, SERVER_CODECS, ClusterSpec, Workload, \
+    compute_seconds_from_flops
 from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, cost, \
     default_rank
 from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, parse_count, parse_seconds
@@ -75,6 +76,10 @@ def add_arguments(parser) -> None:
                         help="share of the 1-bit all-reduces' chunks that also send values (concentrated "
                              "windows, 0 to 1; default 1, the upper bound: which windows are depends on "
                              "the gradients; 0: plain signs and scales)")
+    parser.add_argument("--server-codec", choices=SERVER_CODECS[1:], default="",
+                        help="the 1-bit states' server_codec beyond four nodes, where their exchange has "
+                             "two phases: what the servers send (default auto, theirs: int4; onebit_int4: "
+                             "1 bit with int4 in a tenth of the chunks; same: 1 bit)")
     parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(ALL_STRATEGIES)}")
     parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
 
@@ -94,7 +99,8 @@ def _build(args):
                         local_seconds_per_element=args.local_ns_per_element * 1e-9,
                         matmul_flops=args.matmul_tflops * 1e12, overlap=args.overlap,
                         bucket_bytes=args.bucket_mb * 2 ** 20, optimizer=args.optimizer,
-                        adaptive_optimizer=args.adaptive_optimizer, values_share=args.values_share)
+                        adaptive_optimizer=args.adaptive_optimizer, values_share=args.values_share,
+                        server_codec=args.server_codec)
     if args.adaptive_optimizer and args.optimizer != "adam":
         raise ValueError("--adaptive-optimizer applies under an adaptive optimizer: pass --optimizer adam")
     ranks = _ranks(args.ranks) if args.ranks else None

@@ -153,12 +153,14 @@ def _one_phase(method_cost, w: Workload, ranks: int) -> bool:
 def _served_bytes_per_element(method_cost, w: Workload, ranks: int, per_elem: float) -> float:
     """Bytes per element the servers of a two-phase exchange over ``ranks`` ranks send back: the
     method's ``server_family``'s where its own codec goes in two phases beyond its
-    ``one_phase_ranks`` (QuantizedCompressor.server_codec_for: 1 bit's servers send int4), else
-    what the workers sent (``per_elem``)."""
+    ``one_phase_ranks`` (QuantizedCompressor.server_codec_for: 1 bit's servers send int4), or
+    ``Workload.server_codec``'s, else what the workers sent (``per_elem``)."""
     family = registry.served_family(method_cost, ranks)
-    if not family or not _sends_own_codec(method_cost, w):
+    if not family or not _sends_own_codec(method_cost, w) or w.server_codec == "same":
         return per_elem
-    return registry.adaptive_bytes_per_element(family, w.chunk_size or method_cost.chunk_size)
+    if w.server_codec not in ("", "auto"):  # asked for (Workload.server_codec)
+        family = w.server_codec
+    return registry.served_bytes_per_element(family, w.chunk_size or method_cost.chunk_size)
 
 
 def _exchange(ranks: int, nbytes: float, bw: float, lat: float, one_phase: bool, parts: dict,

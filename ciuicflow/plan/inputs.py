@@ -4,7 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES
+from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, SERVED_FAMILIES
+
+SERVER_CODECS = ("", "auto", "same", *SERVED_FAMILIES)  # Workload.server_codec
 
 BACKENDS = ("nccl", "gloo")
 OPTIMIZERS = ("sgd", "adam")  # "adam": any adaptive optimizer (Adam, AdamW, ...)
@@ -74,6 +76,9 @@ class Workload:
     # compression/outliers.py): 1.0, every chunk, is the upper bound; which windows are
     # concentrated is known only from the data (Gaussian noise has none: 0.0)
     values_share: float = 1.0
+    # the 1-bit states' ``server_codec`` where their exchange has two phases (beyond four nodes):
+    # "" or "auto" is their default (int4), "same" 1 bit, or one of registry.SERVED_FAMILIES
+    server_codec: str = ""
 
     def __post_init__(self):
         if self.params < 1:
@@ -89,6 +94,9 @@ class Workload:
         if self.adaptive_optimizer not in ("", *ADAPTIVE_OPTIMIZER_POLICIES):
             raise ValueError(f"adaptive_optimizer must be one of {ADAPTIVE_OPTIMIZER_POLICIES}, "
                              f"got {self.adaptive_optimizer!r}")
+        if self.server_codec not in SERVER_CODECS:
+            raise ValueError(f"server_codec must be one of {SERVER_CODECS[1:]}, got "
+                             f"{self.server_codec!r}")
         if not self.bucket_bytes > 0:
             raise ValueError("bucket_bytes must be positive")
         if not 0.0 <= self.values_share <= 1.0:
