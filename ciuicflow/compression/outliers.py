@@ -45,11 +45,53 @@ MAX_CHUNK = VALUES_MAX_CHUNK  # positions are one byte
 ENERGY_BLOCK = 64 * WINDOW_CHUNKS * MAX_CHUNK  # squares formed this many at a time (a bounded buffer)
 
 
-class OneBitOutlierCodec(Codec):
+class SideBlockCodec(Codec):
+    """1 bit's signs of every chunk (of at most ``MAX_CHUNK`` elements), then a side block of
+    ``side_bytes`` for each marked chunk (a negative scale), in chunk order: the layout of this
+    module's codec and of ``compression.refined``'s. A subclass packs (``pack_ef``) and says what
+    a marked chunk's block adds to its scale x sign (``unpack_mean``)."""
+
+    granule = 8
+    marked_as = "a marked chunk"  # for the error on too long a chunk
+
+    def _sign_bytes(self, chunk: int) -> int:
+        if chunk > MAX_CHUNK:
+            raise ValueError(f"{self.marked_as} holds at most {MAX_CHUNK} elements, got {chunk}")
+        return chunk // 8
+
+    def payload_bytes(self, numel: int, chunk: int) -> int:
+        """The fixed part: every chunk's signs (the side blocks follow it, ``pack_ef``)."""
+        return -(-numel // chunk) * self._sign_bytes(chunk)
+
+    def pack(self, x, error, chunk):
+        payload, scales, _ = self.pack_ef(x, error, 1.0, error, chunk, measure=False)
+        return payload, scales
+
+    def unpack(self, payload, scales, numel, chunk, out, side=None):
+        """``payload``: the signs, then the side blocks (as ``pack_ef`` lays them out), unless
+        ``side`` holds those."""
+        if side is None:
+            fixed = scales.numel() * self._sign_bytes(chunk)
+            payload, side = payload[:fixed], payload[fixed:]
+        self.unpack_mean(payload.view(1, -1), scales.view(1, -1), numel, chunk, out, side=[side])
+        return out
+
+    def _signs_mean(self, payload, scales, numel, chunk, out):
+        """The native mean of the rows' |scale| x sign into ``out``; (|scales|, the marked chunks
+        of each row)."""
+        signs = payload.reshape(scales.shape[0], -1)[:, :(numel + 7) // 8]  # rows apart: in place
+        if not signs.is_cpu:  # CUDA's native op reads contiguous rows
+            signs = signs.contiguous()
+        magnitude = scales.abs()
+        native_ops().onebit_unpack_mean(signs, magnitude, numel, chunk, out=out)
+        return magnitude, torch.signbit(scales)
+
+
+class OneBitOutlierCodec(SideBlockCodec):
     """Scale x sign, plus ``values`` values per chunk in concentrated windows (module docstring)."""
 
     name = "onebit"
-    granule = 8
+    marked_as = "a chunk that sends values"
 
     def __init__(self, values: int = 4):
         if not 1 <= int(values) <= 16:
@@ -60,20 +102,6 @@ class OneBitOutlierCodec(Codec):
     def side_bytes(self) -> int:
         """Bytes of a marked chunk's side block: its values and their positions."""
         return 3 * self.values
-
-    def _sign_bytes(self, chunk: int) -> int:
-        if chunk > MAX_CHUNK:
-            raise ValueError(f"a chunk that sends values holds at most {MAX_CHUNK} elements, "
-                             f"got {chunk}")
-        return chunk // 8
-
-    def payload_bytes(self, numel: int, chunk: int) -> int:
-        """The fixed part: every chunk's signs (the side blocks follow it, ``pack_ef``)."""
-        return -(-numel // chunk) * self._sign_bytes(chunk)
-
-    def pack(self, x, error, chunk):
-        payload, scales, _ = self.pack_ef(x, error, 1.0, error, chunk, measure=False)
-        return payload, scales
 
     def pack_ef(self, x, error, error_decay, error_out, chunk, measure=True):
         """(payload, scales, sums): the payload is the signs (``payload_bytes``), then the side
@@ -135,15 +163,6 @@ class OneBitOutlierCodec(Codec):
             sums[0] = _sum_of_squares(error_out)
         return payload, scales, sums
 
-    def unpack(self, payload, scales, numel, chunk, out, side=None):
-        """``payload``: the signs, then the side blocks (as ``pack_ef`` lays them out), unless
-        ``side`` holds those."""
-        if side is None:
-            fixed = scales.numel() * self._sign_bytes(chunk)
-            payload, side = payload[:fixed], payload[fixed:]
-        self.unpack_mean(payload.view(1, -1), scales.view(1, -1), numel, chunk, out, side=[side])
-        return out
-
     def unpack_mean(self, payload, scales, numel, chunk, out, side=None):
         """The native mean of the rows' scale x sign, then each row's values in row order, one
         row at a time (within a row a position is written once: no order to depend on).
@@ -151,12 +170,7 @@ class OneBitOutlierCodec(Codec):
         least as many as its marked chunks; a row without marked chunks may have None)."""
         rows, nchunks = scales.shape
         sign_bytes, k = self._sign_bytes(chunk), self.values
-        signs = payload.reshape(rows, -1)[:, :(numel + 7) // 8]  # rows apart: read in place
-        if not signs.is_cpu:  # CUDA's native op reads contiguous rows
-            signs = signs.contiguous()
-        magnitude = scales.abs()
-        native_ops().onebit_unpack_mean(signs, magnitude, numel, chunk, out=out)
-        hot = torch.signbit(scales)
+        magnitude, hot = self._signs_mean(payload, scales, numel, chunk, out)
         if not bool(hot.any()):
             return out
         for row in range(rows):
@@ -213,13 +227,18 @@ def _chunk_energy_torch(signs, scales, error, chunk):
     return torch.stack([energy.sum(1), energy.amax(1)], dim=1)
 
 
+def _signs(sign_rows: torch.Tensor, idx: torch.Tensor, chunk: int) -> torch.Tensor:
+    """+-1 (float32 [len(idx), chunk]) from the packed bits of chunks ``idx``."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=sign_rows.device)
+    bits = sign_rows.index_select(0, idx).unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
+    return bits.view(idx.numel(), chunk).to(torch.float32).mul_(2).sub_(1)
+
+
 def _chunks_y(sign_rows, scales, error, numel, chunk, idx):
     """(y, sign), float32 [len(idx), chunk] each, for the chunks ``idx`` (ascending): y = scale x
     sign + error, as the plain pack left them; sign is +-1 from the packed bits. Padding past
     ``numel`` is 0 in y."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=sign_rows.device)
-    bits = sign_rows.index_select(0, idx).unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
-    sign = bits.view(idx.numel(), chunk).to(torch.float32).mul_(2).sub_(1)
+    sign = _signs(sign_rows, idx, chunk)
     full = numel // chunk
     tail = numel - full * chunk
     padded = bool(tail) and idx.numel() > 0 and int(idx[-1]) == full

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ciuicflow.compression.codec import Codec, native_ops
-from ciuicflow.compression.outliers import MAX_CHUNK, _chunks_y, _padded_bytes, _sum_of_squares
+from ciuicflow.compression.codec import native_ops
+from ciuicflow.compression.outliers import MAX_CHUNK, SideBlockCodec, _chunks_y, _padded_bytes, \
+    _signs, _sum_of_squares
 from ciuicflow.compression.registry import REFINED_SHARE
 
 LEVELS = 7  # int4's: magnitudes 0..7 in steps of max|y| / 7
@@ -36,11 +37,11 @@ def refined_count(nchunks: int, share: float = REFINED_SHARE) -> int:
     return int(share * nchunks + 0.5)
 
 
-class RefinedOneBitCodec(Codec):
+class RefinedOneBitCodec(SideBlockCodec):
     """Scale x sign, int4 in the chunks where it errs most (module docstring)."""
 
     name = "onebit_int4"
-    granule = 8
+    marked_as = "a chunk refined to int4"
     side_bytes = MAX_CHUNK * MAGNITUDE_BITS // 8
 
     def __init__(self, plain_decay: float = 0.5, share: float = REFINED_SHARE):
@@ -49,20 +50,6 @@ class RefinedOneBitCodec(Codec):
         if not 0.0 <= float(share) <= 1.0:
             raise ValueError(f"share must be in [0, 1], got {share}")
         self.plain_decay, self.share = float(plain_decay), float(share)
-
-    def _sign_bytes(self, chunk: int) -> int:
-        if chunk > MAX_CHUNK or chunk % self.granule:
-            raise ValueError(f"{self.name} needs chunks of a multiple of {self.granule} elements, "
-                             f"at most {MAX_CHUNK}; got {chunk}")
-        return chunk // 8
-
-    def payload_bytes(self, numel: int, chunk: int) -> int:
-        """The fixed part: every chunk's signs (the side blocks follow it)."""
-        return -(-numel // chunk) * self._sign_bytes(chunk)
-
-    def pack(self, x, error, chunk):
-        payload, scales, _ = self.pack_ef(x, error, 1.0, error, chunk, measure=False)
-        return payload, scales
 
     def pack_ef(self, x, error, error_decay, error_out, chunk, measure=True):
         """(payload, scales, sums) of y = x + error_decay x error; ``error_out`` gets what was
@@ -104,26 +91,13 @@ class RefinedOneBitCodec(Codec):
             sums[0] = _sum_of_squares(error_out)
         return payload, scales, sums
 
-    def unpack(self, payload, scales, numel, chunk, out, side=None):
-        """``payload``: the signs, then the side blocks, unless ``side`` holds those."""
-        if side is None:
-            fixed = scales.numel() * self._sign_bytes(chunk)
-            payload, side = payload[:fixed], payload[fixed:]
-        self.unpack_mean(payload.view(1, -1), scales.view(1, -1), numel, chunk, out, side=[side])
-        return out
-
     def unpack_mean(self, payload, scales, numel, chunk, out, side=None):
         """The native mean of the rows' scale x sign, then each row's refined chunks corrected
         to their int4 values, one row at a time. ``side``: per row, its side blocks in chunk
         order (a row without refined chunks may have None)."""
         rows, nchunks = scales.shape
         sign_bytes = self._sign_bytes(chunk)
-        signs = payload.reshape(rows, -1)[:, :(numel + 7) // 8]
-        if not signs.is_cpu:  # CUDA's native op reads contiguous rows
-            signs = signs.contiguous()
-        magnitude = scales.abs()
-        native_ops().onebit_unpack_mean(signs, magnitude, numel, chunk, out=out)
-        marked = torch.signbit(scales)
+        magnitude, marked = self._signs_mean(payload, scales, numel, chunk, out)
         if not bool(marked.any()):
             return out
         columns = torch.arange(chunk, device=out.device)
@@ -141,13 +115,6 @@ class RefinedOneBitCodec(Codec):
             keep = flat < numel
             out.index_put_((flat[keep],), change[keep], accumulate=True)
         return out
-
-
-def _signs(sign_rows: torch.Tensor, idx: torch.Tensor, chunk: int) -> torch.Tensor:
-    """+-1 (float32 [len(idx), chunk]) from the packed bits of chunks ``idx``."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=sign_rows.device)
-    bits = sign_rows.index_select(0, idx).unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
-    return bits.view(idx.numel(), chunk).to(torch.float32).mul_(2).sub_(1)
 
 
 def _write_rows(target: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, numel: int,
