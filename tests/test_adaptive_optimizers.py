@@ -146,6 +146,10 @@ def test_auto_sends_topmark_where_an_exchange_quantises_once_and_int4_elsewhere(
         assert (got and got.name) == server, ranks
     assert refined.server_codecs["onebit_int4"].plain_decay == 0.25
     assert refined.step(refined.new_memory(), Route(8)).server_error_decay == 1.0
+    # named, it also serves where phases=2 asks for two phases ("auto" then keeps 1 bit)
+    both = OneBitCompressor(server_codec="onebit_int4", phases=2)
+    for ranks in (3, 4, 8):
+        assert both.server_codec_for(both.own_codec(Route(ranks)), Route(ranks)).name == "onebit_int4"
     pinned_int4 = OneBitCompressor(server_codec="int4")
     assert pinned_int4.server_codec_for(pinned_int4.own_codec(Route(8)), Route(8)).name == "int4"
     with pytest.raises(ValueError, match="server_codec"):

@@ -44,8 +44,9 @@ class QuantizedCompressor(Compressor):
             ``registry.SERVER_FAMILY``), "same" this compressor's codec, or one of its
             ``server_codecs`` by name (1 bit: "int4"; "onebit_int4", 1 bit with int4 in the tenth
             of the chunks where 1 bit errs most, ``compression.refined``: 1 bit's bytes, about half
-            a point on the CNN on eight nodes where int4 kept a fifth). ``phases=2`` always
-            sends the compressor's codec from the servers (its bytes, asked for).
+            a point on the CNN on eight nodes where int4 kept a fifth), there and wherever
+            ``phases=2`` asks for two phases. With ``phases=2`` "auto" sends the compressor's
+            codec from the servers (its bytes, asked for).
         guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
             tensor's next step sends exactly what it would have compressed: its input plus the
@@ -216,21 +217,29 @@ class QuantizedCompressor(Compressor):
 
     def server_codec_for(self, codec: Codec, route) -> Codec | None:
         """What the servers of a two-phase exchange of ``codec`` on ``route`` pack with, where not
-        ``codec`` itself (None): the ``server_family``'s codec, for this compressor's own codec
-        where ``phases="auto"`` picked two phases (beyond ``one_phase_ranks``)."""
-        if self.server_codec == "same" or self.phases != "auto" or route is None \
-                or codec is not self.own_codec(route):
+        ``codec`` itself (None), for this compressor's own codec: with ``server_codec="auto"``
+        the ``server_family``'s codec where ``phases="auto"`` picked two phases (beyond
+        ``one_phase_ranks``); a codec named by ``server_codec`` there, and wherever ``phases=2``
+        asks for two phases."""
+        if self.server_codec == "same" or route is None or codec is not self.own_codec(route):
             return None
-        family = served_family(FAMILIES[self.name].cost, route.exchange_ranks)
-        if not family:
+        if self.phases == "auto":
+            family = served_family(FAMILIES[self.name].cost, route.exchange_ranks)
+            if not family:
+                return None
+            if self.server_codec != "auto":
+                family = self.server_codec
+        elif self.server_codec == "auto":  # phases=2 sends the compressor's codec, as asked
             return None
-        server = self.server_codecs[family if self.server_codec == "auto" else self.server_codec]
+        else:
+            family = self.server_codec
+        server = self.server_codecs[family]
         if not self._told_server:  # once per compressor: why its bytes are not 1 bit's
             self._told_server = True
             log.info("ciuicflow: %d ranks exchange the %s state's buckets in two phases; the "
-                     "servers send each segment's mean as %s, not %s (server_codec='auto'; "
-                     "'same' or phases=2 keeps %s): docs/hooks.md", route.exchange_ranks,
-                     self.name, server.name, codec.name, codec.name)
+                     "servers send each segment's mean as %s, not %s (server_codec=%r; "
+                     "'same' keeps %s): docs/hooks.md", route.exchange_ranks,
+                     self.name, server.name, codec.name, self.server_codec, codec.name)
         return server
 
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
