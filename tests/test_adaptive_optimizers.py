@@ -150,6 +150,8 @@ def test_auto_sends_topmark_where_an_exchange_quantises_once_and_int4_elsewhere(
     both = OneBitCompressor(server_codec="onebit_int4", phases=2)
     for ranks in (3, 4, 8):
         assert both.server_codec_for(both.own_codec(Route(ranks)), Route(ranks)).name == "onebit_int4"
+    from ciuicflow.compression.registry import SERVED_FAMILIES  # the planner's list
+    assert tuple(OneBitCompressor.server_codecs) == SERVED_FAMILIES
     pinned_int4 = OneBitCompressor(server_codec="int4")
     assert pinned_int4.server_codec_for(pinned_int4.own_codec(Route(8)), Route(8)).name == "int4"
     with pytest.raises(ValueError, match="server_codec"):

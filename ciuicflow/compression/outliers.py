@@ -146,13 +146,7 @@ class OneBitOutlierCodec(SideBlockCodec):
         # and the bfloat16 value where picked); written by whole rows, as boolean masks cost 10x
         left = yh.sub_(sign.mul_(rest_scale.view(-1, 1)))
         left.scatter_(1, positions, picked.sub_(values.float()))
-        if padded_hot:
-            error_out[full * chunk:] = left[-1, :tail]
-            hot_full, left = hot[:-1], left[:-1]
-        else:
-            hot_full = hot
-        if hot_full.numel():
-            error_out[:full * chunk].view(full, chunk).index_copy_(0, hot_full, left)
+        _write_rows(error_out, left, hot, n, chunk)
         scales[hot] = -rest_scale  # the marker: its sign bit (-0.0 included)
         payload = padded.new_empty(padded.numel() + hot.numel() * self.side_bytes)
         payload[:padded.numel()] = padded
@@ -232,6 +226,18 @@ def _signs(sign_rows: torch.Tensor, idx: torch.Tensor, chunk: int) -> torch.Tens
     shifts = torch.arange(8, dtype=torch.uint8, device=sign_rows.device)
     bits = sign_rows.index_select(0, idx).unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
     return bits.view(idx.numel(), chunk).to(torch.float32).mul_(2).sub_(1)
+
+
+def _write_rows(target: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, numel: int,
+                chunk: int) -> None:
+    """``target``'s chunks ``idx`` (ascending) = ``rows``; the last chunk may be short (its
+    padding is not written)."""
+    full = numel // chunk
+    if idx.numel() and int(idx[-1]) == full and numel > full * chunk:
+        target[full * chunk:] = rows[-1, :numel - full * chunk]
+        idx, rows = idx[:-1], rows[:-1]
+    if idx.numel():
+        target[:full * chunk].view(full, chunk).index_copy_(0, idx, rows)
 
 
 def _chunks_y(sign_rows, scales, error, numel, chunk, idx):

@@ -25,7 +25,7 @@ import torch
 
 from ciuicflow.compression.codec import native_ops
 from ciuicflow.compression.outliers import MAX_CHUNK, SideBlockCodec, _chunks_y, _padded_bytes, \
-    _signs, _sum_of_squares
+    _signs, _sum_of_squares, _write_rows
 from ciuicflow.compression.registry import REFINED_SHARE
 
 LEVELS = 7  # int4's: magnitudes 0..7 in steps of max|y| / 7
@@ -115,17 +115,6 @@ class RefinedOneBitCodec(SideBlockCodec):
             keep = flat < numel
             out.index_put_((flat[keep],), change[keep], accumulate=True)
         return out
-
-
-def _write_rows(target: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, numel: int,
-                chunk: int) -> None:
-    """target's chunks ``idx`` (ascending) = ``rows`` (the last chunk may be short)."""
-    full = numel // chunk
-    if idx.numel() and int(idx[-1]) == full and numel > full * chunk:
-        target[full * chunk:] = rows[-1, :numel - full * chunk]
-        idx, rows = idx[:-1], rows[:-1]
-    if idx.numel():
-        target[:full * chunk].view(full, chunk).index_copy_(0, idx, rows)
 
 
 def _pack_magnitudes(levels: torch.Tensor) -> torch.Tensor:
