@@ -110,6 +110,42 @@ def test_one_bit_exchanges_in_one_phase_up_to_four_nodes():
         pl.Workload(params=1e6, server_codec="int2")
 
 
+def test_phases_are_costed_as_the_states_take_them(capsys):
+    """Workload.phases (``--phases``) follows the states' ``phases`` (registry.two_phases): 2 costs
+    two phases on three and four nodes too, with 1 bit from the servers unless ``server_codec``
+    names a codec (then that, as QuantizedCompressor.server_codec_for sends it); 1 costs N-1
+    copies on any N; int8 follows the option too."""
+    packed = 1e6 * (1 / 8 + (4 + 12) / 256)
+    refined = 1e6 * (1 / 8 + 4 / 256 + 0.1 * 96 / 256)
+    for nodes in (3, 4, 8):
+        two = pl.estimate("hierarchical_1bit", _cluster(nodes=nodes), pl.Workload(params=1e6, phases=2))
+        assert two.inter_node_bytes_per_node == pytest.approx((nodes - 1) / nodes * 2 * packed), nodes
+        assert "inter_all_to_all" in two.parts
+        asked = pl.estimate("hierarchical_1bit", _cluster(nodes=nodes),
+                            pl.Workload(params=1e6, phases=2, server_codec="onebit_int4"))
+        assert asked.inter_node_bytes_per_node == pytest.approx((nodes - 1) / nodes * (packed + refined))
+        one = pl.estimate("hierarchical_1bit", _cluster(nodes=nodes), pl.Workload(params=1e6, phases=1))
+        assert one.inter_node_bytes_per_node == pytest.approx((nodes - 1) * packed), nodes
+        int8 = pl.estimate("hierarchical_int8", _cluster(nodes=nodes), pl.Workload(params=1e6, phases=1))
+        assert int8.inter_node_bytes_per_node == pytest.approx((nodes - 1) * 1e6 * (1 + 4 / 256))
+    # two nodes with phases=2 and a named server codec: the servers send it there too
+    two_nodes = pl.estimate("hierarchical_1bit", _cluster(nodes=2),
+                            pl.Workload(params=1e6, phases=2, server_codec="onebit_int4"))
+    assert two_nodes.inter_node_bytes_per_node == pytest.approx(0.5 * (packed + refined))
+    # the CLI's flag reaches the workload
+    from ciuicflow.plan.cli import _build
+    parser = argparse.ArgumentParser()
+    pl.add_arguments(parser)
+    workload = _build(parser.parse_args(["--params", "1M", "--nodes", "4", "--phases", "2",
+                                         "--server-codec", "onebit_int4"]))[1]
+    assert workload.phases == 2 and workload.server_codec == "onebit_int4"
+    assert _build(parser.parse_args(["--params", "1M", "--nodes", "4"]))[1].phases == "auto"
+    assert pl.run(parser.parse_args(["--params", "1M", "--nodes", "4", "--phases", "2"])) == 0
+    assert "phases=2, server_codec='auto'" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="phases"):
+        pl.Workload(params=1e6, phases=3)
+
+
 def test_under_adam_the_one_bit_methods_cost_their_adaptive_codec():
     """--optimizer adam: the 1-bit methods send an adaptive optimizer's gradients with their
     default policy, auto (docs/hooks.md, "Adaptive optimizers"): on GPUs, which the planner models,

@@ -13,8 +13,8 @@ from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, Qua
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
 from ciuicflow.compression.registry import ADAPTIVE_AUTO, ADAPTIVE_OPTIMIZER_POLICIES, FAMILIES, \
-    ROUTE_POLICIES, adaptive_bytes_per_element, adaptive_codec_name, adaptive_one_phase, \
-    served_family
+    ROUTE_POLICIES, adaptive_bytes_per_element, adaptive_codec_name, served_codec_family
+from ciuicflow.compression.registry import two_phases as registry_two_phases
 from ciuicflow.topology import Topology
 
 log = logging.getLogger("ciuicflow.compression")
@@ -116,8 +116,6 @@ class QuantizedCompressor(Compressor):
             raise ValueError(f"server_codec must be one of {('auto', 'same', *self.server_codecs)}"
                              f", got {server_codec!r}")
         self.chunk_size, self.error_decay, self.phases = int(chunk_size), float(error_decay), phases
-        cost = FAMILIES[self.name].cost
-        self.one_phase_ranks = cost.one_phase_ranks  # phases="auto"
         self.server_codec = server_codec
         self._told_server = False
         self.adaptive_optimizer, self.route = adaptive_optimizer, route
@@ -138,15 +136,9 @@ class QuantizedCompressor(Compressor):
         (``registry.adaptive_one_phase``: 3 ranks)."""
         if route is None:
             return False
-        if self.phases != "auto":
-            return self.phases == 2
-        ranks = route.exchange_ranks
-        if ranks <= 2:
-            return False
-        if not adaptive or self.adaptive_optimizer == "same" or not self.adaptive_codecs:
-            return ranks > self.one_phase_ranks  # the compressor's own codec
-        return not (self.adaptive_optimizer == "auto" and adaptive_one_phase(
-            ranks, self.chunk_size, _device_type(device)))
+        policy = self.adaptive_optimizer if adaptive and self.adaptive_codecs else None
+        return registry_two_phases(self.phases, route.exchange_ranks, FAMILIES[self.name].cost,
+                                   policy, self.chunk_size, _device_type(device))
 
     def adaptive_codec_name(self, route=None, device=None) -> str:
         """The ``adaptive_optimizer`` policy on ``route`` (None: the reduce-scatter form) for
@@ -221,18 +213,12 @@ class QuantizedCompressor(Compressor):
         the ``server_family``'s codec where ``phases="auto"`` picked two phases (beyond
         ``one_phase_ranks``); a codec named by ``server_codec`` there, and wherever ``phases=2``
         asks for two phases."""
-        if self.server_codec == "same" or route is None or codec is not self.own_codec(route):
+        if route is None or codec is not self.own_codec(route):
             return None
-        if self.phases == "auto":
-            family = served_family(FAMILIES[self.name].cost, route.exchange_ranks)
-            if not family:
-                return None
-            if self.server_codec != "auto":
-                family = self.server_codec
-        elif self.server_codec == "auto":  # phases=2 sends the compressor's codec, as asked
+        family = served_codec_family(self.phases, self.server_codec, FAMILIES[self.name].cost,
+                                     route.exchange_ranks)
+        if not family:
             return None
-        else:
-            family = self.server_codec
         server = self.server_codecs[family]
         if not self._told_server:  # once per compressor: why its bytes are not 1 bit's
             self._told_server = True

@@ -196,8 +196,40 @@ def served_bytes_per_element(family: str, chunk: int) -> float:
 def served_family(cost: Cost, ranks: int) -> str:
     """The family whose codec the servers of an exchange of ``cost``'s own codec over ``ranks``
     ranks pack with, under ``phases="auto"``: its ``server_family`` beyond ``one_phase_ranks``
-    (and two), else "" (the codec itself). The compressors' rule and the planner's."""
+    (and two), else "" (the codec itself)."""
     return cost.server_family if ranks > max(2, cost.one_phase_ranks) else ""
+
+
+def two_phases(phases, ranks: int, cost: Cost, adaptive_policy: str | None = None, chunk: int = 0,
+               device_type: str | None = None) -> bool:
+    """Whether a quantising state with option ``phases`` ("auto", 1 or 2) exchanges over ``ranks``
+    ranks in two phases (each rank serves a segment: each value quantised twice). "auto": one
+    phase up to two ranks; the state's own codec (``adaptive_policy`` None or "same") up to
+    ``cost.one_phase_ranks``; an adaptive optimizer's codec under "auto" where
+    ``adaptive_one_phase`` says so (``chunk``, ``device_type``), else two. The compressors' rule
+    (QuantizedCompressor.two_phases) and the planner's."""
+    if phases != "auto":
+        return phases == 2
+    if ranks <= 2:
+        return False
+    if adaptive_policy in (None, "same"):
+        return ranks > cost.one_phase_ranks
+    return not (adaptive_policy == "auto" and adaptive_one_phase(ranks, chunk, device_type))
+
+
+def served_codec_family(phases, server_codec: str, cost: Cost, ranks: int) -> str:
+    """What the servers of a two-phase exchange of ``cost``'s own codec over ``ranks`` ranks pack
+    with, for a state's ``phases`` and ``server_codec`` options: under ``phases="auto"`` the
+    ``server_family`` where it picked two phases (``served_family``), or the family
+    ``server_codec`` names there; where ``phases=2`` asks for two phases, the named family only
+    ("auto" then sends the state's own codec). "" is the state's own codec. The compressors' rule
+    (QuantizedCompressor.server_codec_for) and the planner's."""
+    if server_codec == "same":
+        return ""
+    if phases == "auto":
+        family = served_family(cost, ranks)
+        return family and (family if server_codec == "auto" else server_codec)
+    return "" if server_codec == "auto" else server_codec
 
 ENTRIES = (
     Entry("allreduce", "ciuicflow.compression.base:ExactCompressor", "AllReduceState",

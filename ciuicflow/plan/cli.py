@@ -77,9 +77,13 @@ def add_arguments(parser) -> None:
                              "windows, 0 to 1; default 1, the upper bound: which windows are depends on "
                              "the gradients; 0: plain signs and scales)")
     parser.add_argument("--server-codec", choices=SERVER_CODECS[1:], default="",
-                        help="the 1-bit states' server_codec beyond four nodes, where their exchange has "
-                             "two phases: what the servers send (default auto, theirs: int4; onebit_int4: "
+                        help="the 1-bit states' server_codec where their exchange has two phases (beyond "
+                             "four nodes, or with --phases 2): what the servers send (default auto, theirs: int4; onebit_int4: "
                              "1 bit with int4 in a tenth of the chunks; same: 1 bit)")
+    parser.add_argument("--phases", choices=("auto", "1", "2"), default="auto",
+                        help="the quantising states' phases (default auto, theirs: 1 bit in one phase up to "
+                             "four nodes; 2: each node serves a segment, 1 bit's servers then send "
+                             "--server-codec's codec, or 1 bit where that is auto)")
     parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(ALL_STRATEGIES)}")
     parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
 
@@ -100,7 +104,8 @@ def _build(args):
                         matmul_flops=args.matmul_tflops * 1e12, overlap=args.overlap,
                         bucket_bytes=args.bucket_mb * 2 ** 20, optimizer=args.optimizer,
                         adaptive_optimizer=args.adaptive_optimizer, values_share=args.values_share,
-                        server_codec=args.server_codec)
+                        server_codec=args.server_codec,
+                        phases=args.phases if args.phases == "auto" else int(args.phases))
     if args.adaptive_optimizer and args.optimizer != "adam":
         raise ValueError("--adaptive-optimizer applies under an adaptive optimizer: pass --optimizer adam")
     ranks = _ranks(args.ranks) if args.ranks else None
@@ -156,6 +161,10 @@ def run(args) -> int:
         sent = workload.adaptive_optimizer or ("their default, auto: int4 on GPUs (topmark, 20x where each value "
                                                "is quantised once, until its CUDA kernel has run on one)")
         print(f"Adaptive optimizer: the 1-bit methods send its buckets as {sent} (--adaptive-optimizer)")
+    if workload.phases != "auto" or workload.server_codec not in ("", "auto"):
+        print(f"Quantising states modelled with phases={workload.phases!r}, server_codec="
+              f"{workload.server_codec or 'auto'!r} (their defaults: 'auto'); the accuracy each costs: "
+              f"docs/convergence.md")
     print()
     print(table(estimates, baseline))
     print()

@@ -123,10 +123,11 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
     chunk = w.chunk_size or method_cost.chunk_size
     policy = w.adaptive_optimizer or method_cost.adaptive_family
     if not _sends_own_codec(method_cost, w):
-        once = exchange_ranks is None or exchange_ranks <= 2
         # the planner's gradients are on GPUs: "auto" sends int4 there until topmark's CUDA
         # kernel has run on one (registry.ADAPTIVE_CODEC_DEVICES), in two phases beyond two ranks
         # (registry.adaptive_one_phase: one phase only where topmark is sent)
+        once = exchange_ranks is None or not registry.two_phases(
+            w.phases, exchange_ranks, method_cost, policy, chunk, "cuda")
         policy = registry.adaptive_codec_name(policy, once, "cuda")
         if policy != "same":
             return registry.adaptive_bytes_per_element(policy, chunk)
@@ -142,24 +143,33 @@ def _sends_own_codec(method_cost, w: Workload) -> bool:
     return not (w.optimizer == "adam" and method_cost.adaptive_family and policy != "same")
 
 
+def _two_phases(method_cost, w: Workload, ranks: int) -> bool:
+    """Whether the exchange over ``ranks`` ranks has two phases for ``Workload.phases``
+    (registry.two_phases, the compressors' rule: "auto" takes the method's own codec in one phase
+    up to its ``one_phase_ranks``; an adaptive optimizer's codec on the planner's GPUs, int4, goes
+    in two)."""
+    policy = None if _sends_own_codec(method_cost, w) else \
+        (w.adaptive_optimizer or method_cost.adaptive_family)
+    return registry.two_phases(w.phases, ranks, method_cost, policy,
+                               w.chunk_size or method_cost.chunk_size, "cuda")
+
+
 def _one_phase(method_cost, w: Workload, ranks: int) -> bool:
-    """Whether the exchange over ``ranks`` (> 2) ranks goes in one phase: the method's own codec up
-    to its ``one_phase_ranks`` (QuantizedCompressor.two_phases; an adaptive optimizer's codec on
-    the planner's GPUs, int4, goes in two). Two ranks are modelled as two phases: the same bytes,
-    one latency more."""
-    return 2 < ranks <= method_cost.one_phase_ranks and _sends_own_codec(method_cost, w)
+    """Whether the exchange over ``ranks`` (> 2) ranks goes in one phase (``_two_phases``). Two
+    ranks are modelled as two phases either way: the same bytes, one latency more."""
+    return ranks > 2 and not _two_phases(method_cost, w, ranks)
 
 
 def _served_bytes_per_element(method_cost, w: Workload, ranks: int, per_elem: float) -> float:
-    """Bytes per element the servers of a two-phase exchange over ``ranks`` ranks send back: the
-    method's ``server_family``'s where its own codec goes in two phases beyond its
-    ``one_phase_ranks`` (QuantizedCompressor.server_codec_for: 1 bit's servers send int4), or
-    ``Workload.server_codec``'s, else what the workers sent (``per_elem``)."""
-    family = registry.served_family(method_cost, ranks)
-    if not family or not _sends_own_codec(method_cost, w) or w.server_codec == "same":
+    """Bytes per element the servers of a two-phase exchange over ``ranks`` ranks send back: what
+    ``registry.served_codec_family`` picks for ``Workload.phases`` and ``Workload.server_codec``
+    (QuantizedCompressor.server_codec_for: beyond four ranks 1 bit's servers send int4), else what
+    the workers sent (``per_elem``)."""
+    if not _sends_own_codec(method_cost, w) or not _two_phases(method_cost, w, ranks):
         return per_elem
-    if w.server_codec not in ("", "auto"):  # asked for (Workload.server_codec)
-        family = w.server_codec
+    family = registry.served_codec_family(w.phases, w.server_codec or "auto", method_cost, ranks)
+    if not family:
+        return per_elem
     return registry.served_bytes_per_element(family, w.chunk_size or method_cost.chunk_size)
 
 

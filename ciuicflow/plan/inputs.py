@@ -76,9 +76,12 @@ class Workload:
     # compression/outliers.py): 1.0, every chunk, is the upper bound; which windows are
     # concentrated is known only from the data (Gaussian noise has none: 0.0)
     values_share: float = 1.0
-    # the 1-bit states' ``server_codec`` where their exchange has two phases (beyond four nodes):
+    # the 1-bit states' ``server_codec`` where their exchange has two phases (beyond four nodes, or
+    # with ``phases`` 2):
     # "" or "auto" is their default (int4), "same" 1 bit, or one of registry.SERVED_FAMILIES
     server_codec: str = ""
+    # the quantising states' ``phases``: "auto" (their default), 1 or 2 (QuantizedCompressor)
+    phases: str | int = "auto"
 
     def __post_init__(self):
         if self.params < 1:
@@ -97,6 +100,8 @@ class Workload:
         if self.server_codec not in SERVER_CODECS:
             raise ValueError(f"server_codec must be one of {SERVER_CODECS[1:]}, got "
                              f"{self.server_codec!r}")
+        if self.phases not in ("auto", 1, 2):
+            raise ValueError(f"phases must be 'auto', 1 or 2, got {self.phases!r}")
         if not self.bucket_bytes > 0:
             raise ValueError("bucket_bytes must be positive")
         if not 0.0 <= self.values_share <= 1.0:
