@@ -231,6 +231,7 @@ def served_codec_family(phases, server_codec: str, cost: Cost, ranks: int) -> st
         return family and (family if server_codec == "auto" else server_codec)
     return "" if server_codec == "auto" else server_codec
 
+
 ENTRIES = (
     Entry("allreduce", "ciuicflow.compression.base:ExactCompressor", "AllReduceState",
           {"hierarchical": "hierarchical_allreduce"},

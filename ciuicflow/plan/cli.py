@@ -78,8 +78,8 @@ def add_arguments(parser) -> None:
                              "the gradients; 0: plain signs and scales)")
     parser.add_argument("--server-codec", choices=SERVER_CODECS[1:], default="",
                         help="the 1-bit states' server_codec where their exchange has two phases (beyond "
-                             "four nodes, or with --phases 2): what the servers send (default auto, theirs: int4; onebit_int4: "
-                             "1 bit with int4 in a tenth of the chunks; same: 1 bit)")
+                             "four nodes, or with --phases 2): what the servers send (default auto, theirs: "
+                             "int4; onebit_int4: 1 bit with int4 in a tenth of the chunks; same: 1 bit)")
     parser.add_argument("--phases", choices=("auto", "1", "2"), default="auto",
                         help="the quantising states' phases (default auto, theirs: 1 bit in one phase up to "
                              "four nodes; 2: each node serves a segment, 1 bit's servers then send "

@@ -126,8 +126,7 @@ def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
         # the planner's gradients are on GPUs: "auto" sends int4 there until topmark's CUDA
         # kernel has run on one (registry.ADAPTIVE_CODEC_DEVICES), in two phases beyond two ranks
         # (registry.adaptive_one_phase: one phase only where topmark is sent)
-        once = exchange_ranks is None or not registry.two_phases(
-            w.phases, exchange_ranks, method_cost, policy, chunk, "cuda")
+        once = exchange_ranks is None or not _two_phases(method_cost, w, exchange_ranks)
         policy = registry.adaptive_codec_name(policy, once, "cuda")
         if policy != "same":
             return registry.adaptive_bytes_per_element(policy, chunk)
