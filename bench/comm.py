@@ -281,9 +281,9 @@ def planner_section(records, machine):
     """Markdown comparing ciuicflow's planner with this run; adds `planner` to each record it predicts."""
     if not machine:
         return ""
-    from ciuicflow import plan
+    from plan_calibration import calibrate
     try:
-        rows = plan.calibrate(records, machine)
+        rows = calibrate(records, machine)
     except ValueError as exc:
         return f"\nPlanner comparison not made: {exc}\n"
     by = {r["method"]: r for r in records}
@@ -382,7 +382,7 @@ def main(argv=None) -> int:
     with open(stem + ".md", "w") as f:
         f.write(table)
     outputs = [json_path, stem + ".md"]
-    if machine:  # what the planner comparison used, to redo it: plan.calibrate(records, probe)
+    if machine:  # what the planner comparison used, to redo it: plan_calibration.calibrate(records, probe)
         with open(stem + ".probe.json", "w") as f:
             json.dump(machine, f, indent=1)
         outputs.append(stem + ".probe.json")

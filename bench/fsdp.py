@@ -95,9 +95,9 @@ def planner_rows(records, machine):
     """ciuicflow plan --fsdp's predictions next to the run (empty without a probe or a shaped link)."""
     if not machine:
         return []
-    from ciuicflow import plan
+    from plan_calibration import calibrate_fsdp
     try:
-        return plan.calibrate_fsdp(records, machine)
+        return calibrate_fsdp(records, machine)
     except ValueError:
         return []
 
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     with open(stem + ".md", "w") as f:
         f.write(table)
     outputs = [json_path, stem + ".md"]
-    if machine:  # what the planner's rows were computed from: plan.calibrate_fsdp(records, probe) again
+    if machine:  # what the planner's rows were computed from: plan_calibration.calibrate_fsdp(records, probe) again
         with open(stem + ".probe.json", "w") as f:
             json.dump(machine, f, indent=1)
         outputs.append(stem + ".probe.json")

@@ -103,7 +103,7 @@ def run_method(method, args, width, data, mesh):
             stats.get("inter_node_bytes", 0) / args.steps, dist.ReduceOp.SUM) if stats else None,
         "compression_ratio": stats.get("compression_ratio"),
         "final_loss": reduce_scalar(loss, dist.ReduceOp.SUM) / world,
-        # for the planner's rows (plan.calibrate_fsdp): Adam steps, the 1-bit states send their own codec
+        # for the planner's rows (bench/plan_calibration.py: calibrate_fsdp): Adam steps, the 1-bit states send their own codec
         "optimizer": "adam",
         "adaptive_optimizer": as_named(method.split(":", 1)[-1]).get("adaptive_optimizer", "")
         if state is not None else "",

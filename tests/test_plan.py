@@ -14,6 +14,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import plan_calibration as cal  # noqa: E402  (the planner against the benches' records)
 from ciuicflow import plan as pl  # noqa: E402
 
 NUMEL = 4 << 20  # 16 MiB of float32
@@ -70,8 +72,8 @@ def test_bytes_per_link_follow_the_algorithms():
     assert plain.inter_node_bytes_per_node == pytest.approx(1e6 * (1 / 8 + 4 / 256))
     some = pl.estimate("hierarchical_1bit", _cluster(), pl.Workload(params=1e6, values_share=0.3))
     per_rank = some.inter_node_bytes_per_node / _cluster().gpus_per_node
-    assert pl.fit_values_share(per_rank, "hierarchical_1bit", _cluster(), w) == pytest.approx(0.3)
-    assert pl.fit_values_share(per_rank, "hierarchical", _cluster(), w) == 0.0  # sends no values
+    assert cal.fit_values_share(per_rank, "hierarchical_1bit", _cluster(), w) == pytest.approx(0.3)
+    assert cal.fit_values_share(per_rank, "hierarchical", _cluster(), w) == 0.0  # sends no values
     with pytest.raises(ValueError, match="values_share"):
         pl.Workload(params=1e6, values_share=1.5)
     square = pl.Workload(params=1e6, matrix_shapes=[(1000, 1000)])
@@ -324,7 +326,7 @@ def test_fsdp_bytes_match_the_bench():
                for m, b in SMOKE_LINK_BYTES.items()]
     records.append({"method": "no_comm", "step_seconds": 0.004, "shaped": True, "rate_bps": 1e9, **shape})
     machine = {"nodes": 2, "ranks_per_node": 2, "alpha": 3e-4}  # bytes do not depend on the probe
-    rows = {r["method"]: r for r in pl.calibrate_fsdp(records, machine)}
+    rows = {r["method"]: r for r in cal.calibrate_fsdp(records, machine)}
     assert set(rows) == set(SMOKE_LINK_BYTES)
     for method, row in rows.items():  # the links also carry headers and the barriers' bytes
         assert -0.03 < row["bytes_error"] <= 0, (method, row)
@@ -342,7 +344,7 @@ def test_fsdp_compute_is_fitted_on_the_probed_shard_reductions():
     and the predictions use them."""
     machine = {"nodes": 2, "ranks_per_node": 2, "alpha": 2e-4, "intra_bw": 3e8, "intra_alpha": 2e-3,
                "matmul_flops": 3e9, "shard_cols": 500, "powersgd_rank": 8}
-    cluster = pl.machine_cluster(machine, 1e9)
+    cluster = cal.machine_cluster(machine, 1e9)
     numel, local, flops = 300 * 500, 6e-9, 2e10
     bare = pl.Workload(params=numel * 2, matrix_shapes=[(600, 500)], local_seconds_per_element=0.0,
                        matmul_flops=float("inf"), bucket_bytes=float("inf"))
@@ -357,7 +359,7 @@ def test_fsdp_compute_is_fitted_on_the_probed_shard_reductions():
     records = [{"method": m, "step_seconds": 1.0, "inter_node_bytes_per_step": 1, **shape}
                for m in ("hierarchical_1bit", "hierarchical_powersgd")]
     records.append({"method": "no_comm", "step_seconds": 0.2, "shaped": True, "rate_bps": 1e9, **shape})
-    rows = {r["method"]: r for r in pl.calibrate_fsdp(records, machine)}
+    rows = {r["method"]: r for r in cal.calibrate_fsdp(records, machine)}
     for row in rows.values():
         assert row["local_seconds_per_element"] == pytest.approx(local, rel=1e-6)
         assert row["matmul_flops"] == pytest.approx(flops, rel=1e-6)
@@ -367,7 +369,7 @@ def test_fsdp_compute_is_fitted_on_the_probed_shard_reductions():
     assert rows["hierarchical_powersgd"]["predicted_step_seconds"] == pytest.approx(expected)
     # without the shard probe: the probed matmul rate, as before
     del machine["shard_cols"]
-    assert pl.calibrate_fsdp(records, machine)[0]["matmul_flops"] == 3e9
+    assert cal.calibrate_fsdp(records, machine)[0]["matmul_flops"] == 3e9
 
 
 def test_fsdp_calibration_costs_what_the_run_sent_under_adam():
@@ -382,7 +384,7 @@ def test_fsdp_calibration_costs_what_the_run_sent_under_adam():
         records = [{"method": m, "step_seconds": 1.0, "inter_node_bytes_per_step": 1, **shape, **run}
                    for m in ("hsdp", "hierarchical_1bit", "hierarchical_powersgd")]
         return {r["method"]: r["predicted_inter_node_bytes"]
-                for r in pl.calibrate_fsdp(records + [no_comm], machine)}
+                for r in cal.calibrate_fsdp(records + [no_comm], machine)}
 
     sgd, adam = predicted(), predicted(optimizer="adam", adaptive_optimizer="same")
     # (the biases go uncompressed: a little under twice)
@@ -467,7 +469,6 @@ def _worker():
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     from comm_probe import probe_machine
 
     dist.init_process_group("gloo")
@@ -499,17 +500,17 @@ def _predicted_against(m: dict) -> tuple:
     a tensor half the size, then the full size is predicted: its time and (asserted here) its bytes."""
     # a ciuicflow collective that failed is a failure, not an expected one
     assert "ciuicflow_error" not in m, m["ciuicflow_error"]
-    cluster = pl.machine_cluster(m, RATE_BPS)
+    cluster = cal.machine_cluster(m, RATE_BPS)
     measured = m["sizes"][str(NUMEL)]
     assert "flat_ring" in measured and "hierarchical_1bit" in measured, measured
-    fit = pl.probed_workload(m, cluster, FIT_NUMEL)
+    fit = cal.probed_workload(m, cluster, FIT_NUMEL)
     share = fit.values_share
-    local = pl.fit_local_seconds_per_element(m["sizes"][str(FIT_NUMEL)]["hierarchical_1bit"],
+    local = cal.fit_local_seconds_per_element(m["sizes"][str(FIT_NUMEL)]["hierarchical_1bit"],
                                              "hierarchical_1bit", cluster, fit)
     predicted = pl.estimate("hierarchical_1bit", cluster, pl.Workload(params=NUMEL, values_share=share))
     sent = m["inter_bytes"][str(NUMEL)]["hierarchical_1bit"] * cluster.gpus_per_node
     assert predicted.inter_node_bytes_per_node == pytest.approx(sent, rel=0.02), \
-        (share, pl.probed_workload(m, cluster, NUMEL).values_share, m["inter_bytes"])
+        (share, cal.probed_workload(m, cluster, NUMEL).values_share, m["inter_bytes"])
     workload = pl.Workload(params=NUMEL, local_seconds_per_element=local, values_share=share)
     checked = {}
     for strategy, seconds in measured.items():

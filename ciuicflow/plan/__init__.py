@@ -25,28 +25,24 @@ Step time = accum * compute + communication not hidden (``overlap`` = share of t
     ciuicflow plan --model 7B --nodes 128 --gpus-per-node 8 --intra-bw 600GB/s --inter-bw 200Gbit/s
     ciuicflow plan --params 25e6 --nodes 2 --gpus-per-node 2 --inter-bw 1gbit --compute-seconds 0.4 --json p.json
 
-Python: ``plan(ClusterSpec(...), Workload(...))`` returns ``Estimate`` objects; ``calibrate(records)`` puts
-the model next to what bench/comm.py measured, ``calibrate_fsdp(records)`` next to bench/fsdp.py.
+Python: ``plan(ClusterSpec(...), Workload(...))`` returns ``Estimate`` objects. The model is held against
+what bench/comm.py and bench/fsdp.py measured by ``bench/plan_calibration.py`` (the library reads no
+bench's files).
 
 Modules: ``methods`` (the strategies and the hooks' parameters), ``units`` (parsing and
 formatting), ``inputs`` (``ClusterSpec``, ``Workload``), ``cost_model`` (``estimate``, ``plan``,
-``recommend``), ``calibration`` (against bench/comm.py), ``cli``. This package re-exports them.
+``recommend``), ``wire_cost`` (the bytes and time of one compressed exchange), ``fsdp_model``, ``cli``. This package re-exports them.
 """
-from ciuicflow.plan.calibration import (TCP_EFFICIENCY, calibrate, calibrate_fsdp,
-                                        fit_local_seconds_per_element, fit_values_share, machine_cluster,
-                                        probed_workload)
 from ciuicflow.plan.cli import add_arguments, run, table
 from ciuicflow.plan.cost_model import Estimate, estimate, plan, recommend
 from ciuicflow.plan.inputs import ClusterSpec, Workload, compute_seconds_from_flops, powersgd_elements
-from ciuicflow.plan.methods import (BENCH_METHODS, EXACT_STRATEGIES, FSDP_STRATEGIES, HSDP_STRATEGIES,
+from ciuicflow.plan.methods import (EXACT_STRATEGIES, FSDP_STRATEGIES, HSDP_STRATEGIES,
                                     ONE_DIM_STRATEGIES, POWERSGD_RANK, RANKED, STRATEGIES)
 from ciuicflow.plan.units import parse_bandwidth, parse_count, parse_seconds
 
 __all__ = [
-    "STRATEGIES", "EXACT_STRATEGIES", "FSDP_STRATEGIES", "HSDP_STRATEGIES", "ONE_DIM_STRATEGIES", "RANKED", "BENCH_METHODS", "POWERSGD_RANK",
+    "STRATEGIES", "EXACT_STRATEGIES", "FSDP_STRATEGIES", "HSDP_STRATEGIES", "ONE_DIM_STRATEGIES", "RANKED", "POWERSGD_RANK",
     "parse_count", "parse_bandwidth", "parse_seconds", "ClusterSpec", "Workload",
     "compute_seconds_from_flops", "powersgd_elements", "Estimate", "estimate", "plan", "recommend",
-    "TCP_EFFICIENCY", "machine_cluster", "fit_local_seconds_per_element", "fit_values_share",
-    "probed_workload", "calibrate", "calibrate_fsdp",
     "add_arguments", "table", "run",
 ]

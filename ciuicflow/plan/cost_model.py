@@ -4,11 +4,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ciuicflow.compression import registry
 from ciuicflow.plan.alpha_beta import _ring_allreduce, _scatter_or_gather
+from ciuicflow.plan.fsdp_model import fsdp_terms
 from ciuicflow.plan.inputs import ClusterSpec, Workload, powersgd_elements
 from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, \
     RANKED, STRATEGIES, cost, default_rank, hierarchical
+from ciuicflow.plan.wire_cost import flat_all_to_all, flat_ring, one_phase, \
+    packed_bytes_per_element, quantized_exchange, served_bytes_per_element
 
 @dataclass
 class Estimate:
@@ -34,20 +36,6 @@ class Estimate:
         return d
 
 
-def _flat_ring(c: ClusterSpec, nbytes: float) -> tuple:
-    """(seconds, inter bytes per node, intra bytes per GPU) of a ring all-reduce over all ranks in node order."""
-    p, g, n = c.world, c.gpus_per_node, c.nodes
-    if p == 1:
-        return 0.0, 0.0, 0.0
-    chunk = nbytes / p
-    hops = []
-    if n > 1:
-        hops.append(c.inter_latency + chunk / c.inter_goodput)
-    if g > 1:
-        hops.append(c.intra_latency + chunk / c.intra_bw)
-    seconds = 2 * (p - 1) * max(hops)
-    sent = 2 * (p - 1) / p * nbytes
-    return seconds, (sent if n > 1 else 0.0), (sent * (g - 1) / g if n > 1 else sent)
 
 
 def _hierarchical(c: ClusterSpec, nbytes: float, parts=None, tag="") -> tuple:
@@ -55,7 +43,7 @@ def _hierarchical(c: ClusterSpec, nbytes: float, parts=None, tag="") -> tuple:
     all-gather. Returns (seconds, inter bytes per node, intra bytes per GPU)."""
     g, n = c.gpus_per_node, c.nodes
     if n == 1 or g == 1:  # one level only: the flat ring is the hierarchical algorithm
-        return _flat_ring(c, nbytes)
+        return flat_ring(c, nbytes)
     rs = _scatter_or_gather(g, nbytes, c.intra_bw, c.intra_latency)
     inter = _ring_allreduce(n, nbytes / g, c.inter_goodput / g, c.inter_latency)
     ag = rs
@@ -86,10 +74,9 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
     if p == 1:
         comm, inter, intra = 0.0, 0.0, 0.0
     elif strategy in FSDP_STRATEGIES:
-        from ciuicflow.plan.fsdp_model import fsdp_terms
         comm, inter, intra, compress = fsdp_terms(strategy, c, w, workload, rank, buckets, parts)
     elif strategy == "flat_ring":
-        comm, inter, intra = _flat_ring(c, nbytes)
+        comm, inter, intra = flat_ring(c, nbytes)
         parts["ring"] = comm
     elif strategy == "hierarchical":
         comm, inter, intra = _hierarchical(c, nbytes, parts=parts)
@@ -108,96 +95,27 @@ def estimate(strategy: str, cluster: ClusterSpec, workload: Workload, rank: int 
                     parts, buckets)
 
 
-def _packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
-                              exchange_ranks: int | None = None) -> float:
-    """A quantising method's bytes per element: the values (under an adaptive optimizer, with the
-    codec it sends those gradients with: ``Workload.adaptive_optimizer``), one float32 scale per
-    chunk and, with ``values`` (the all-reduce routes: DDP's hooks, HSDP's replicas), the values a
-    chunk of a concentrated window sends (``Cost.values``, 3 bytes each, in chunks of at most
-    ``registry.VALUES_MAX_CHUNK``), counted for ``Workload.values_share`` of the chunks (default
-    every one: an upper bound, reached where every window is concentrated; a gradient with none
-    costs the plain bytes; which windows are is known only from the data). ``exchange_ranks``:
-    ranks of the all-reduce exchange (None: the reduce-scatter), which "auto" picks the codec by
-    (each value quantised once in the reduce-scatter and in a one-phase exchange, up to two ranks)."""
-    bits = method_cost.payload_bits
-    chunk = w.chunk_size or method_cost.chunk_size
-    policy = w.adaptive_optimizer or method_cost.adaptive_family
-    if not _sends_own_codec(method_cost, w):
-        # the planner's gradients are on GPUs: "auto" sends int4 there until topmark's CUDA
-        # kernel has run on one (registry.ADAPTIVE_CODEC_DEVICES), in two phases beyond two ranks
-        # (registry.adaptive_one_phase: one phase only where topmark is sent)
-        once = exchange_ranks is None or not _two_phases(method_cost, w, exchange_ranks)
-        policy = registry.adaptive_codec_name(policy, once, "cuda")
-        if policy != "same":
-            return registry.adaptive_bytes_per_element(policy, chunk)
-    if values and method_cost.values and chunk <= registry.VALUES_MAX_CHUNK:
-        return bits / 8 + (4 + 3 * method_cost.values * w.values_share) / chunk
-    return bits / 8 + 4 / chunk
 
 
-def _sends_own_codec(method_cost, w: Workload) -> bool:
-    """Whether a quantising method sends the workload's gradients with its own codec (not, under
-    Adam, with the one its ``adaptive_optimizer`` policy picks)."""
-    policy = w.adaptive_optimizer or method_cost.adaptive_family
-    return not (w.optimizer == "adam" and method_cost.adaptive_family and policy != "same")
 
 
-def _two_phases(method_cost, w: Workload, ranks: int) -> bool:
-    """Whether the exchange over ``ranks`` ranks has two phases for ``Workload.phases``
-    (registry.two_phases, the compressors' rule: "auto" takes the method's own codec in one phase
-    up to its ``one_phase_ranks``; an adaptive optimizer's codec on the planner's GPUs, int4, goes
-    in two)."""
-    policy = None if _sends_own_codec(method_cost, w) else \
-        (w.adaptive_optimizer or method_cost.adaptive_family)
-    return registry.two_phases(w.phases, ranks, method_cost, policy,
-                               w.chunk_size or method_cost.chunk_size, "cuda")
 
 
-def _one_phase(method_cost, w: Workload, ranks: int) -> bool:
-    """Whether the exchange over ``ranks`` (> 2) ranks goes in one phase (``_two_phases``). Two
-    ranks are modelled as two phases either way: the same bytes, one latency more."""
-    return ranks > 2 and not _two_phases(method_cost, w, ranks)
 
 
-def _served_bytes_per_element(method_cost, w: Workload, ranks: int, per_elem: float) -> float:
-    """Bytes per element the servers of a two-phase exchange over ``ranks`` ranks send back: what
-    ``registry.served_codec_family`` picks for ``Workload.phases`` and ``Workload.server_codec``
-    (QuantizedCompressor.server_codec_for: beyond four ranks 1 bit's servers send int4), else what
-    the workers sent (``per_elem``)."""
-    if not _sends_own_codec(method_cost, w) or not _two_phases(method_cost, w, ranks):
-        return per_elem
-    family = registry.served_codec_family(w.phases, w.server_codec or "auto", method_cost, ranks)
-    if not family:
-        return per_elem
-    return registry.served_bytes_per_element(family, w.chunk_size or method_cost.chunk_size)
 
 
-def _exchange(ranks: int, nbytes: float, bw: float, lat: float, one_phase: bool, parts: dict,
-              tag: str = "inter_", served: float | None = None) -> tuple:
-    """(seconds, bytes each rank sends) of the quantised exchange of ``nbytes`` packed bytes per
-    rank over ``ranks`` ranks: two phases (an all-to-all of 1/ranks each, then an all-gather of
-    the servers' ``served`` bytes, default ``nbytes``, 1/ranks each) or one (an all-gather of the
-    whole: ranks-1)."""
-    if one_phase:
-        seconds = _scatter_or_gather(ranks, ranks * nbytes, bw, lat)
-        parts[tag + "all_gather"] = seconds
-        return seconds, (ranks - 1) * nbytes
-    served = nbytes if served is None else served
-    scatter = _scatter_or_gather(ranks, nbytes, bw, lat)
-    gather = _scatter_or_gather(ranks, served, bw, lat)
-    parts.update({tag + "all_to_all": scatter, tag + "all_gather": gather})
-    return scatter + gather, (ranks - 1) / ranks * (nbytes + served)
 
 
 def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, parts: dict) -> tuple:
-    """A quantising method (1-bit, int8): the exchange of compression.quantized (``_exchange``)."""
+    """A quantising method (1-bit, int8): the exchange of compression.quantized (``wire_cost.quantized_exchange``)."""
     g, n, p = c.gpus_per_node, c.nodes, c.world
     elems = w.params
     # a flat state with route="auto" (1-bit's default) takes the hierarchical route on whole
     # nodes of several ranks (QuantizedCompressor.route_for; the planner's nodes are whole); on
     # one node, or one rank per node, it stays flat
     hierarchical = hierarchical or (method_cost.route == "auto" and n > 1 and g > 1)
-    per_elem = _packed_bytes_per_element(method_cost, w, values=True,
+    per_elem = packed_bytes_per_element(method_cost, w, values=True,
                                          exchange_ranks=n if hierarchical and g > 1 else p)
     if hierarchical and n > 1 and g > 1:
         nbytes = elems * w.grad_bytes
@@ -205,15 +123,15 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
         shard = elems / g
         # the compressed shard's exchange among N nodes; G groups share the link
         parts.update(intra_reduce_scatter=rs, intra_all_gather=rs)
-        exchange, sent = _exchange(n, shard * per_elem, c.inter_goodput / g, c.inter_latency,
-                                   _one_phase(method_cost, w, n), parts, served=shard *
-                                   _served_bytes_per_element(method_cost, w, n, per_elem))
+        exchange, sent = quantized_exchange(n, shard * per_elem, c.inter_goodput / g, c.inter_latency,
+                                   one_phase(method_cost, w, n), parts, served=shard *
+                                   served_bytes_per_element(method_cost, w, n, per_elem))
         compress = elems * w.local_seconds_per_element
         parts["compress"] = compress
         intra = 2 * (g - 1) / g * nbytes
         return 2 * rs + exchange, sent * g, intra, compress
     if hierarchical and n == 1:  # nothing crosses a node: exact
-        comm, inter, intra = _flat_ring(c, elems * w.grad_bytes)
+        comm, inter, intra = flat_ring(c, elems * w.grad_bytes)
         parts["ring"] = comm
         return comm, inter, intra, 0.0
     dc = elems * per_elem
@@ -221,29 +139,20 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
     # a ring all-gather over all p ranks (as gloo and NCCL run it): one edge per node crosses
     ring_bw = min(c.inter_goodput, c.intra_bw) if n > 1 else c.intra_bw
     ring_lat = c.inter_latency if n > 1 else c.intra_latency
-    if _one_phase(method_cost, w, p):  # every rank all-gathers every packed tensor
+    if one_phase(method_cost, w, p):  # every rank all-gathers every packed tensor
         ag = _scatter_or_gather(p, p * dc, ring_bw, ring_lat)
         parts.update(all_gather=ag, compress=compress)
         return ag, (p - 1) * dc if n > 1 else 0.0, (p - 1) * dc * (g - 1) / g, compress
     # flat over all p ranks in two phases. Phase 1, pairwise all-to-all of the compressed tensor
-    a2a, a2a_inter, a2a_intra = _flat_all_to_all(c, dc)
+    a2a, a2a_inter, a2a_intra = flat_all_to_all(c, dc)
     # phase 2, ring all-gather of the served segments (as the servers pack them)
-    served = elems * _served_bytes_per_element(method_cost, w, p, per_elem)
+    served = elems * served_bytes_per_element(method_cost, w, p, per_elem)
     ag = _scatter_or_gather(p, served, ring_bw, ring_lat)
     parts.update(all_to_all=a2a, all_gather=ag, compress=compress)
     ag_inter = (p - 1) / p * served if n > 1 else 0.0
     return a2a + ag, a2a_inter + ag_inter, a2a_intra + (p - 1) / p * served * (g - 1) / g, compress
 
 
-def _flat_all_to_all(c: ClusterSpec, nbytes: float) -> tuple:
-    """(seconds, inter bytes per node, intra bytes per GPU) of a pairwise all-to-all over all p ranks of
-    ``nbytes`` per rank: each rank sends (p-1)/p of it, the off-node share (p-G)/(p-1) of that over its
-    node's link (G ranks' worth per node), the rest inside the node."""
-    g, n, p = c.gpus_per_node, c.nodes, c.world
-    inter = g * (p - g) / p * nbytes
-    lat = (p - 1) * (c.inter_latency if n > 1 else c.intra_latency)
-    seconds = lat + max(inter / c.inter_goodput if n > 1 else 0.0, (g - 1) / p * nbytes / c.intra_bw)
-    return seconds, inter, (g - 1) / p * nbytes
 
 
 def _powersgd(c: ClusterSpec, w: Workload, rank: int, elements, hierarchical: bool, parts: dict) -> tuple:
@@ -255,8 +164,8 @@ def _powersgd(c: ClusterSpec, w: Workload, rank: int, elements, hierarchical: bo
         t1, i1, a1 = _hierarchical(c, first, parts=parts, tag="P_")
         t2, i2, a2 = _hierarchical(c, second, parts=parts, tag="Q_")
     else:
-        t1, i1, a1 = _flat_ring(c, first)
-        t2, i2, a2 = _flat_ring(c, second)
+        t1, i1, a1 = flat_ring(c, first)
+        t2, i2, a2 = flat_ring(c, second)
         parts.update(P_ring=t1, Q_ring=t2)
     # every rank multiplies its whole gradient: P = M Q, Q = M^T P, M ~ P Q^T (2 r flops/element each),
     # plus element-wise work (M + error, non-finite check, copy out, new error)

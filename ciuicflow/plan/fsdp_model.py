@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ciuicflow.plan.alpha_beta import _ring_allreduce, _scatter_or_gather
-from ciuicflow.plan.cost_model import _exchange, _flat_all_to_all, _flat_ring, _one_phase, \
-    _packed_bytes_per_element, _served_bytes_per_element
 from ciuicflow.plan.inputs import Workload, powersgd_elements
 from ciuicflow.plan.methods import ONE_DIM_STRATEGIES, cost
+from ciuicflow.plan.wire_cost import flat_all_to_all, flat_ring, one_phase, \
+    packed_bytes_per_element, quantized_exchange, served_bytes_per_element
 
 
 def fsdp_terms(strategy, c, w, workload, rank, buckets, parts) -> tuple:
@@ -44,10 +44,10 @@ def fsdp_terms(strategy, c, w, workload, rank, buckets, parts) -> tuple:
     method = cost(strategy)
     if method.kind == "quantized":
         # the replicas' all-reduce (one rank per node) sends the values
-        per_elem = _packed_bytes_per_element(method, w, values=True, exchange_ranks=n)
-        exchange, sent = _exchange(n, shard * per_elem, inter_bw, c.inter_latency,
-                                   _one_phase(method, w, n), parts,
-                                   served=shard * _served_bytes_per_element(method, w, n, per_elem))
+        per_elem = packed_bytes_per_element(method, w, values=True, exchange_ranks=n)
+        exchange, sent = quantized_exchange(n, shard * per_elem, inter_bw, c.inter_latency,
+                                   one_phase(method, w, n), parts,
+                                   served=shard * served_bytes_per_element(method, w, n, per_elem))
         compress = shard * w.local_seconds_per_element
         parts["compress"] = compress
         return 3 * gather + exchange, sent * g, intra, compress
@@ -66,13 +66,13 @@ def fsdp_terms(strategy, c, w, workload, rank, buckets, parts) -> tuple:
 
 def _one_dim_terms(strategy, c, w, parts) -> tuple:
     """The terms of ``fsdp_terms`` for FSDP2 over all p ranks."""
-    ring, ring_inter, ring_intra = _flat_ring(c, w.params * w.grad_bytes)  # = two all-gathers
+    ring, ring_inter, ring_intra = flat_ring(c, w.params * w.grad_bytes)  # = two all-gathers
     parts["param_all_gather"] = ring
     if strategy == ONE_DIM_STRATEGIES[0]:  # FSDP2's own reduce-scatter
         share = 1.0 if c.backend == "gloo" else 0.5  # of the ring all-reduce
         parts["grad_reduce_scatter"] = share * ring
         return (1 + share) * ring, (1 + share) * ring_inter, (1 + share) * ring_intra, 0.0
-    a2a, inter, intra = _flat_all_to_all(c, w.params * _packed_bytes_per_element(cost(strategy), w))
+    a2a, inter, intra = flat_all_to_all(c, w.params * packed_bytes_per_element(cost(strategy), w))
     compress = w.params * w.local_seconds_per_element
     parts.update(grad_all_to_all=a2a, compress=compress)
     return ring + a2a, ring_inter + inter, ring_intra + intra, compress

@@ -32,19 +32,6 @@ ALL_STRATEGIES = STRATEGIES + FSDP_STRATEGIES
 RANKED = tuple(name for name in ALL_STRATEGIES
                if name not in EXACT_STRATEGIES and cost(name).kind == "lowrank")
 
-# bench/comm.py method -> (strategy, gradient bytes per element on the wire)
-BENCH_METHODS = {
-    "allreduce": ("flat_ring", 4), "fp16_compress_hook": ("flat_ring", 2),
-    "powerSGD_hook": (registry.FAMILIES["powersgd"].methods["flat"], 4),
-    registry.FAMILIES["allreduce"].methods["hierarchical"]: ("hierarchical", 4),
-    **{name: (name, 4) for name in STRATEGIES[2:]},
-}
-# bench/fsdp.py method -> strategy (its 1-D methods: "fsdp" and "fsdp:<method>")
-FSDP_BENCH_METHODS = {"hsdp": "fsdp_hsdp",
-                      registry.FAMILIES["allreduce"].methods["hierarchical"]: "fsdp_hsdp",
-                      **{s.removeprefix("fsdp_"): s for s in HSDP_STRATEGIES[1:]},
-                      "fsdp": "fsdp", **{f"fsdp:{name}": f"fsdp_{name}" for name in SCATTER_METHODS}}
-
 POWERSGD_RANK = registry.FAMILIES["powersgd"].cost.rank  # the rank when none is given
 
 

@@ -1,12 +1,27 @@
-"""The model next to what bench/comm.py measured on the simulated cluster."""
+"""The planner (ciuicflow.plan) next to what bench/comm.py and bench/fsdp.py measured on the simulated
+cluster: the benches' method names and records are read here, never by the library."""
 from __future__ import annotations
 
 import math
 from dataclasses import asdict
 
+from ciuicflow.compression import registry
 from ciuicflow.plan.cost_model import estimate
 from ciuicflow.plan.inputs import ClusterSpec, Workload, powersgd_elements
-from ciuicflow.plan.methods import BENCH_METHODS, FSDP_BENCH_METHODS
+from ciuicflow.plan.methods import HSDP_STRATEGIES, SCATTER_METHODS, STRATEGIES
+
+# bench/comm.py method -> (strategy, gradient bytes per element on the wire)
+BENCH_METHODS = {
+    "allreduce": ("flat_ring", 4), "fp16_compress_hook": ("flat_ring", 2),
+    "powerSGD_hook": (registry.FAMILIES["powersgd"].methods["flat"], 4),
+    registry.FAMILIES["allreduce"].methods["hierarchical"]: ("hierarchical", 4),
+    **{name: (name, 4) for name in STRATEGIES[2:]},
+}
+# bench/fsdp.py method -> strategy (its 1-D methods: "fsdp" and "fsdp:<method>")
+FSDP_BENCH_METHODS = {"hsdp": "fsdp_hsdp",
+                      registry.FAMILIES["allreduce"].methods["hierarchical"]: "fsdp_hsdp",
+                      **{s.removeprefix("fsdp_"): s for s in HSDP_STRATEGIES[1:]},
+                      "fsdp": "fsdp", **{f"fsdp:{name}": f"fsdp_{name}" for name in SCATTER_METHODS}}
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at MTU 1500 (with timestamps)
 
