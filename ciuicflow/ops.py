@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from ciuicflow.compression.registry import FAMILIES
+from ciuicflow import formats
 
 try:
     from ciuicflow import _C  # noqa: F401  (loading the library registers the ops)
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 # the 1-bit methods' default, so an op called without one packs as the hooks do
-DEFAULT_CHUNK_SIZE = FAMILIES["onebit"].cost.chunk_size
+DEFAULT_CHUNK_SIZE = formats.DEFAULT_CHUNK_SIZE
 
 
 def onebit_pack(
@@ -356,19 +356,15 @@ def _int4_unpack_mean_into_fake(values, scales, numel, chunk_size, out):
 
 @torch.library.register_fake("ciuicflow::twobit_pack")
 def _twobit_pack_fake(x, error, chunk_size):
-    from ciuicflow.compression.twobit import TwoBitCodec  # the layout's one formula
-
     n = x.numel()
-    return (x.new_empty((TwoBitCodec.payload_bytes(n, chunk_size),), dtype=torch.uint8),
+    return (x.new_empty((formats.twobit_payload_bytes(n, chunk_size),), dtype=torch.uint8),
             x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))
 
 
 @torch.library.register_fake("ciuicflow::topmark_pack")
 def _topmark_pack_fake(x, error, chunk_size):
-    from ciuicflow.compression.topmark import TopMarkCodec  # the layout's one formula
-
     n = x.numel()
-    return (x.new_empty((TopMarkCodec.payload_bytes(n, chunk_size),), dtype=torch.uint8),
+    return (x.new_empty((formats.topmark_payload_bytes(n, chunk_size),), dtype=torch.uint8),
             x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))
 
 

@@ -236,27 +236,33 @@ def test_the_adaptive_optimizer_option_costs_the_codec_it_names():
 
 
 def test_the_adaptive_codecs_bytes_are_what_they_pack():
-    """registry.ADAPTIVE_CODEC_BITS, which plan costs, against the bytes each codec of the 1-bit
-    compressor really packs (payload plus float32 scales) for whole chunks: 256 elements, or the
-    codec's own chunk where it has one (and the compressor gives it that one)."""
+    """ciuicflow.formats, which plan costs (registry.adaptive_bytes_per_element), against the bytes
+    each codec of the 1-bit compressor really packs (payload plus float32 scales) for whole chunks:
+    256 elements, or the codec's own chunk where it has one (and the compressor gives it that one),
+    and for a trimmed last chunk."""
     import torch
+    from ciuicflow import formats
     from ciuicflow.compression import registry
     from ciuicflow.compression.onebit import OneBitCompressor
 
-    assert set(OneBitCompressor.adaptive_codecs) == set(registry.ADAPTIVE_CODEC_BITS)
+    assert set(OneBitCompressor.adaptive_codecs) == set(registry.ADAPTIVE_CODECS)
     assert registry.ADAPTIVE_OPTIMIZER_POLICIES[-1] == "same"
     chunks = 7
     for name, codec in OneBitCompressor.adaptive_codecs.items():
-        bits, chunk_bytes, own_chunk = registry.ADAPTIVE_CODEC_BITS[name]
-        assert (codec.chunk_size or 0) == own_chunk, name
+        payload_bytes, granule, own_chunk = formats.FORMATS[name]
+        assert (codec.chunk_size or 0) == own_chunk and codec.granule % granule == 0, name
         chunk = OneBitCompressor().chunk_for(codec)
         assert chunk == (own_chunk or 256), name
-        x = torch.randn(chunks * chunk)
-        payload, scales = codec.pack(x, torch.zeros_like(x), chunk)
-        assert payload.numel() * payload.element_size() + 4 * scales.numel() == \
-            chunks * (chunk * bits // 8 + chunk_bytes), name
+        for numel in (chunks * chunk, chunks * chunk - 5):  # whole chunks, and a trimmed last one
+            x = torch.randn(numel)
+            payload, scales = codec.pack(x, torch.zeros_like(x), chunk)
+            assert payload.numel() * payload.element_size() == payload_bytes(numel, chunk), name
+            assert scales.numel() == chunks, name
+        sent = payload_bytes(chunks * chunk, chunk) + formats.SCALE_BYTES * chunks
+        assert sent == round(registry.adaptive_bytes_per_element(name, 256) * chunks * chunk), name
         if name in registry.FAMILIES:  # a codec that is a method of its own costs the same there
-            assert registry.FAMILIES[name].cost.payload_bits == bits
+            assert formats.bytes_per_element(name, chunk) == \
+                registry.FAMILIES[name].cost.payload_bits / 8 + 4 / chunk
 
 
 def test_fsdp_strategies_follow_fsdp2_and_the_registry():

@@ -12,7 +12,8 @@ import torch
 import ciuicflow.ops
 
 from ciuicflow.compression.onebit import OneBitCodec
-from ciuicflow.compression.topmark import TopMarkCodec, marked, rank_bytes
+from ciuicflow.compression.topmark import TopMarkCodec
+from ciuicflow.formats import topmark_marked as marked, topmark_rank_bytes as rank_bytes
 from ciuicflow.compression.twobit import TwoBitCodec
 from tests.codec_properties import check_mean_of_rows, check_zero_padding, fresh
 from tests.devices import needs_cuda

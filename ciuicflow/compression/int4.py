@@ -10,6 +10,7 @@ arithmetic is the native ops' (``ciuicflow.ops.int4_pack``: int8's kernels with 
 """
 from __future__ import annotations
 
+from ciuicflow import formats
 from ciuicflow.compression.quantized import Codec, QuantizedCompressor, native_ops
 from ciuicflow.compression.registry import FAMILIES
 
@@ -20,8 +21,7 @@ class Int4Codec(Codec):
     name = "int4"
     granule = 2  # two values per byte
 
-    def payload_bytes(self, numel: int, chunk: int) -> int:
-        return -(-numel // 2)
+    payload_bytes = staticmethod(formats.int4_payload_bytes)
 
     def pack(self, x, error, chunk):
         return native_ops().int4_pack(x, error, chunk)

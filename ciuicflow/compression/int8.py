@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ciuicflow import formats
 from ciuicflow.compression.quantized import Codec, QuantizedCompressor, native_ops
 from ciuicflow.compression.registry import FAMILIES
 
@@ -19,8 +20,7 @@ class Int8Codec(Codec):
     name = "int8"
     granule = 1
 
-    def payload_bytes(self, numel: int, chunk: int) -> int:
-        return numel
+    payload_bytes = staticmethod(formats.int8_payload_bytes)
 
     def pack(self, x, error, chunk):
         values, scales = native_ops().int8_pack(x, error, chunk)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ciuicflow import formats
 from ciuicflow.compression.int4 import Int4Codec
 from ciuicflow.compression.int8 import Int8Codec
 from ciuicflow.compression.outliers import MAX_CHUNK, OneBitOutlierCodec
@@ -30,8 +31,7 @@ class OneBitCodec(Codec):
     name = "onebit"
     granule = 8  # eight signs per byte
 
-    def payload_bytes(self, numel: int, chunk: int) -> int:
-        return -(-numel // 8)
+    payload_bytes = staticmethod(formats.onebit_payload_bytes)
 
     def pack(self, x, error, chunk):
         return native_ops().onebit_pack(x, error, chunk)

@@ -2,7 +2,7 @@
 
 The DDP hooks and their states, the FSDP path, ``plan``, ``doctor``, ``demo`` and the benches read
 this table; a new compressor is its module plus one ``Entry`` here. This module imports neither
-torch nor the compressors (``plan`` and ``doctor`` run without them): an entry names its
+torch nor the compressors (only the byte layouts, ``ciuicflow.formats``) (``plan`` and ``doctor`` run without them): an entry names its
 compressor class by path, loaded on first use.
 
 A method is a compressor on a route: ``hierarchical`` (exact inside nodes, the compressor's
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib import import_module
+
+from ciuicflow import formats
 
 ROUTES = ("hierarchical", "flat")
 
@@ -54,20 +56,16 @@ class Cost:
 VALUES_MAX_CHUNK = 256
 
 # What a compressor with an ``adaptive_family`` (1-bit) can send an adaptive optimizer's tensors
-# as, its ``adaptive_optimizer`` option: per codec, payload bits per element, bytes per chunk
-# beside them (the float32 scale; twobit's and topmark's also their low magnitude's byte, and
-# topmark's the rank of its marked positions: compression.twobit, compression.topmark) and the
-# codec's own chunk (0: the compressor's); "same": the compressor's own codec. ``plan`` costs them
-# from here (tests check the codecs agree).
-ADAPTIVE_CODEC_BITS = {"topmark": (1, 36, 512), "int4": (4, 4, 0), "int8": (8, 4, 0),
-                       "twobit": (2, 5, 0)}
+# as, its ``adaptive_optimizer`` option (their layouts: ``ciuicflow.formats``, which ``plan`` costs
+# them by; tests check the codecs agree); "same": the compressor's own codec.
+ADAPTIVE_CODECS = ("topmark", "int4", "int8", "twobit")
 # "auto" (the 1-bit default): topmark where each value is quantised once (a one-phase all-reduce
 # exchange: two ranks, and three, where that saves a third of int4's two phases' bytes,
 # adaptive_one_phase; FSDP's compressed reduce-scatter), int4 elsewhere: where two phases quantise
 # each value twice, topmark ended 2.1-2.7% above exact loss and int4 within 0.1%
 # (docs/convergence.md, "The largest marked")
 ADAPTIVE_AUTO = ("topmark", "int4")  # (each value quantised once, twice)
-ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODEC_BITS, "same")
+ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODECS, "same")
 # a quantising state's ``route`` option (Cost.route)
 ROUTE_POLICIES = ("auto", "flat")
 # the device types "auto" may pick an adaptive codec on, where not every one: topmark's CUDA
@@ -107,10 +105,9 @@ def adaptive_one_phase(ranks: int, chunk: int, device_type: str | None = None) -
 
 
 def adaptive_bytes_per_element(policy: str, chunk: int) -> float:
-    """Bytes per element of an adaptive codec (``ADAPTIVE_CODEC_BITS``) with the compressor's
-    ``chunk``-element chunks."""
-    bits, chunk_bytes, own_chunk = ADAPTIVE_CODEC_BITS[policy]
-    return bits / 8 + chunk_bytes / (own_chunk or chunk)
+    """Bytes per element of an adaptive codec (``ADAPTIVE_CODECS``) with the compressor's
+    ``chunk``-element chunks: payload and scales (``formats.bytes_per_element``)."""
+    return formats.bytes_per_element(policy, chunk)
 
 
 @dataclass(frozen=True)
@@ -241,7 +238,7 @@ ENTRIES = (
     Entry("onebit", "ciuicflow.compression.onebit:OneBitCompressor", "OneBitState",
           {"hierarchical": "hierarchical_1bit", "flat": "onebit"},
           "1-bit signs with a scale per chunk and error feedback",
-          Cost("quantized", payload_bits=1, adaptive_family="auto", chunk_size=256,
+          Cost("quantized", payload_bits=1, adaptive_family="auto", chunk_size=formats.DEFAULT_CHUNK_SIZE,
                guard_threshold=4.0, values=4, route="auto", one_phase_ranks=ONE_PHASE_RANKS,
                server_family=SERVER_FAMILY),
           "the most compression with SGD (21-28x: values where a gradient is concentrated; 11-19x on three and four nodes, which exchange in one phase; about 11x beyond, whose servers send int4, 22x with server_codec='onebit_int4' at about half a point); under Adam-family optimizers "
@@ -255,12 +252,12 @@ ENTRIES = (
     Entry("int8", "ciuicflow.compression.int8:Int8Compressor", "Int8State",
           {"hierarchical": "hierarchical_int8", "flat": "int8"},
           "int8 values with a scale per chunk and error feedback",
-          Cost("quantized", payload_bits=8, chunk_size=256, guard_threshold=4.0),
+          Cost("quantized", payload_bits=8, chunk_size=formats.DEFAULT_CHUNK_SIZE, guard_threshold=4.0),
           "about 4x with almost no error; where 1-bit's error costs accuracy"),
     Entry("int4", "ciuicflow.compression.int4:Int4Compressor", "Int4State",
           {"hierarchical": "hierarchical_int4", "flat": "int4"},
           "4-bit values with a scale per chunk and error feedback",
-          Cost("quantized", payload_bits=4, chunk_size=256, guard_threshold=4.0),
+          Cost("quantized", payload_bits=4, chunk_size=formats.DEFAULT_CHUNK_SIZE, guard_threshold=4.0),
           "about 7.5x with little error: what the 1-bit methods send Adam-family optimizers' "
           "tensors as"),
 )

@@ -37,29 +37,10 @@ kernels, go through the CPU. Until the CUDA kernel has run on a GPU the 1-bit st
 """
 from __future__ import annotations
 
-import functools
-import math
-
+from ciuicflow import formats
 from ciuicflow.compression.codec import Codec, native_ops
 
-CHUNK = 512  # elements per chunk (the native ops' largest: topmark_common.h's kMaxChunk)
-
-
-def marked(length: int) -> int:
-    """Elements a chunk of ``length`` marks large: 55/512 of them, rounded (55 of 512: the most
-    whose rank fits 31 bytes), at least one (``hi``, the scale, is the marked elements' mean: the
-    others' byte needs it)."""
-    return max(1, (length * 55 + 256) // 512) if length else 0
-
-
-@functools.cache
-def rank_bytes(length: int) -> int:
-    """Bytes of a chunk's rank: enough for C(length, marked(length)) - 1."""
-    return ((math.comb(length, marked(length)) - 1).bit_length() + 7) // 8
-
-
-def block_bytes(chunk: int) -> int:
-    return chunk // 8 + 1 + rank_bytes(chunk)
+CHUNK = formats.TOPMARK_CHUNK  # its layout: ciuicflow.formats
 
 
 class TopMarkCodec(Codec):
@@ -69,9 +50,7 @@ class TopMarkCodec(Codec):
     granule = 8  # whole bytes of signs, as 1-bit's: one memory serves both
     chunk_size = CHUNK
 
-    @staticmethod
-    def payload_bytes(numel: int, chunk: int) -> int:
-        return -(-numel // chunk) * block_bytes(chunk)
+    payload_bytes = staticmethod(formats.topmark_payload_bytes)
 
     def pack(self, x, error, chunk):
         if x.is_cpu or (x.is_cuda and native_ops().has_cuda_kernels()):

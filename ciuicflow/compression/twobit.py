@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from ciuicflow import formats
 from ciuicflow.compression.codec import Codec, native_ops
 
 THRESHOLD = 0.9816  # x the chunk's RMS
@@ -44,13 +45,7 @@ class TwoBitCodec(Codec):
     name = "twobit"
     granule = 8  # chunks laid out as 1-bit's (whole bytes of signs), so one memory serves both
 
-    @staticmethod
-    def payload_bytes(numel: int, chunk: int) -> int:
-        """Whole chunks' blocks, then a trimmed last chunk's byte and codes. No branch on the
-        sizes: the native op's fake kernel calls this with symbolic ones."""
-        rest = numel % chunk
-        # -(-rest // chunk) is 1 where a trimmed chunk is left, else 0
-        return numel // chunk * (1 + chunk // 4) - (-rest // chunk) - (-rest // 4)
+    payload_bytes = staticmethod(formats.twobit_payload_bytes)
 
     def pack(self, x, error, chunk):
         if x.is_cpu or (x.is_cuda and native_ops().has_cuda_kernels()):
