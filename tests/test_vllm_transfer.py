@@ -68,9 +68,9 @@ def run_prefill(sidecar, kv, layout, requests, **settings):
     return w
 
 
-def run_decode(sidecar, kv, requests, timeout_s=20.0, sync=False, wait_s=40.0):
+def run_decode(sidecar, kv, requests, timeout_s=20.0, sync=False, wait_s=40.0, **settings):
     """Load every request (async); returns (worker, finished ids, load-error block ids, seconds)."""
-    w = WorkerSide(Settings(sidecar=sidecar.api), NUM_BLOCKS)
+    w = WorkerSide(Settings(sidecar=sidecar.api, **settings), NUM_BLOCKS)
     w.register_kv_caches(kv)
     w.meta = CiuicFlowMetadata(loads=[load_spec(r, r["dst"], timeout_s, sync) for r in requests])
     t0 = time.monotonic()
@@ -140,6 +140,23 @@ def test_corrupted_layer_is_a_load_error(pair):
     assert finished == {r["id"] for r in reqs}          # reported finished, so vLLM stops waiting ...
     assert errors == {b for r in reqs for b in r["dst"]}  # ... with every block of both requests invalid
     assert dw.stats["load_failed"] == 2
+
+
+def test_decode_side_checksum_policy_wins_over_the_header(pair):
+    """A layer changed after it left, in a transfer whose header says it carries no checksums: the decode
+    side's own ``checksum`` setting decides. On (the default), the load fails; off, it loads unchecked."""
+    _, p, d = pair
+    reqs = make_requests(16, [20, 40], "unchecked")
+    src, dst = caches("deepseek_mla", torch.float32, seed=5), caches("deepseek_mla", torch.float32, seed=6)
+    run_prefill(p, src, "deepseek_mla", reqs, test_corrupt_layer=1, checksum=False)
+    dw, finished, errors, _ = run_decode(d, dst, reqs)
+    assert finished == {r["id"] for r in reqs}
+    assert errors == {b for r in reqs for b in r["dst"]}
+    assert dw.stats["load_failed"] == 2 and dw.stats["loaded"] == 0
+    again = make_requests(16, [20], "opted-out")
+    run_prefill(p, src, "deepseek_mla", again, checksum=False)
+    dw, finished, errors, _ = run_decode(d, dst, again, checksum=False)
+    assert finished == {again[0]["id"]} and errors == set() and dw.stats["loaded"] == 1
 
 
 def test_missing_transfer_times_out(pair):

@@ -40,7 +40,8 @@ class Settings:
                                      # first forward waits for each layer as it arrives (wait_for_layer_load)
     load_timeout_s: float = 30.0     # decode side: a transfer not fully received by then fails (recompute)
     send_deadline_s: float = 0.0     # prefill side: default transfer deadline, 0 = none (see P_DEADLINE)
-    checksum: bool = True            # crc32c of each layer's blocks, end to end (the sidecar checks chunks)
+    checksum: bool = True            # crc32c of each layer's blocks, end to end (the sidecar checks chunks);
+                                     # decode side: required (a transfer without them fails its load)
     send_all: bool = False           # producer: send every request, not only do_remote_decode ones
     test_corrupt_layer: int = -1     # TEST ONLY: prefill flips a byte of this layer after its checksum
     test_faults: bool = False        # TEST ONLY: honour the request's ciuic_test_corrupt_layer

@@ -96,13 +96,15 @@ class IncomingKV:
     and writes each layer's blocks into ``caches`` (this instance's paged KV, by layer name) at
     ``block_ids[first:]`` as soon as it arrives (the transfer holds ``sent_blocks`` blocks, of which the first
     ``len(block_ids)`` are used). ``done`` is set when it ended; ``error`` says why it failed.
+    ``checksum``: this side's policy (Settings.checksum): every layer's crc32c is checked, and a transfer
+    sent without them is refused; the sender's header does not decide it.
     Nothing is written after ``done``: a failed load is reported only once the thread has stopped, so vLLM
     never recomputes blocks that a late write could overwrite."""
 
     def __init__(self, client, req_id: str, key: str, caches: Dict[str, Any], layer_names: Sequence[str],
                  block_ids: Sequence[int], first_block: int, num_tokens: int, token_sha: str,
                  timeout_s: float, dims: Optional[Dict[str, int]] = None, sent_blocks: Optional[int] = None,
-                 source: Optional[str] = None, drain: bool = False):
+                 source: Optional[str] = None, drain: bool = False, checksum: bool = True):
         self.client = client
         self.req_id = req_id
         self.key = key
@@ -116,6 +118,7 @@ class IncomingKV:
         self.timeout_s = float(timeout_s)
         self.source = source
         self.drain = drain              # receive and drop (nothing checked, nothing written)
+        self.checksum = bool(checksum)
         self.priority: Optional[str] = None
         self.dims = dims or {}
         self.deadline = time.monotonic() + self.timeout_s
@@ -187,6 +190,14 @@ class IncomingKV:
             raise TransferFormatError(f"{header.get('num_blocks')} blocks sent, {self.sent_blocks} expected "
                                       f"({len(self.block_ids)} to load)")
 
+    def _checks(self, header: dict) -> bool:
+        """Whether each layer's crc32c is checked: this side's policy. A sender that sent no checksums
+        cannot turn the check off (a layer changed after it left would load unnoticed)."""
+        if self.checksum and header.get("checksum") is not True:
+            raise TransferFormatError(f"transfer {self.key!r} was sent without layer checksums; this side "
+                                      "requires them (checksum on)")
+        return self.checksum
+
     def _run(self) -> None:
         try:
             kwargs = {"source": self.source} if self.source and _recv_takes_source(self.client) else {}
@@ -205,7 +216,7 @@ class IncomingKV:
                 raise TransferFormatError(f"transfer {self.key!r} is not a vLLM KV transfer")
             header = json.loads(bytes(first.value))
             self._check_header(header)
-            check = bool(header.get("checksum"))
+            check = self._checks(header)
             for n in range(len(self.layer_names)):
                 part = next(parts, None)
                 if part is None:

@@ -172,7 +172,7 @@ class WorkerSide:
         for spec in meta.loads:
             inc = IncomingKV(self.client, spec.req_id, spec.key, self.caches, self.layer_names, spec.block_ids,
                              spec.first_block, spec.num_tokens, spec.tokens_sha, spec.timeout_s, self.dims,
-                             sent_blocks=spec.sent_blocks, source=spec.source).start()
+                             sent_blocks=spec.sent_blocks, source=spec.source, checksum=self.s.checksum).start()
             if spec.sync:
                 self._step_sync.append(inc)
             else:
