@@ -4,7 +4,7 @@
   NaN and negative values are refused, infinite or huge ones cut to a maximum (a NaN lease would never
   expire, an infinite one would pin its bytes forever);
 * ``chunk_cost``: what a held chunk counts in the memory budget: its bytes, its part descriptions (names,
-  shapes) and a fixed overhead, so zero-byte parts and long names are not free;
+  shapes, and what each costs parsed) and a fixed overhead, so zero-byte parts and long names are not free;
 * ``Labels``: peer names as metric labels and budget accounts, at most ``max_unknown`` names besides the
   configured peers (then "other");
 * ``Tickets``: the data plane's one-time tickets, a few per sender and a bounded number in all, expired
@@ -18,7 +18,12 @@ import secrets
 import time
 from typing import Callable, Collection, Dict, Optional, Tuple
 
-CHUNK_OVERHEAD = 256            # bytes a held chunk costs besides its data and descriptions (objects, lists)
+# What a held chunk costs besides its data (its objects, the frame's buffer and parsed header), and each part
+# description besides its serialized bytes (a parsed PartInfo's object and arena, its slot): measured held
+# memory, with room to spare, so zero-byte parts count for what they hold, not for the few bytes they take
+# on the wire.
+CHUNK_OVERHEAD = 768
+PART_INFO_OVERHEAD = 384
 OTHER = "other"                 # the label (and budget account) of unknown peers past the limit
 
 
@@ -33,7 +38,7 @@ def seconds(value: float, *, maximum: float, what: str) -> float:
 
 def chunk_cost(data_bytes: int, infos=()) -> int:
     """Budget bytes of a chunk of ``data_bytes`` with the part descriptions ``infos`` (PartInfo or None)."""
-    return CHUNK_OVERHEAD + int(data_bytes) + sum(i.ByteSize() for i in infos if i is not None)
+    return CHUNK_OVERHEAD + int(data_bytes) + sum(PART_INFO_OVERHEAD + i.ByteSize() for i in infos if i is not None)
 
 
 class Labels:

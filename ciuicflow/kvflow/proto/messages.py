@@ -26,6 +26,9 @@ MAX_KEY_LEN = 1024
 MAX_PART_NAME = 1024            # characters of a part's name
 MAX_DIMS = 32                   # dimensions of a tensor part
 MAX_PART_BYTES = 1 << 48        # a part's declared size (256 TiB): more is a lie, not a layer
+MAX_PACKED_PARTS = 64           # whole parts in one packed chunk (Chunk.info and Chunk.more): what a sender packs
+#                                 (sidecar.ingest) and what a receiver accepts, live or from its spool
+MAX_PART_INFO_BYTES = 8 << 10   # a serialized PartInfo: far above any valid one (name, 32 dims, dtype)
 
 # torch dtype name -> bytes per element (the sidecar validates tensor parts without importing torch)
 DTYPE_ITEMSIZE = {

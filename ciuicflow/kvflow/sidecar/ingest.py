@@ -18,9 +18,9 @@ from ..core.transfer import OutChunk, Transfer, TransferFailed
 from ..proto import kvflow_pb2 as pb
 from ..proto import shm as shmlib
 from ..proto.codec import MALFORMED, uninitialized
+from ..proto.messages import MAX_PACKED_PARTS
 from .shm_access import ShmRefused
 
-MAX_PACKED_PARTS = 64   # most whole parts in one packed chunk (bounds its header)
 MAX_SHM_FILES = 16      # shared-memory files one Send may name
 
 

@@ -19,7 +19,8 @@ from ..proto import kvflow_pb2_grpc as pb_grpc
 from ..proto.codec import MALFORMED, ChunkFrame
 from ..core.identity import AuthError, PeerPolicy, certificate_names
 from ..core.limits import Labels, seconds
-from ..proto.messages import AUTH_METADATA, PEER_METADATA, check_key, check_part_info, priority_from_pb, status_code
+from ..proto.messages import (AUTH_METADATA, MAX_PACKED_PARTS, PEER_METADATA, check_key, check_part_info,
+                              priority_from_pb, status_code)
 from .store import InChunk, InTransfer, Store
 
 log = logging.getLogger("ciuicflow.kvflow.peer_service")
@@ -28,10 +29,21 @@ MAX_DEADLINE_S = 86400.0        # a peer's deadline beyond this is cut to it
 STREAMS_PER_PEER = 8            # concurrent streams of one peer (a sender keeps one; reconnects overlap)
 
 
+def too_many_parts(c: pb.Chunk) -> Optional[str]:
+    """Why ``c`` has too many parts (None: it has not). Checked before anything else: a frame carries
+    millions of zero-byte part descriptions, which no budget could hold (proto.codec reads at most one
+    more than this bound of them)."""
+    if 1 + len(c.more) > MAX_PACKED_PARTS:
+        return f"packed chunk of more than {MAX_PACKED_PARTS} parts"
+    return None
+
+
 def check_packed(c: pb.Chunk, n: int) -> Optional[str]:
     """Why the packed chunk ``c`` with ``n`` bytes of data is malformed (None: it is not)."""
     if c.offset or not c.HasField("info"):
         return f"packed chunk of part {c.part} does not start a part"
+    if too_many_parts(c):
+        return too_many_parts(c)
     total = c.info.nbytes
     for k, m in enumerate(c.more, 1):
         err = check_part_info(m, c.part + k)
@@ -227,6 +239,11 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             return
         if entry.complete:
             yield ack(pb.ACK_OK)
+            return
+        error = too_many_parts(c)
+        if error is not None:
+            self.store.fail(entry, grpc.StatusCode.INVALID_ARGUMENT, error)
+            yield ack(pb.ACK_FAILED, grpc.StatusCode.INVALID_ARGUMENT, error)
             return
         if data is None:
             data = c.data

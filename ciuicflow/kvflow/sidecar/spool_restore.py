@@ -21,7 +21,7 @@ import crc32c
 from ..core.identity import check_peer_name
 from ..core.limits import chunk_cost, seconds
 from ..proto import kvflow_pb2 as pb
-from ..proto.messages import PAYLOAD_KINDS, PRIORITY_NAMES, check_key, check_part_info
+from ..proto.messages import MAX_PACKED_PARTS, PAYLOAD_KINDS, PRIORITY_NAMES, check_key, check_part_info
 from .peer_service import check_packed
 from .spool import TOMBSTONE_LOG
 from .store import TOMBSTONES, InChunk, InTransfer
@@ -98,7 +98,7 @@ def _records(raw: bytes):
                     or crc >= 1 << 32:
                 break
             more = rec[7] if len(rec) == 8 else []
-            if not isinstance(more, list) or len(more) > 64:
+            if not isinstance(more, list) or 1 + len(more) > MAX_PACKED_PARTS:
                 break
             out.append((part, offset, length, crc, part_nbytes, _info(info) if info is not None else None,
                         tuple(_info(m) for m in more)))
