@@ -1,10 +1,13 @@
 """PowerSGD: rank-r compression with error feedback and warm start (Vogels et al., 2019).
 
-Each gradient matrix M (n x m, a parameter's gradient viewed as [shape[0], -1]) is sent as two
-thin factors: P = M Q (n x r) is summed over the ranks and orthonormalised (``orthogonalize_``,
-the native op), then Q = M^T P (m x r) is summed, and every rank rebuilds M ~ P Q^T / W. The part
-of M that this drops stays in the rank's error buffer and is added to the next step's gradient;
-Q is kept for the next step (warm start), which makes one power iteration per step enough.
+Each gradient matrix M (n x m: a parameter's gradient viewed as [shape[0], -1], or each expert of
+a stack [E, n, m]: ``powersgd_plan.matrix_view``) is sent as two thin factors: P = M Q (n x r) is
+summed over the ranks and orthonormalised (``orthogonalize_``, the native op), then Q = M^T P
+(m x r) is summed, and every rank rebuilds M ~ P Q^T / W. The part of M that this drops stays in
+the rank's error buffer and is added to the next step's gradient; Q is kept for the next step
+(warm start), which makes one power iteration per step enough. A stack of E matrices has E pairs
+of factors (batched matmuls); a matrix that is zero on every rank (an expert no token was routed
+to) gives zero factors and keeps its last Q, which a zero Q would replace for good.
 Vectors, small matrices and excluded parameters (``exact_mask``) go uncompressed, as in PyTorch's
 PowerSGD: a matrix is compressed only when (n + m) r * min_compression_rate < n m.
 
@@ -20,14 +23,14 @@ nodes, and it also compresses the intra-node traffic. On a single node the all-r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ciuicflow.collectives.primitives import Traffic, check_reducible, nonfinite_flag
 from ciuicflow.collectives.routes import EXACT, FlatRoute, HierarchicalRoute
 from ciuicflow.compression.base import Compressor, Context, GuardedMemory, guard_due, \
     guard_payload, snapshot, update_guard
+from ciuicflow.compression.powersgd_plan import GroupCounts, Plan, block, keep_zero_columns, \
+    p_factor, plan_compression, q_factor
 from ciuicflow.compression.registry import FAMILIES
 from ciuicflow.topology import Topology
 
@@ -59,50 +62,6 @@ class PowerSGDMemory(GuardedMemory):
         self.error, self.q = snapshot(state["error"]), snapshot(state["q"])
         self._spare = None
 
-
-
-@dataclass(frozen=True)
-class _Matrix:
-    offset: int
-    rows: int
-    cols: int
-    rank: int
-    p_offset: int
-    q_offset: int
-
-
-@dataclass(frozen=True)
-class _Plan:
-    matrices: tuple[_Matrix, ...]
-    exact_index: torch.Tensor | None  # positions all-reduced uncompressed
-    p_numel: int
-    q_numel: int
-    numel: int
-
-
-def plan_compression(numel: int, segments, rank: int, min_compression_rate: float,
-                     exact_mask: torch.Tensor | None, device) -> _Plan:
-    """Which segments ((offset, shape) pairs) are compressed, and where their factors live."""
-    matrices, p_numel, q_numel = [], 0, 0
-    covered = torch.zeros(numel, dtype=torch.bool)
-    for offset, shape in segments:
-        size = 1
-        for dim in shape:
-            size *= dim
-        if len(shape) < 2 or size == 0:
-            continue
-        rows, cols = shape[0], size // shape[0]
-        r = min(rank, rows, cols)
-        if (rows + cols) * r * min_compression_rate >= rows * cols:
-            continue
-        if exact_mask is not None and bool(exact_mask[offset:offset + size].any()):
-            continue
-        matrices.append(_Matrix(offset, rows, cols, r, p_numel, q_numel))
-        covered[offset:offset + size] = True
-        p_numel += rows * r
-        q_numel += cols * r
-    exact_index = None if bool(covered.all()) else (~covered).nonzero().view(-1).to(device)
-    return _Plan(tuple(matrices), exact_index, p_numel, q_numel, numel)
 
 
 class PowerSGDCompressor(Compressor):
@@ -150,6 +109,15 @@ class PowerSGDCompressor(Compressor):
         self.warm_start = bool(warm_start)
         self.orthogonalization_eps = float(orthogonalization_eps)
         self._set_guard(guard, guard_threshold)
+        self.sent = GroupCounts()  # elements in and sent per parameter group, for stats()
+
+    def group_stats(self) -> dict:
+        """Per parameter group (``expert_stacks``, ``matrices``, ``exact``): the elements that
+        went through the exchanges, those sent, and their ratio."""
+        return self.sent.stats()
+
+    def reset_group_stats(self) -> None:
+        self.sent.reset()
 
     def new_memory(self) -> "PowerSGDMemory":
         return PowerSGDMemory()
@@ -198,9 +166,9 @@ class PowerSGDCompressor(Compressor):
         q = _initial_q(plan, memory, warm_start, (seed, key, step), flat.device)
         ps = torch.empty(plan.p_numel, device=flat.device)
         for m in plan.matrices:
-            q_m = _factor(q, m.q_offset, m.cols, m.rank)
+            q_m = q_factor(q, m)
             _orthogonalize(q_m, eps)
-            torch.matmul(_block(work, m), q_m, out=_factor(ps, m.p_offset, m.rows, m.rank))
+            torch.matmul(block(work, m), q_m, out=p_factor(ps, m))
 
         exact_values = flat[plan.exact_index] if plan.exact_index is not None else flat[:0]
         # inf/NaN anywhere in a matrix reaches every entry of its row of P (NaN * 0 is NaN too), so
@@ -211,12 +179,14 @@ class PowerSGDCompressor(Compressor):
             flat.new_zeros(2, dtype=torch.float32)
         first = torch.cat([ps.to(flat.dtype), exact_values, norms.to(flat.dtype), nonfinite])
         sum_over_ranks(first)
+        self.sent.add(plan, "first")
         # The one host read of the exchange (a device sync on GPUs; with overlap=True it happens on
         # the hooks' worker thread, not in backward): the flag picks the path, the norms the guard.
         error_sum, input_sum, flag = first[-3:].tolist()
         if flag > 0:  # a rank holds inf/NaN: exact this step, memory untouched
             if traffic is not None:
                 traffic.nonfinite_fallbacks += 1
+            self.sent.add(plan, "exact")
             flat.div_(world)
             sum_over_ranks(flat)
             return
@@ -228,6 +198,7 @@ class PowerSGDCompressor(Compressor):
             work.div_(world)
             sent, left = guard_payload(work, world, self.guard_half)
             sum_over_ranks(sent)
+            self.sent.add(plan, "exact")
             flat.copy_(sent)
             if memory.error is not None and left is not None:
                 memory.error.copy_(left.mul_(world))
@@ -239,19 +210,21 @@ class PowerSGDCompressor(Compressor):
             return
 
         ps = first[:plan.p_numel].to(torch.float32)
+        new_q = torch.empty_like(q)  # q, this step's start, stays for keep_zero_columns
         for m in plan.matrices:
-            p_m = _factor(ps, m.p_offset, m.rows, m.rank)
+            p_m = p_factor(ps, m)
             _orthogonalize(p_m, eps)
-            torch.matmul(_block(work, m).t(), p_m, out=_factor(q, m.q_offset, m.cols, m.rank))
-        second = q.to(flat.dtype)
+            torch.matmul(block(work, m).transpose(-2, -1), p_m, out=q_factor(new_q, m))
+        second = new_q.to(flat.dtype)
         sum_over_ranks(second)
-        q = second.to(torch.float32).div_(world)
+        self.sent.add(plan, "second")
+        new_q = second.to(torch.float32).div_(world)
 
         # The result P Q^T is written straight into the tensor (float32) or a float32 copy of it.
         approx = flat if flat.dtype == torch.float32 else torch.empty_like(work)
         for m in plan.matrices:
-            torch.matmul(_factor(ps, m.p_offset, m.rows, m.rank),
-                         _factor(q, m.q_offset, m.cols, m.rank).t(), out=_block(approx, m))
+            torch.matmul(p_factor(ps, m), q_factor(new_q, m).transpose(-2, -1),
+                         out=block(approx, m))
         if plan.exact_index is not None:
             approx[plan.exact_index] = first[plan.p_numel:-3].div_(world).to(approx.dtype)
         if approx is not flat:
@@ -265,7 +238,7 @@ class PowerSGDCompressor(Compressor):
             if measure:
                 memory._local_norms = torch.stack([torch.linalg.vector_norm(work), input_norm])
         if warm_start:
-            memory.q = q
+            memory.q = keep_zero_columns(new_q, q, plan)
         return
 
 
@@ -303,21 +276,13 @@ def _work_buffer(memory: PowerSGDMemory, flat: torch.Tensor) -> torch.Tensor:
     return spare
 
 
-def _block(flat: torch.Tensor, m: _Matrix) -> torch.Tensor:
-    return flat[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
-
-
-def _factor(flat: torch.Tensor, offset: int, rows: int, rank: int) -> torch.Tensor:
-    return flat[offset:offset + rows * rank].view(rows, rank)
-
-
 def _orthogonalize(matrix: torch.Tensor, eps: float) -> None:
     from ciuicflow import ops  # loaded on first use, as in compression.onebit
 
     ops.orthogonalize_(matrix, eps)
 
 
-def _initial_q(plan: _Plan, memory: PowerSGDMemory, warm_start: bool, seed_parts,
+def _initial_q(plan: Plan, memory: PowerSGDMemory, warm_start: bool, seed_parts,
                device) -> torch.Tensor:
     """Q for this step: last step's (warm start) or fresh Gaussian, identical on every rank."""
     if warm_start and memory.q is not None and memory.q.numel() == plan.q_numel:

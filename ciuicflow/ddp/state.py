@@ -84,11 +84,17 @@ class AllReduceState:
 
     def reset_stats(self) -> None:
         self._ledger.reset()
+        if hasattr(self.compressor, "reset_group_stats"):
+            self.compressor.reset_group_stats()
 
     def stats(self) -> dict:
         """Communication statistics of this rank since the last ``reset_stats()`` (see
-        ``compression.ledger.Ledger.stats``; ``buckets`` counts DDP buckets reduced)."""
-        return self._ledger.stats(self.algorithm, self.topology)
+        ``compression.ledger.Ledger.stats``; ``buckets`` counts DDP buckets reduced); PowerSGD's
+        add ``groups``, the elements in and sent per parameter group."""
+        stats = self._ledger.stats(self.algorithm, self.topology)
+        if hasattr(self.compressor, "group_stats"):
+            stats["groups"] = self.compressor.group_stats()
+        return stats
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue exactly (no process group)."""
