@@ -21,6 +21,7 @@ from ..core.identity import AuthError, PeerPolicy, certificate_names
 from ..core.limits import Labels, seconds
 from ..proto.messages import (AUTH_METADATA, MAX_PACKED_PARTS, PEER_METADATA, check_key, check_part_info,
                               priority_from_pb, status_code)
+from .spool import SpoolError
 from .store import InChunk, InTransfer, Store
 
 log = logging.getLogger("ciuicflow.kvflow.peer_service")
@@ -211,7 +212,10 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
                               "(in progress or not yet collected)")
             deadline = time.monotonic() + deadline_s if deadline_s > 0 else None
             entry = InTransfer(o.key, source, o.uuid, priority, o.payload_kind, lease_s, deadline, account)
-            store.add(entry)
+            try:
+                store.add(entry)
+            except SpoolError as exc:
+                return refuse(exc.code, exc.message)
         complete = entry.complete and entry.uuid == o.uuid
         for tid, other in list(attached.items()):
             if other is entry and tid != o.tid:
@@ -260,6 +264,9 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             return
         if c.seq < held:
             self.store.truncate(entry, c.seq)      # resumed with different content from here on
+            if entry.failed:
+                yield ack(pb.ACK_FAILED, *entry.failed)
+                return
         part, offset, part_nbytes = entry.expected_next()
         error = None
         if c.part != part or c.offset != offset:
@@ -283,8 +290,9 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             yield ack(pb.ACK_BUSY, message="receiver over its memory cap")
             return
         entry.last_activity = time.monotonic()
-        if self.store.spool:
-            self.store.spool.append(entry, chunk)
+        if not self.store.persist(entry, chunk):
+            yield ack(pb.ACK_FAILED, *entry.failed)
+            return
         self.metrics.bytes.labels(account, entry.priority, "recv").inc(len(data))
         self.metrics.chunks.labels(account, entry.priority, "recv").inc()
         entry.notify()
@@ -335,6 +343,8 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         entry.num_parts = commit.num_parts
         if len(entry.chunks) > entry.total:
             self.store.truncate(entry, entry.total)
+            if entry.failed:
+                return self._commit_ack(commit.tid, None, *entry.failed)
         if len(entry.chunks) == entry.total:
             return self._finish(entry, commit.tid)
         return None
@@ -350,5 +360,6 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         if error:
             self.store.fail(entry, grpc.StatusCode.INVALID_ARGUMENT, error)
             return self._commit_ack(tid, None, grpc.StatusCode.INVALID_ARGUMENT, error)
-        self.store.mark_complete(entry)         # with a spool: durable before this acknowledgement
+        if not self.store.mark_complete(entry):     # with a spool: durable before this acknowledgement
+            return self._commit_ack(tid, None, *entry.failed)
         return self._commit_ack(tid, entry)

@@ -10,11 +10,15 @@ a packed chunk the PartInfos of its further parts); ``tombstones.log``: one JSON
 
 The directory is private (created 0700; one that is a symlink or another user's is refused, one of this
 user's open to others is made 0700), files are created 0600 relative to the directory opened at start and never through a symlink
-(``O_NOFOLLOW``). Restoring (spool_restore.py) trusts nothing in them.
+(``O_NOFOLLOW``). Restoring (spool_restore.py) trusts nothing in them. A file that cannot be written (a
+symlink planted in its place, a full disk) raises ``SpoolError``: its transfer fails with that status, the
+sidecar goes on, and each such file is logged once, however often its transfer is tried again.
 """
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -22,12 +26,24 @@ import os
 import stat
 from typing import Dict, List, Tuple
 
+import grpc
+
 from ..proto import kvflow_pb2 as pb
 
 log = logging.getLogger("ciuicflow.kvflow.spool")
 
 TOMBSTONE_LOG = "tombstones.log"
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+MAX_LOGGED = 1024       # files whose refusal was logged, remembered so that it is logged once
+
+
+class SpoolError(OSError):
+    """A spool file that cannot be written: ``code`` is the status its transfer fails with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 def private_dir(directory: str) -> int:
@@ -55,6 +71,31 @@ class Spool:
         self.dirfd = private_dir(directory)
         self._files: Dict[Tuple[str, str], Tuple[int, int]] = {}       # (source, key) -> (data fd, idx fd)
         self._tomb_lines = 0
+        self._logged: set = set()
+
+    @contextlib.contextmanager
+    def _writing(self, what: str):
+        """Raise any OSError of the block as a SpoolError about ``what`` (or the file it names)."""
+        try:
+            yield
+        except SpoolError:
+            raise
+        except OSError as exc:
+            raise self._refused(exc.filename or what, exc) from None
+
+    def _refused(self, name: str, exc: OSError) -> SpoolError:
+        if exc.errno == errno.ELOOP:
+            why = "a symlink is in its place (not followed)"
+        else:
+            why = exc.strerror or str(exc)
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.errno in (errno.ENOSPC, errno.EDQUOT) \
+            else grpc.StatusCode.FAILED_PRECONDITION
+        message = f"spool file {name} cannot be written: {why}"
+        if (name, exc.errno) not in self._logged:
+            if len(self._logged) < MAX_LOGGED:
+                self._logged.add((name, exc.errno))
+            log.warning("%s (in %s)", message, self.dir)
+        return SpoolError(code, message)
 
     # ------------------------------------------------------------------ files
     def base(self, entry) -> str:
@@ -92,10 +133,10 @@ class Spool:
         os.replace(tmp, name, src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
         os.fsync(self.dirfd)
 
-    def _meta(self, entry) -> None:
+    def _meta(self, entry, complete: bool = False) -> None:
         meta = {"key": entry.key, "source": entry.source, "uuid": entry.uuid, "priority": entry.priority,
                 "payload_kind": entry.payload_kind, "lease_s": entry.lease_s, "total": entry.total,
-                "num_parts": entry.num_parts, "complete": entry.complete}
+                "num_parts": entry.num_parts, "complete": complete or entry.complete}
         self._write_file(self.base(entry) + ".meta", json.dumps(meta).encode())
 
     def _close(self, entry) -> None:
@@ -109,7 +150,12 @@ class Spool:
         if fds is None:
             base = self.base(entry)
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-            fds = (self.open(base + ".data", flags), self.open(base + ".idx", flags))
+            data_fd = self.open(base + ".data", flags)
+            try:
+                fds = (data_fd, self.open(base + ".idx", flags))
+            except OSError:
+                os.close(data_fd)
+                raise
             self._files[(entry.source, entry.key)] = fds
         return fds
 
@@ -117,34 +163,38 @@ class Spool:
     def create(self, entry) -> None:
         self._close(entry)
         base = self.base(entry)
-        for ext in (".data", ".idx"):
-            os.close(self.open(base + ext, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
-        self._meta(entry)
+        with self._writing(base):
+            for ext in (".data", ".idx"):
+                os.close(self.open(base + ext, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+            self._meta(entry)
 
     def append(self, entry, chunk, seq: int = None, sync: bool = True) -> None:
         """Write ``chunk`` (and, with ``sync``, make it durable: the caller acknowledges it next)."""
-        data_fd, idx_fd = self._open(entry)
-        seq = len(entry.chunks) - 1 if seq is None else seq
-        info = _b64(chunk.info) if chunk.info is not None else None
-        _write_all(data_fd, chunk.data)
-        record = [seq, chunk.part, chunk.offset, len(chunk.data), chunk.crc, chunk.part_nbytes, info]
-        if chunk.more:
-            record.append([_b64(m) for m in chunk.more])
-        _write_all(idx_fd, (json.dumps(record) + "\n").encode())
-        if sync:
-            os.fdatasync(data_fd)
-            os.fdatasync(idx_fd)
+        with self._writing(self.base(entry)):
+            data_fd, idx_fd = self._open(entry)
+            seq = len(entry.chunks) - 1 if seq is None else seq
+            info = _b64(chunk.info) if chunk.info is not None else None
+            _write_all(data_fd, chunk.data)
+            record = [seq, chunk.part, chunk.offset, len(chunk.data), chunk.crc, chunk.part_nbytes, info]
+            if chunk.more:
+                record.append([_b64(m) for m in chunk.more])
+            _write_all(idx_fd, (json.dumps(record) + "\n").encode())
+            if sync:
+                os.fdatasync(data_fd)
+                os.fdatasync(idx_fd)
 
     def rewrite(self, entry) -> None:
         self.create(entry)
         for seq, chunk in enumerate(entry.chunks):
             self.append(entry, chunk, seq, sync=False)
-        for fd in self._files.get((entry.source, entry.key), ()):
-            os.fdatasync(fd)
+        with self._writing(self.base(entry)):
+            for fd in self._files.get((entry.source, entry.key), ()):
+                os.fdatasync(fd)
 
     def complete(self, entry) -> None:
         """The transfer is complete: durable before its sender is told (the meta file, replaced)."""
-        self._meta(entry)
+        with self._writing(self.base(entry)):
+            self._meta(entry, complete=True)
 
     def delete(self, entry) -> None:
         self._close(entry)
@@ -161,19 +211,21 @@ class Spool:
     def tombstone(self, source: str, key: str, reason: str, uuid: str, keep: int) -> None:
         """Record an outcome (collected, expired) durably; the log is rewritten when it grows past twice
         ``keep`` lines (the caller passes its tombstones then: ``compact``)."""
-        fd = self.open(TOMBSTONE_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        try:
-            _write_all(fd, (json.dumps([source, key, reason, uuid]) + "\n").encode())
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
+        with self._writing(TOMBSTONE_LOG):
+            fd = self.open(TOMBSTONE_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                _write_all(fd, (json.dumps([source, key, reason, uuid]) + "\n").encode())
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
         self._tomb_lines += 1
 
     def needs_compaction(self, keep: int) -> bool:
         return self._tomb_lines > 2 * keep
 
     def compact(self, tombstones: List[Tuple[str, str, str, str]]) -> None:
-        self._write_file(TOMBSTONE_LOG, "".join(json.dumps(list(t)) + "\n" for t in tombstones).encode())
+        with self._writing(TOMBSTONE_LOG):
+            self._write_file(TOMBSTONE_LOG, "".join(json.dumps(list(t)) + "\n" for t in tombstones).encode())
         self._tomb_lines = len(tombstones)
 
 

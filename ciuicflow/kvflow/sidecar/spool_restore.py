@@ -23,7 +23,7 @@ from ..core.limits import chunk_cost, seconds
 from ..proto import kvflow_pb2 as pb
 from ..proto.messages import MAX_PACKED_PARTS, PAYLOAD_KINDS, PRIORITY_NAMES, check_key, check_part_info
 from .peer_service import check_packed
-from .spool import TOMBSTONE_LOG
+from .spool import TOMBSTONE_LOG, SpoolError
 from .store import TOMBSTONES, InChunk, InTransfer
 
 log = logging.getLogger("ciuicflow.kvflow.spool")
@@ -170,9 +170,13 @@ def _restore_one(spool, budget, store, base: str) -> str:
         entry.complete = True
         entry.completed_at = time.monotonic()
     entry.detached_at = time.monotonic()
-    store.insert(entry)
     if len(entry.chunks) != len(records):
-        spool.rewrite(entry)        # drop whatever followed the last good chunk
+        try:
+            spool.rewrite(entry)    # drop whatever followed the last good chunk
+        except OSError:
+            budget.release(entry.account, entry.cost)
+            raise
+    store.insert(entry)
     return base
 
 
@@ -193,7 +197,10 @@ def _restore_tombstones(spool, store) -> None:
             store.restore_tombstone(source, key, reason, uuid)
         except (ValueError, TypeError):
             continue
-    spool.compact(store.tombstone_records())
+    try:
+        spool.compact(store.tombstone_records())
+    except SpoolError:
+        pass        # logged by the spool; the outcomes are remembered in memory until the next restart
 
 
 def restore(spool, budget, store) -> int:
@@ -205,6 +212,8 @@ def restore(spool, budget, store) -> int:
         base = name[:-len(".meta")]
         try:
             done.add(_restore_one(spool, budget, store, base))
+        except SpoolError:
+            spool.remove(base)          # logged by the spool, once
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("dropping spool entry %s: %s", base, exc)
             spool.remove(base)

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 import grpc
 
 from ..core.limits import chunk_cost
+from .spool import SpoolError
 
 log = logging.getLogger("ciuicflow.kvflow.store")
 
@@ -174,18 +175,22 @@ class Store:
                     del self.by_key[entry.key]
 
     def add(self, entry: InTransfer) -> None:
-        self.insert(entry)
+        """Hold a new transfer; raises spool.SpoolError (nothing held) when its files cannot be made."""
         if self.spool:
             self.spool.create(entry)
+        self.insert(entry)
         self._arrival.set()
         self._arrival = asyncio.Event()
 
     def _tombstone(self, entry: InTransfer, reason: str, code=None, message: str = "") -> None:
         self.restore_tombstone(entry.source, entry.key, reason, entry.uuid, code, message)
         if self.spool and reason in ("collected", "expired"):       # durable: no second delivery after a restart
-            self.spool.tombstone(entry.source, entry.key, reason, entry.uuid, TOMBSTONES)
-            if self.spool.needs_compaction(TOMBSTONES):
-                self.spool.compact(self.tombstone_records())
+            try:
+                self.spool.tombstone(entry.source, entry.key, reason, entry.uuid, TOMBSTONES)
+                if self.spool.needs_compaction(TOMBSTONES):
+                    self.spool.compact(self.tombstone_records())
+            except SpoolError:
+                pass        # logged by the spool; the outcome is still remembered here until a restart
 
     def restore_tombstone(self, source: str, key: str, reason: str, uuid: str, code=None, message: str = ""):
         where = (source, key)
@@ -229,6 +234,16 @@ class Store:
         entry.cost += chunk.cost
         return True
 
+    def persist(self, entry: InTransfer, chunk: InChunk) -> bool:
+        """Write the chunk just held to the spool, if any (False: it cannot be, and ``entry`` failed)."""
+        try:
+            if self.spool:
+                self.spool.append(entry, chunk)
+            return True
+        except SpoolError as exc:
+            self.fail(entry, exc.code, exc.message)
+            return False
+
     def _release(self, entry: InTransfer) -> None:
         if entry.cost:
             self.budget.release(entry.account, entry.cost)
@@ -245,8 +260,11 @@ class Store:
         self.budget.release(entry.account, cost)
         entry.generation += 1
         entry.truncations.append((entry.generation, seq))
-        if self.spool:
-            self.spool.rewrite(entry)
+        try:
+            if self.spool:
+                self.spool.rewrite(entry)
+        except SpoolError as exc:
+            self.fail(entry, exc.code, exc.message)
 
     def fail(self, entry: InTransfer, code: grpc.StatusCode, message: str) -> None:
         if entry.failed or entry.complete:
@@ -260,15 +278,21 @@ class Store:
         self.metrics.transfers.labels(entry.account, entry.priority, "recv", code.name).inc()
         entry.notify()
 
-    def mark_complete(self, entry: InTransfer) -> None:
+    def mark_complete(self, entry: InTransfer) -> bool:
+        """Complete (with a spool: durably first); False when the spool cannot say so, and ``entry`` failed."""
+        try:
+            if self.spool:
+                self.spool.complete(entry)
+        except SpoolError as exc:
+            self.fail(entry, exc.code, exc.message)
+            return False
         entry.complete = True
         entry.completed_at = time.monotonic()
         self.completed += 1
-        if self.spool:
-            self.spool.complete(entry)
         self.metrics.transfers.labels(entry.account, entry.priority, "recv", "OK").inc()
         self.metrics.latency.labels(entry.priority, "recv").observe(entry.completed_at - entry.created)
         entry.notify()
+        return True
 
     def collect(self, entry: InTransfer) -> None:
         self.collected += 1
