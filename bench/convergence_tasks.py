@@ -255,6 +255,15 @@ TASKS = {
         lr=1.5e-3, schedule="cosine", weight_decay=0.01, heldout=True,
         note="char transformer LM (1 layer, d=192, context 32, 500K), AdamW 1.5e-3, cosine lr, "
         "fp32", extra={"data": ("text", 32), "d": 192, "layers": 1}),
+    # held out: PowerSGD's stacked-expert rule was decided on parameter shapes, not on this task
+    "moe_lm_adamw_bf16": Task(
+        "moe_lm_adamw_bf16", "lm", "val_loss", steps=300, batch=8, optimizer="adamw", lr=2e-3,
+        schedule="cosine", weight_decay=0.01, bf16=True, heldout=True,
+        note="DeepSeek-V3-style MoE char LM (1 layer, d=256, latent attention, 8 routed experts "
+        "fused as [8, 256, 512] and [8, 512, 256], top-2, a shared expert; 2.6M), AdamW 2e-3, "
+        "cosine lr, bf16 autocast",
+        extra={"data": ("text", 64), "d": 256, "layers": 1, "experts": 8, "hidden": 512,
+               "top_k": 2}),
 }
 
 
@@ -283,6 +292,12 @@ def build_model(task: Task, seed: int | None = None) -> nn.Module:
         return _cnn()
     if "depth" in task.extra:
         return ResidualMLP(task.extra["data"][2], task.extra["width"], task.extra["depth"], 10)
+    if "experts" in task.extra:
+        from convergence_moe import MoELM
+
+        e = task.extra
+        return MoELM(128, e["d"], e["layers"], 4, e["data"][1], e["experts"], e["hidden"],
+                     e["top_k"])
     if task.kind == "lm":
         d = task.extra["d"]
         return CharTransformer(128, d, task.extra["layers"], 4, task.extra["data"][1])
