@@ -267,6 +267,29 @@ def test_a_reader_that_never_reads_does_not_defeat_the_lease(sidecars):
     assert b.stats()["store"]["expired"] == 1
 
 
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_recv_the_sidecar_ends_gets_its_status_at_once(sidecars, shm):
+    """A Recv waiting on a stalled transfer, ended by the sidecar at the transfer's lease: the client hears
+    why at once (ABORTED), not at its own deadline, and the transfer's memory is released."""
+    b = sidecars.make("b", args=["--allow-unknown-peers", "--lease-s", "1"])
+    sidecars.start_all(b)
+    with RawLink(b.listen, PEER_A) as link:
+        link.send(open_frame("stalled"))
+        link.recv()
+        link.send(chunk(b"x" * 1000, seq=0, info=pb.PartInfo(index=0, nbytes=1000)))
+        link.send(chunk(b"y" * 10, seq=1, info=pb.PartInfo(index=1, nbytes=2000)))    # its part never ends
+        assert link.recv().ack.code == pb.ACK_OK and link.recv().ack.code == pb.ACK_OK
+        t0 = time.monotonic()
+        stream = b.client(shm=shm).recv_stream("stalled", timeout_s=30)
+        assert next(stream).index == 0
+        with pytest.raises(KVFlowError) as err:
+            next(stream)
+        waited = time.monotonic() - t0
+        assert err.value.code == grpc.StatusCode.ABORTED and "made no progress" in str(err.value)
+        assert waited < 5, waited           # the lease (1 s) and a sweep, not the client's 30 s
+        wait_until(lambda: b.stats()["memory"]["used"] == 0, timeout=10, what="the stalled transfer released")
+
+
 def test_a_cancelled_send_is_settled_once(sidecars):
     """A local client that cancels its Send while the transfer is on its way (all of it ingested): the
     transfer fails once, cleanly (before: the cancelled outcome was set again, and the sidecar logged an

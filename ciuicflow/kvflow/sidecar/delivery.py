@@ -66,70 +66,82 @@ async def deliver(entry: InTransfer, store: Store, ring: Optional[RecvRing], dea
     or, with ``manual_ack``, delivered and kept until the consumer's Acknowledge (at-least-once); ends the
     call (``context.abort``) with the transfer's failure, at the deadline, or at shutdown. ``ring``: the
     client's shared-memory ring (None: in-band). The store's sweep ends a call that stops reading for the
-    transfer's lease."""
+    transfer's lease (Store.end_readers), and the client is told why at once."""
     entry.readers += 1
     entry.read_at = time.monotonic()
     task = asyncio.current_task()
-    entry.reader_tasks.add(task)
+    entry.reader_tasks[task] = None
     try:
-        yield pb.RecvReply(header=pb.RecvHeader(key=entry.key, source=entry.source,
-                                                payload_kind=entry.payload_kind,
-                                                priority=priority_to_pb(entry.priority)))
-        pos = 0
-        generation = entry.generation
-        ring_wait = RING_POLL_S
-        while True:
-            if entry.generation != generation:
-                if any(g > generation and seq < pos for g, seq in entry.truncations):
-                    await context.abort(grpc.StatusCode.ABORTED,
-                                        f"transfer {entry.key!r} was resumed with different content; "
-                                        "receive it again")
-                generation = entry.generation
-            ring_full = False
-            if ring is not None and pos < len(entry.chunks):
-                # Shared memory: the chunks that arrived so far (as many as the ring has room for) go
-                # in one message of handles.
-                try:
-                    batch, pos = ring.batch(entry.chunks, pos)
-                except OSError as exc:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"writing shared memory for {entry.key!r}: {exc}")
-                if batch:
-                    ring_wait = RING_POLL_S
-                    yield pb.RecvReply(batch=pb.RecvBatch(data=batch))
-                    entry.read_at = time.monotonic()
-                    continue
-                ring_full = True
-            while ring is None and pos < len(entry.chunks):
-                c = entry.chunks[pos]
-                pos += 1
-                for d in in_band(c):
-                    yield pb.RecvReply(data=d)
-                entry.read_at = time.monotonic()
-            if entry.failed:
-                code, message = entry.failed
-                await context.abort(code, message)
-            if entry.complete and pos >= len(entry.chunks):
-                if manual_ack:
-                    entry.delivered = True      # kept (and delivered again) until Acknowledge or its lease
-                else:
-                    store.collect(entry)
-                return
-            if shutting_down():
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
-            timeout = None if deadline is None else deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"transfer {entry.key!r} incomplete after {timeout_s:g}s "
-                                    f"({len(entry.chunks)} chunks arrived)")
-            if ring_full:       # wait for the client to read (it says so only in the ring's header)
-                await asyncio.sleep(ring_wait)
-                ring_wait = min(2 * ring_wait, 10 * RING_POLL_S)
-            else:
-                await entry.changed(1.0 if timeout is None else min(timeout, 1.0))
+        async for reply in _replies(entry, store, ring, deadline, timeout_s, shutting_down, context, manual_ack):
+            yield reply
+    except asyncio.CancelledError:
+        ended = entry.reader_tasks.get(task)
+        if ended is None:
+            raise               # the client went away, or the server stops
+        await context.abort(*ended)
     finally:
-        entry.reader_tasks.discard(task)
+        entry.reader_tasks.pop(task, None)
         if ring is not None:
             os.close(ring.fd)
         entry.readers -= 1
         entry.last_activity = time.monotonic()
+
+
+async def _replies(entry: InTransfer, store: Store, ring: Optional[RecvRing], deadline: Optional[float],
+                   timeout_s: float, shutting_down, context, manual_ack: bool):
+    """deliver's messages (see there)."""
+    yield pb.RecvReply(header=pb.RecvHeader(key=entry.key, source=entry.source,
+                                            payload_kind=entry.payload_kind,
+                                            priority=priority_to_pb(entry.priority)))
+    pos = 0
+    generation = entry.generation
+    ring_wait = RING_POLL_S
+    while True:
+        if entry.generation != generation:
+            if any(g > generation and seq < pos for g, seq in entry.truncations):
+                await context.abort(grpc.StatusCode.ABORTED,
+                                    f"transfer {entry.key!r} was resumed with different content; "
+                                    "receive it again")
+            generation = entry.generation
+        ring_full = False
+        if ring is not None and pos < len(entry.chunks):
+            # Shared memory: the chunks that arrived so far (as many as the ring has room for) go
+            # in one message of handles.
+            try:
+                batch, pos = ring.batch(entry.chunks, pos)
+            except OSError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"writing shared memory for {entry.key!r}: {exc}")
+            if batch:
+                ring_wait = RING_POLL_S
+                yield pb.RecvReply(batch=pb.RecvBatch(data=batch))
+                entry.read_at = time.monotonic()
+                continue
+            ring_full = True
+        while ring is None and pos < len(entry.chunks):
+            c = entry.chunks[pos]
+            pos += 1
+            for d in in_band(c):
+                yield pb.RecvReply(data=d)
+            entry.read_at = time.monotonic()
+        if entry.failed:
+            code, message = entry.failed
+            await context.abort(code, message)
+        if entry.complete and pos >= len(entry.chunks):
+            if manual_ack:
+                entry.delivered = True      # kept (and delivered again) until Acknowledge or its lease
+            else:
+                store.collect(entry)
+            return
+        if shutting_down():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
+        timeout = None if deadline is None else deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"transfer {entry.key!r} incomplete after {timeout_s:g}s "
+                                f"({len(entry.chunks)} chunks arrived)")
+        if ring_full:       # wait for the client to read (it says so only in the ring's header)
+            await asyncio.sleep(ring_wait)
+            ring_wait = min(2 * ring_wait, 10 * RING_POLL_S)
+        else:
+            await entry.changed(1.0 if timeout is None else min(timeout, 1.0))

@@ -79,7 +79,7 @@ class InTransfer:
         self.completed_at: Optional[float] = None
         self.readers = 0
         self.read_at = now                # when a reader last made progress
-        self.reader_tasks: set = set()    # the Recv calls reading it (ended if they stop reading)
+        self.reader_tasks: dict = {}      # the Recv calls reading it -> the status that ended one (None)
         self.delivered = False            # fully delivered to a Recv that acknowledges itself (manual_ack)
         self.attached = None              # the peer stream feeding it, None while its sender is away
         self.detached_at: Optional[float] = None
@@ -314,6 +314,14 @@ class Store:
                 return []
 
     # ------------------------------------------------------------------ leases, deadlines, lost senders
+    @staticmethod
+    def end_readers(entry: InTransfer, code: grpc.StatusCode, message: str) -> None:
+        """End the Recv calls reading ``entry`` with this status, wherever they wait (delivery.deliver
+        answers a cancellation it was given a status for with that status, at once)."""
+        for task in list(entry.reader_tasks):
+            entry.reader_tasks[task] = (code, message)
+            task.cancel()
+
     def sweep(self) -> None:
         now = time.monotonic()
         for entry in list(self.entries.values()):
@@ -332,8 +340,9 @@ class Store:
                 if now - entry.read_at > lease:
                     # a reader that does not read must not keep it past its lease: its Recv is ended
                     log.info("Recv of %r from %s made no progress for %gs: ended", entry.key, entry.source, lease)
-                    for task in list(entry.reader_tasks):
-                        task.cancel()
+                    self.end_readers(entry, grpc.StatusCode.ABORTED,
+                                     f"Recv of {entry.key!r} from {entry.source!r} made no progress for {lease:g}s "
+                                     "(the transfer's lease): ended")
                 continue
             since = entry.completed_at if entry.complete else entry.last_activity
             if now - since > lease:
