@@ -46,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
+from ciuicflow.kvflow.sidecar.process import new_token_file  # noqa: E402
 from ciuicflow.testing.kvflow_faults import Faults  # noqa: E402
 from kvflow_report import evaluate, fmt_seconds, phase_records, raw_records, write_outputs  # noqa: E402
 from kvflow_testbed import PlainServer, Testbed, free_port, host_launch  # noqa: E402
@@ -139,11 +140,13 @@ def main(argv=None) -> int:
         if cluster is None:
             testbed_line = "raw loopback throughput only (--raw-only): no shaped link"
         elif cluster.netns:
+            # the nodes' addresses are not loopback: the sidecars need a peer credential there
+            netns_args = chunk + ["--token-file", new_token_file(workdir)]
             shaped = Testbed("shaped", workdir,
                              (lambda argv, **kw: cluster.popen(0, argv, **kw),
                               lambda argv, **kw: cluster.popen(1, argv, **kw)),
                              (f"{cluster.node_addr(0)}:{PEER_PORT}", f"{cluster.node_addr(1)}:{PEER_PORT}"),
-                             (chunk, chunk), link_bytes=cluster.link_bytes)
+                             (netns_args, netns_args), link_bytes=cluster.link_bytes)
             testbed_line = (f"2 network-namespace nodes, link shaped to {format_rate(args.rate_bps)} with tc tbf "
                             f"(ciuicflow/cluster.py); bytes on the wire from node 0's veth counters")
         else:

@@ -15,7 +15,7 @@ from functools import partial
 
 from ciuicflow.cluster import SimCluster
 from ciuicflow.integrations.vllm.servers import VllmServer, kv_transfer_config
-from ciuicflow.kvflow.sidecar.process import REPO_ROOT, SidecarProcess, log_tail
+from ciuicflow.kvflow.sidecar.process import REPO_ROOT, SidecarProcess, log_tail, new_token_file
 
 API_P, API_D, LISTEN, VLLM_P, VLLM_D, PROXY = 50151, 50151, 50152, 8100, 8200, 8000   # per namespace
 
@@ -31,6 +31,8 @@ class NetnsDeployment:
                  sidecar_args=(), pin_cores: bool = False):
         self.c, self.workdir = cluster, workdir
         a0, a1 = cluster.node_addr(0), cluster.node_addr(1)
+        # the nodes' addresses are not loopback: the sidecars need a peer credential there
+        sidecar_args = list(sidecar_args) + ["--token-file", new_token_file(workdir)]
         self.sc_p = SidecarProcess("prefill0", f"{a0}:{LISTEN}", {"decode0": f"{a1}:{LISTEN}"},
                                    os.path.join(workdir, "sidecar-prefill0.log"), args=sidecar_args,
                                    api=f"127.0.0.1:{API_P}", launch=partial(cluster.popen, 0))

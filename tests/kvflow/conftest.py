@@ -49,6 +49,7 @@ class Sidecar:
         self.proc = None
         self.api = None
         self.starts = 0
+        self.nofile = None          # RLIMIT_NOFILE of the process (None: this process's)
         self._clients = []
 
     @property
@@ -71,8 +72,12 @@ class Sidecar:
         env.update(self.env)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, preexec_fn=self._limits if self.nofile else None)
         return self
+
+    def _limits(self) -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def wait_ready(self, timeout: float = 30.0) -> "Sidecar":
         deadline = time.monotonic() + timeout

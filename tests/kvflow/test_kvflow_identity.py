@@ -225,11 +225,14 @@ def test_clients_keep_their_token_across_a_sidecar_restart(sidecars):
     assert cb.recv("after", timeout_s=10) == b"2"
 
 
+LOOPBACK = ["--listen", "127.0.0.1:1"]      # no peer credential needed (the default 0.0.0.0 needs one)
+
+
 def test_local_api_token_options(sidecars, tmp_path):
     """--no-api-token is loopback only; --allow-remote-api keeps the token."""
     from ciuicflow.kvflow.sidecar.config import load_config
     with pytest.raises(ValueError):
-        load_config(["--api", "0.0.0.0:1", "--allow-remote-api", "--no-api-token"])
+        load_config(["--api", "0.0.0.0:1", "--allow-remote-api", "--no-api-token", *LOOPBACK])
     with pytest.raises(ValueError):
-        load_config(["--no-api-token", "--api-token-file", _write(tmp_path / "t", "x")])
-    assert load_config(["--api", "0.0.0.0:1", "--allow-remote-api"]).no_api_token is False
+        load_config(["--no-api-token", "--api-token-file", _write(tmp_path / "t", "x"), *LOOPBACK])
+    assert load_config(["--api", "0.0.0.0:1", "--allow-remote-api", *LOOPBACK]).no_api_token is False

@@ -264,6 +264,9 @@ def test_kvflow_parse_size_and_address():
         parse_hostport("nohost")
 
 
+LOOPBACK = ["--listen", "127.0.0.1:50152"]      # no peer credential needed (the default 0.0.0.0 needs one)
+
+
 def test_kvflow_config_file_and_flags(tmp_path):
     path = tmp_path / "sidecar.toml"
     path.write_text('''
@@ -272,6 +275,7 @@ api = "127.0.0.1:7000"
 listen = "0.0.0.0:7001"
 chunk-size = "512KiB"
 metrics_port = 9400
+insecure = true
 [peers]
 decode0 = "10.0.0.2:7001"
 [limits]
@@ -284,28 +288,28 @@ lease_s = 5
     assert cfg.peers == {"decode0": "10.0.0.2:7001", "decode1": "10.0.0.3:7001"}
     assert cfg.max_peer_bytes == 64 << 20
     assert cfg.lease_s == 7.0           # the flag wins
-    assert cfg.metrics_port == 9400
+    assert cfg.metrics_port == 9400 and cfg.insecure
     bad = tmp_path / "bad.toml"
     bad.write_text('nmae = "x"\n')
     with pytest.raises(ValueError, match="unknown setting"):
         load_config(["--config", str(bad)])
     with pytest.raises(ValueError, match="loopback"):
-        load_config(["--api", "0.0.0.0:7000"])
-    assert load_config(["--api", "0.0.0.0:7000", "--allow-remote-api"]).api == "0.0.0.0:7000"
+        load_config(["--api", "0.0.0.0:7000", *LOOPBACK])
+    assert load_config(["--api", "0.0.0.0:7000", "--allow-remote-api", *LOOPBACK]).api == "0.0.0.0:7000"
     with pytest.raises(ValueError):
-        load_config(["--peer", "nobody"])
+        load_config(["--peer", "nobody", *LOOPBACK])
     with pytest.raises(ValueError):
-        load_config(["--chunk-size", "64MiB"])
-    assert load_config([]).max_chunk_size == 4 << 20
-    assert load_config(["--max-chunk-size", "256KiB"]).max_chunk_size == 256 << 10
+        load_config(["--chunk-size", "64MiB", *LOOPBACK])
+    assert load_config(LOOPBACK).max_chunk_size == 4 << 20
+    assert load_config(["--max-chunk-size", "256KiB", *LOOPBACK]).max_chunk_size == 256 << 10
     with pytest.raises(ValueError, match="--max-chunk-size"):
-        load_config(["--max-chunk-size", "0"])
-    assert (load_config([]).peer_transport, load_config([]).data_port) == ("auto", 0)
-    assert load_config(["--data-port", "-1"]).data_port == -1
+        load_config(["--max-chunk-size", "0", *LOOPBACK])
+    assert (load_config(LOOPBACK).peer_transport, load_config(LOOPBACK).data_port) == ("auto", 0)
+    assert load_config(["--data-port", "-1", *LOOPBACK]).data_port == -1
     with pytest.raises(ValueError, match="--data-port"):
-        load_config(["--data-port", "70000"])
+        load_config(["--data-port", "70000", *LOOPBACK])
     with pytest.raises(SystemExit):     # argparse: not one of the choices
-        load_config(["--peer-transport", "udp"])
+        load_config(["--peer-transport", "udp", *LOOPBACK])
 
 
 def test_kvflow_chunk_frames_parse_without_copying_their_data():

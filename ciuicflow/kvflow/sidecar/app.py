@@ -27,6 +27,7 @@ import grpc
 
 from ..core.budget import MemoryBudget
 from ..core.identity import PeerPolicy
+from ..core.descriptors import descriptor_caps, descriptor_limit
 from ..core.limits import Labels
 from ..proto import kvflow_pb2 as pb
 from ..proto import kvflow_pb2_grpc as pb_grpc
@@ -54,6 +55,7 @@ log = logging.getLogger("ciuicflow.kvflow")
 
 ABORT_FLUSH_S = 5.0     # on shutdown, how long a sender may take to deliver its last frames (the aborts)
 MESSAGE_SLACK = 64 << 10  # a chunk's frame: its data plus at most this much header
+METRICS_IDLE_S = 30.0     # a metrics client that does not take its response within this is dropped
 
 
 class Sidecar:
@@ -79,7 +81,10 @@ class Sidecar:
         self.senders: Dict[str, PeerSender] = {}
         # Shared memory: only the caller's own files (descriptors handed over, or named files with their
         # secret); the descriptor socket starts with the local API (start).
-        self.fd_registry = FdRegistry()
+        # Every port's connections and the ring handles hold descriptors: their caps share out the
+        # descriptor limit (core/descriptors.py), so no flood reaches it.
+        self.caps = descriptor_caps(descriptor_limit(), cfg.max_connections, len(cfg.peers))
+        self.fd_registry = FdRegistry(self.caps.handles, self.caps.handles_per_client)
         self.shm_access = ShmAccess(shmlib.shm_dir(), self.fd_registry) if cfg.local_shm else None
         self.handoff: Optional[HandoffServer] = None
         self.ingest = Ingest(self.budget, chunk_size=cfg.chunk_size, whole_part_bytes=cfg.whole_part_bytes,
@@ -98,6 +103,7 @@ class Sidecar:
         self.api_address = ""
         self.listen_address = ""
         self.metrics_address = ""
+        self.metrics_server = None
         self._channels: List[PeerChannel] = []
         self._tasks: List[asyncio.Task] = []
 
@@ -127,8 +133,9 @@ class Sidecar:
 
     # ------------------------------------------------------------------ start / stop
     async def start(self) -> None:
-        cfg = self.cfg
-        limits = grpc_setup.ServerLimits(cfg.max_connections, cfg.hello_timeout_s, cfg.idle_timeout_s)
+        cfg, caps = self.cfg, self.caps
+        log.info("%s", caps.describe())
+        limits = grpc_setup.ServerLimits(caps.api, cfg.hello_timeout_s, cfg.idle_timeout_s)
         # Small HTTP/2 windows on the local API: the memory cap, not gRPC, is the buffer.
         api_server = self.servers.new(LOCAL_SERVICE, self.local_api, pb_grpc.add_KVFlowServicer_to_server,
                                       [("grpc.http2.bdp_probe", 0)], limits)
@@ -141,7 +148,8 @@ class Sidecar:
         self._start_handoff(bound)
 
         # A peer needs one connection and a few streams; strangers get no more before they authenticate.
-        peer_limits = dataclasses.replace(limits, streams_per_connection=32, max_rpcs=4 * cfg.max_connections)
+        peer_limits = dataclasses.replace(limits, max_connections=caps.peer, streams_per_connection=32,
+                                          max_rpcs=4 * caps.peer)
         peer_server = self.servers.new(PEER_SERVICE, self.peer_service, pb_grpc.add_KVFlowPeerServicer_to_server,
                                        limits=peer_limits)
         host, port = parse_hostport(cfg.listen)
@@ -154,7 +162,8 @@ class Sidecar:
         if cfg.data_port >= 0 and not cfg.tls_cert:     # no TLS on the data plane: TLS peers keep to gRPC
             self.data_plane = DataPlaneServer(self.peer_service.serve, safe_deserializer(pb.PeerFrame.FromString),
                                               cfg.max_message_bytes, self._rejected,
-                                              max_connections=cfg.max_connections,
+                                              max_connections=caps.data,
+                                              max_unauthenticated=max(1, min(32, caps.data // 2)),
                                               hello_timeout_s=cfg.hello_timeout_s, idle_timeout_s=cfg.idle_timeout_s)
             await self.data_plane.start(host, cfg.data_port)
             self.peer_service.data_plane = self.data_plane
@@ -173,8 +182,12 @@ class Sidecar:
 
         await self.servers.start()
         if cfg.metrics_port:
-            self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            self.metrics_server = self.metrics.serve(cfg.metrics_port, cfg.metrics_host,
+                                                     max_connections=caps.metrics,
+                                                     header_timeout_s=cfg.hello_timeout_s,
+                                                     idle_timeout_s=min(cfg.idle_timeout_s, METRICS_IDLE_S))
             self.metrics_address = format_hostport(cfg.metrics_host, cfg.metrics_port)
+        self.metrics.insecure.set(1 if cfg.insecure else 0)
         settings = cfg.sender_settings()
         for name, address in cfg.peers.items():
             sender = PeerSender(name, address, settings, self.budget, self.metrics, self._transports(name, address))
@@ -210,7 +223,8 @@ class Sidecar:
         if self.shm_access is None:
             return
         try:
-            self.handoff = HandoffServer(self.fd_registry, runtime.api_file(port, "sock", create_dir=True))
+            self.handoff = HandoffServer(self.fd_registry, runtime.api_file(port, "sock", create_dir=True),
+                                         self.caps.handoff)
             self.handoff.start()
         except OSError as exc:
             self.handoff = None
@@ -250,6 +264,8 @@ class Sidecar:
         await self.servers.stop(1.0)
         if self.handoff is not None:
             self.handoff.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if self.shm_access is not None:
             self.shm_access.close()
         log.info("stopped")
@@ -266,6 +282,8 @@ class Sidecar:
             "peers": {name: sender.snapshot() for name, sender in self.senders.items()},
             "store": self.store.snapshot(),
             "shutting_down": self.shutting_down,
+            "insecure": self.cfg.insecure,
+            "caps": dataclasses.asdict(self.caps),
         }
 
 

@@ -21,7 +21,9 @@ FAULT_FLAGS = {"test_corrupt_every": 0, "link_rate": 0}
 class SidecarConfig:
     name: str = "sidecar"
     api: str = "127.0.0.1:50151"              # local API for the inference server
-    listen: str = "0.0.0.0:50152"             # where peers reach this sidecar
+    listen: str = "0.0.0.0:50152"             # where peers reach this sidecar (needs a peer credential,
+                                              #   or --insecure, unless loopback: credentials.check_exposure)
+    insecure: bool = False                    # accept unauthenticated peers on a network address
     peers: Dict[str, str] = field(default_factory=dict)   # name -> HOST:PORT
     allow_remote_api: bool = False            # let --api bind a non-loopback address
     allow_unknown_peers: bool = False         # accept links from senders not named by --peer
@@ -52,7 +54,7 @@ class SidecarConfig:
     max_open_transfers: int = 1024            # per peer: transfers held here (in progress or not collected)
     max_lease_s: float = 600.0                # the longest lease a sender may ask for (longer ones are cut)
     max_unknown_peers: int = 32               # unknown peers counted by name; the rest together as "other"
-    max_connections: int = 256                # per port (local API, peer port, data plane)
+    max_connections: int = 256                # per port, at most (the descriptor limit may cap them lower)
     hello_timeout_s: float = 5.0              # a new connection must complete its handshake/hello in this
     idle_timeout_s: float = 300.0             # a connection without calls or frames this long is closed
     spool_dir: Optional[str] = None           # receiver: keep received chunks on disk, resume after a restart
@@ -75,7 +77,7 @@ class SidecarConfig:
     # -------------------------------------------------------------- validation
     def validate(self, from_command_line=()) -> "SidecarConfig":
         api_host, _ = parse_hostport(self.api, what="--api")
-        parse_hostport(self.listen, what="--listen")
+        listen_host, _ = parse_hostport(self.listen, what="--listen")
         if not is_loopback(api_host) and not self.allow_remote_api:
             raise ValueError(f"--api {self.api} is not a loopback address; add --allow-remote-api to allow it")
         for peer, addr in self.peers.items():
@@ -107,6 +109,7 @@ class SidecarConfig:
         if self.tls_ca and not self.tls_cert:
             raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
         self.warnings = credentials.resolve(self, from_command_line)
+        self.warnings += credentials.check_exposure(self, is_loopback(listen_host))
         if self.no_api_token and not is_loopback(api_host):
             raise ValueError("--no-api-token with a non-loopback --api would open the local API to the network")
         if self.peer_transport not in ("auto", "grpc"):
@@ -212,10 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--config", metavar="FILE", help="TOML config file (keys as the flags, [peers] table)")
     a("--name", default=S, help="this sidecar's name (peers know it by this)")
     a("--api", default=S, metavar="HOST:PORT", help="local API for the inference server (default 127.0.0.1:50151)")
-    a("--listen", default=S, metavar="HOST:PORT", help="where peers reach this sidecar (default 0.0.0.0:50152)")
+    a("--listen", default=S, metavar="HOST:PORT", help="where peers reach this sidecar (default 0.0.0.0:50152; "
+                                                       "off loopback it needs a peer credential or --insecure)")
     a("--peer", dest="peers", action="append", default=S, metavar="NAME=HOST:PORT", help="a peer (repeatable)")
     a("--allow-remote-api", action="store_true", default=S, help="allow --api on a non-loopback address")
     a("--allow-unknown-peers", action="store_true", default=S, help="accept links from senders not named by --peer")
+    a("--insecure", action="store_true", default=S,
+      help="let a --listen address reachable from the network go without a peer credential (--token-file, "
+           "--peer-secrets-file, --tls-ca): any client could send as a peer (not recommended)")
     a("--no-local-shm", dest="local_shm", action="store_false", default=S,
       help="local API: refuse shared-memory handoff (clients then send bytes in-band)")
     a("--peer-transport", default=S, choices=("auto", "grpc"),
@@ -252,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-lease-s", type=float, default=S, help="longest lease a sender may ask for (600; at least --lease-s)")
     a("--max-unknown-peers", type=int, default=S, help="--allow-unknown-peers: names counted apart in metrics "
                                                        "and memory caps; the rest share 'other' (32)")
-    a("--max-connections", type=int, default=S, help="connections per port: local API, peer port, data plane "
-                                                     "(256)")
+    a("--max-connections", type=int, default=S, help="connections per port at most: local API, peer port, "
+                                                     "data plane, metrics, descriptor socket (256; the "
+                                                     "descriptor limit may cap them lower: logged at start)")
     a("--hello-timeout-s", type=float, default=S, help="a connection must complete its handshake in this (5)")
     a("--idle-timeout-s", type=float, default=S, help="a connection without calls or frames this long is "
                                                       "closed (300)")

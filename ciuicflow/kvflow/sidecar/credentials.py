@@ -86,6 +86,33 @@ def resolve(cfg, from_command_line=()) -> List[str]:
     return warnings
 
 
+def check_exposure(cfg, loopback: bool) -> List[str]:
+    """Safe by default: a sidecar whose peer port (``--listen``) is reachable from the network must
+    authenticate its peers (a shared token, per-peer secrets or mutual TLS), unless ``--insecure`` says
+    the operator means it; raises ValueError (what to add) otherwise. A loopback-only sidecar may go without
+    (tests, one host), with a warning. Sets ``cfg.insecure`` to whether peers are unauthenticated by
+    the operator's choice; the warnings to log."""
+    if cfg.token or cfg.peer_secrets or cfg.tls_ca:
+        note = ["--insecure has no effect: peer credentials are configured"] if cfg.insecure else []
+        cfg.insecure = False
+        return note
+    if loopback:
+        cfg.insecure = False
+        return [f"no peer credential: any local process that reaches --listen {cfg.listen} can send as any "
+                f"configured peer (loopback only: fine for tests and one host); add --token-file FILE, "
+                f"--peer-secrets-file FILE or mutual TLS (--tls-cert/--tls-key/--tls-ca) to authenticate peers"]
+    if not cfg.insecure:
+        raise ValueError(
+            f"--listen {cfg.listen} is reachable from the network, but no peer credential is configured, so any "
+            f"client could send as a configured peer. Add one: --token-file FILE (or ${TOKEN_ENV}), "
+            f"--peer-secrets-file FILE, or mutual TLS (--tls-cert PEM --tls-key PEM --tls-ca PEM); or listen on "
+            f"loopback only (--listen 127.0.0.1:PORT); or, to accept unauthenticated peers anyway (not "
+            f"recommended), add --insecure")
+    return ["!!! INSECURE (--insecure): peers are NOT authenticated on --listen "
+            f"{cfg.listen}: anyone who reaches it can send and take transfers as any configured peer; add "
+            "--token-file, --peer-secrets-file or mutual TLS (--tls-ca) !!!"]
+
+
 def new_api_token() -> str:
     """The local API's token when none is configured: random, published for this user only."""
     return secrets.token_urlsafe(32)

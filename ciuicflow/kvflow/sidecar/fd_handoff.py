@@ -8,8 +8,10 @@ descriptor proves the caller holds it. The socket's directory is private to the 
 connection's peer credentials (``SO_PEERCRED``) must be that user's (or root's).
 
 Messages: ``R`` with one descriptor -> ``H<handle>`` (or ``E<why>``); ``D<handle>`` drops one (no answer).
-A handle lives until it is dropped or its connection closes (a client that dies leaves nothing behind);
-at most ``PER_CONNECTION`` per connection.
+A handle lives until it is dropped or its connection closes (a client that dies leaves nothing behind).
+Each handle is a descriptor the sidecar holds, so they are capped well below its descriptor limit
+(core/limits.py, ``descriptor_caps``): in all, and per client (the peer process on the socket, whatever
+its connections); so are the connections, in all and per client. A refusal names the cap.
 """
 from __future__ import annotations
 
@@ -28,26 +30,48 @@ from ..proto.shm import HANDLE_PREFIX, HEADER
 
 log = logging.getLogger("ciuicflow.kvflow.shm")
 
-PER_CONNECTION = 256            # handles one client connection may hold
-MAX_CONNECTIONS = 256
 _CRED = struct.Struct("3i")     # struct ucred: pid, uid, gid
+ACCEPT_PAUSE_S = 1.0
+
+
+class HandleLimit(Exception):
+    """A handle refused: a cap is reached (the message names it)."""
 
 
 class FdRegistry:
-    """Handles of descriptors handed over: handle -> (fd, the connection that owns it)."""
+    """Handles of descriptors handed over: handle -> (fd, the connection that owns it, its client), at most
+    ``total`` in all and ``per_client`` per client (a process: (uid, pid))."""
 
-    def __init__(self):
-        self._fds: Dict[str, Tuple[int, object]] = {}
+    def __init__(self, total: int = 4096, per_client: int = 256):
+        self.total = total
+        self.per_client = per_client
+        self._fds: Dict[str, Tuple[int, object, Tuple[int, int]]] = {}
         self._owned: Dict[object, set] = {}
+        self._per_client: Dict[Tuple[int, int], int] = {}
 
-    def add(self, fd: int, owner) -> Optional[str]:
-        mine = self._owned.setdefault(owner, set())
-        if len(mine) >= PER_CONNECTION:
-            return None
+    def add(self, fd: int, owner, client: Tuple[int, int] = (0, 0)) -> str:
+        """A new handle for ``fd`` (which it then owns); raises HandleLimit."""
+        held = self._per_client.get(client, 0)
+        if held >= self.per_client:
+            raise HandleLimit(f"ring handle cap reached: this client (pid {client[1]}) holds {held}, the most one "
+                              f"client may (derived from the sidecar's descriptor limit); drop handles first")
+        if len(self._fds) >= self.total:
+            raise HandleLimit(f"ring handle cap reached: the sidecar holds {self.total} handles, the most it "
+                              f"takes in all (derived from its descriptor limit); try again later")
         handle = HANDLE_PREFIX + secrets.token_hex(16)
-        self._fds[handle] = (fd, owner)
-        mine.add(handle)
+        self._fds[handle] = (fd, owner, client)
+        self._owned.setdefault(owner, set()).add(handle)
+        self._per_client[client] = held + 1
         return handle
+
+    def _forget(self, handle: str) -> int:
+        fd, _, client = self._fds.pop(handle)
+        left = self._per_client[client] - 1
+        if left:
+            self._per_client[client] = left
+        else:
+            del self._per_client[client]
+        return fd
 
     def dup(self, handle: str) -> int:
         """A descriptor of its own for the file behind ``handle`` (KeyError: no such handle)."""
@@ -56,13 +80,12 @@ class FdRegistry:
     def drop(self, handle: str, owner) -> None:
         entry = self._fds.get(handle)
         if entry is not None and entry[1] is owner:
-            del self._fds[handle]
             self._owned[owner].discard(handle)
-            os.close(entry[0])
+            os.close(self._forget(handle))
 
     def drop_owner(self, owner) -> None:
         for handle in self._owned.pop(owner, ()):
-            os.close(self._fds.pop(handle)[0])
+            os.close(self._forget(handle))
 
     def __len__(self) -> int:
         return len(self._fds)
@@ -83,12 +106,15 @@ def _usable(fd: int) -> Optional[str]:
 class HandoffServer:
     """The Unix socket clients hand their ring descriptors over on, into ``registry``."""
 
-    def __init__(self, registry: FdRegistry, path: str):
+    def __init__(self, registry: FdRegistry, path: str, max_connections: int = 256):
         self.registry = registry
         self.path = path
+        self.max_connections = max_connections
+        self.per_client = max(2, max_connections // 4)      # connections of one client process
         self.sock: Optional[socket.socket] = None
-        self.conns: set = set()
+        self.conns: Dict[socket.socket, Tuple[int, int]] = {}      # connection -> its client (uid, pid)
         self._uid = os.geteuid()
+        self._warned = False
 
     def start(self) -> None:
         try:
@@ -123,21 +149,49 @@ class HandoffServer:
             conn, _ = self.sock.accept()
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as exc:
-            log.warning("descriptor socket: accept failed: %s", exc)
+        except OSError as exc:          # out of descriptors despite the caps: back off, do not spin
+            log.warning("descriptor socket: accept failed (%s): not accepting for %gs", exc, ACCEPT_PAUSE_S)
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(self.sock.fileno())
+            loop.call_later(ACCEPT_PAUSE_S, self._resume_accepting)
             return
         pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        if uid not in (self._uid, 0) or len(self.conns) >= MAX_CONNECTIONS:
-            log.info("descriptor socket: refused pid %d uid %d", pid, uid)
+        why = self._refusal(uid, pid)
+        if why:
+            self._note(f"descriptor socket: refused pid {pid} uid {uid}: {why}")
+            try:
+                conn.send(b"E" + why.encode())     # the client's next reply: it says why
+            except OSError:
+                pass
             conn.close()
             return
         conn.setblocking(False)
-        self.conns.add(conn)
+        self.conns[conn] = (uid, pid)
         asyncio.get_running_loop().add_reader(conn.fileno(), self._readable, conn)
+
+    def _note(self, message: str) -> None:
+        """A refusal: logged once as a warning (a cap reached, or another user), then at debug level (a
+        flood must not flood the log too)."""
+        log.log(logging.DEBUG if self._warned else logging.WARNING, "%s", message)
+        self._warned = True
+
+    def _resume_accepting(self) -> None:
+        if self.sock is not None:
+            asyncio.get_running_loop().add_reader(self.sock.fileno(), self._accept)
+
+    def _refusal(self, uid: int, pid: int) -> str:
+        """Why a connection of ``uid``/``pid`` is refused ("": it is not)."""
+        if uid not in (self._uid, 0):
+            return "another user"
+        if len(self.conns) >= self.max_connections:
+            return f"connection cap reached: {self.max_connections} in all (from the sidecar's descriptor limit)"
+        if sum(1 for client in self.conns.values() if client == (uid, pid)) >= self.per_client:
+            return f"connection cap reached: {self.per_client} per client process"
+        return ""
 
     def _close(self, conn: socket.socket) -> None:
         if conn in self.conns:
-            self.conns.discard(conn)
+            del self.conns[conn]
             asyncio.get_running_loop().remove_reader(conn.fileno())
             self.registry.drop_owner(conn)
             conn.close()
@@ -164,12 +218,14 @@ class HandoffServer:
                     why = _usable(fds[0])
                 except OSError as exc:
                     why = str(exc)
-                handle = None if why else self.registry.add(fds[0], conn)
-                if handle is None:
-                    os.close(fds[0])
-                    conn.send(b"E" + (why or f"more than {PER_CONNECTION} handles").encode())
-                else:
-                    conn.send(b"H" + handle.encode())
+                if not why:
+                    try:
+                        return conn.send(b"H" + self.registry.add(fds[0], conn, self.conns[conn]).encode())
+                    except HandleLimit as exc:
+                        why = str(exc)
+                        self._note(f"descriptor socket: refused a handle of pid {self.conns[conn][1]}: {why}")
+                os.close(fds[0])
+                conn.send(b"E" + why.encode())
                 return
             for fd in fds:
                 os.close(fd)

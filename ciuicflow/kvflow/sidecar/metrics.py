@@ -1,7 +1,9 @@
-"""Prometheus metrics of one sidecar (its own registry, served by ``--metrics-port``)."""
+"""Prometheus metrics of one sidecar (its own registry, served on ``--metrics-port`` by metrics_http.py)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .metrics_http import MetricsServer
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -53,6 +55,8 @@ class Metrics:
         self.buffered_total = Gauge(p + "memory_used_bytes", "Bytes buffered in total (outgoing + incoming)", registry=r)
         self.leases_expired = Counter(p + "leases_expired", "Received transfers dropped uncollected", registry=r)
         self.link_up = Gauge(p + "peer_link_up", "1 while the link to the peer is connected", ["peer"], registry=r)
+        self.insecure = Gauge(p + "insecure", "1: started with --insecure (peers unauthenticated on a network "
+                                              "address)", registry=r)
 
         for metric in vars(self).values():
             if getattr(metric, "_labelnames", None):
@@ -69,5 +73,9 @@ class Metrics:
         for prio, n in queue_depth.items():
             self.queue_depth.labels(peer, prio).set(n)
 
-    def serve(self, port: int, host: str = "127.0.0.1"):
-        return start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", *, max_connections: int = 16,
+              header_timeout_s: float = 5.0, idle_timeout_s: float = 30.0) -> MetricsServer:
+        """Serve the registry on ``host:port`` (needs the running event loop); limits: metrics_http.py."""
+        server = MetricsServer(self.registry, max_connections, header_timeout_s, idle_timeout_s)
+        server.start(host, port)
+        return server

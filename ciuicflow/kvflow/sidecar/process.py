@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -79,6 +80,16 @@ def child_env(extra: Optional[dict] = None) -> dict:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     return env
+
+
+def new_token_file(directory: str) -> str:
+    """A fresh shared peer token in ``directory`` (mode 0600), for ``--token-file``: sidecars that listen on a
+    network address (not loopback) refuse to start without a peer credential (docs/security.md)."""
+    path = os.path.join(directory, "peer-token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_urlsafe(32) + "\n")
+    return path
 
 
 class SidecarProcess:

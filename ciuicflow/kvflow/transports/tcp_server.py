@@ -3,10 +3,11 @@ each connection's frames to ``PeerService.serve`` like ``Link``'s.
 
 Nothing a stranger sends makes it hold more than a few bytes: until its hello (a ticket, at most
 ``MAX_HELLO`` bytes) checks out, a connection's only frame may be that hello, so no frame header makes it
-allocate a payload; connections are limited (``max_connections`` in all, ``max_unauthenticated`` before
-their hello), a hello must come within ``hello_timeout_s`` and an authenticated stream that sends nothing
-for ``idle_timeout_s`` is closed (its sender reconnects when it has work). Frames read but not yet
-handled are bounded in bytes, then the socket is not read (TCP flow control holds the sender).
+allocate a payload; connections are limited (``max_connections`` in all, those beyond refused before
+anything is made for them: listener.py; ``max_unauthenticated`` before their hello), a hello must come
+within ``hello_timeout_s`` and an authenticated stream that sends nothing for ``idle_timeout_s`` is
+closed (its sender reconnects when it has work). Frames read but not yet handled are bounded in bytes,
+then the socket is not read (TCP flow control holds the sender).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import grpc
 
 from ..core.limits import Tickets
 from ..proto.codec import parse_chunk_frame, uninitialized
+from .listener import BoundedListener
 from .tcp import HEAD, HELLO, MSG, STATUS, _status_payload, _tune
 
 log = logging.getLogger("ciuicflow.kvflow.tcp")
@@ -27,6 +29,8 @@ QUEUE_HIGH = 16             # frames read but not yet handled: stop reading from
 QUEUE_BYTES_MIN = 8 << 20   # ... or above max(this, twice the largest frame) bytes
 LINGER_S = 1.0              # after the status: how long what the sender still sends is read and dropped ...
 LINGER_BYTES = 1 << 20      # ... and at most how much
+_TOO_MANY = _status_payload(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many data plane connections")
+TOO_MANY = HEAD.pack(STATUS, len(_TOO_MANY)) + _TOO_MANY
 
 
 class _Abort(Exception):
@@ -73,14 +77,13 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         plane = self.plane
-        if len(plane.connections) >= plane.max_connections or plane.unauthenticated >= plane.max_unauthenticated:
+        plane.connections.add(self)
+        if plane.unauthenticated >= plane.max_unauthenticated:
             plane.rejected(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            status = _status_payload(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many data plane connections")
-            transport.write(HEAD.pack(STATUS, len(status)) + status)
+            transport.write(TOO_MANY)
             transport.close()
             return
         _tune(transport.get_extra_info("socket"))
-        plane.connections.add(self)
         plane.unauthenticated += 1
         self.counted = True
         self.task = asyncio.get_running_loop().create_task(self._serve())
@@ -138,7 +141,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.eof.set()
         self.writable.set()
         self._uncount()
-        self.plane.connections.discard(self)
+        if self in self.plane.connections:
+            self.plane.connections.discard(self)
+            self.plane.listener.release()
 
     def _uncount(self) -> None:
         if self.counted:
@@ -264,22 +269,33 @@ class DataPlaneServer:
         self.tickets = Tickets()
         self.connections = set()
         self.unauthenticated = 0
-        self.server: Optional[asyncio.base_events.Server] = None
+        self.listener = BoundedListener(self._accepted, max_connections, what="data plane", refusal=TOO_MANY,
+                                        on_refused=lambda: rejected(grpc.StatusCode.RESOURCE_EXHAUSTED))
+        self._starting = set()      # tasks making transports of accepted sockets
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                               reuse_address=True, backlog=128)
-        self.port = self.server.sockets[0].getsockname()[1]
+        self.port = self.listener.start(host, port)
         return self.port
 
+    def _accepted(self, sock) -> None:
+        task = asyncio.get_running_loop().create_task(self._connect(sock))
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+
+    async def _connect(self, sock) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: _Connection(self), sock)
+        except BaseException:       # the connection never reached connection_made: its slot is free again
+            sock.close()
+            self.listener.release()
+            raise
+
     async def stop(self) -> None:
-        if self.server is None:
-            return
-        self.server.close()
+        self.listener.close()
+        for task in list(self._starting):
+            task.cancel()
         for conn in list(self.connections):
             if conn.task is not None:
                 conn.task.cancel()
         await asyncio.gather(*(c.task for c in list(self.connections) if c.task), return_exceptions=True)
-        await self.server.wait_closed()
