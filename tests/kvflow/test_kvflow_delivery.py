@@ -235,6 +235,40 @@ def test_a_dropped_open_transfer_is_not_acknowledged(sidecars):
     assert b.client().stats()["memory"]["used"] == 0
 
 
+def _commit(link, tid, total_chunks, num_parts):
+    link.send(pb.PeerFrame(commit=pb.Commit(tid=tid, total_chunks=total_chunks, num_parts=num_parts)))
+
+
+def test_a_commit_inconsistent_with_what_was_sent_is_refused(sidecars):
+    """A Commit never discards chunks that were sent and held, nor changes an earlier Commit: zero parts
+    after a held chunk, fewer chunks than held, or a second Commit that differs fail the transfer
+    (INVALID_ARGUMENT) instead of completing it with less than was sent. An empty transfer still completes."""
+    b = sidecars.make("b", args=["--allow-unknown-peers"])
+    sidecars.start_all(b)
+    with RawLink(b.listen, PEER_A) as link:
+        for tid, key, chunks, commits in ((1, "zero", 1, [(0, 0)]), (2, "fewer", 2, [(1, 1)]),
+                                          (3, "changed", 1, [(2, 2), (1, 1)])):
+            link.send(open_frame(key, tid=tid))
+            assert link.recv().state.error_code == 0
+            for seq in range(chunks):
+                link.send(chunk(b"abc", tid=tid, seq=seq))
+                assert link.recv().ack.code == pb.ACK_OK
+            for total, parts in commits[:-1]:
+                _commit(link, tid, total, parts)           # more chunks to come: no answer yet
+            _commit(link, tid, *commits[-1])
+            reply = link.recv().commit
+            assert reply.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0], (key, reply)
+            with pytest.raises(KVFlowError) as err:
+                b.client().recv(key, timeout_s=5)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, key
+        link.send(open_frame("empty", tid=4))
+        link.recv()
+        _commit(link, 4, 0, 0)
+        assert link.recv().commit.error_code == 0
+    assert b.client().recv("empty", timeout_s=5) == b""
+    assert b.client().stats()["memory"]["used"] == 0
+
+
 def test_a_send_that_never_ends_is_given_up(sidecars):
     """A local sender that stops without ending its transfer: it fails after the stall timeout, its bytes
     are released on both sides, and the FIFO transfers behind it go."""

@@ -56,6 +56,22 @@ def check_packed(c: pb.Chunk, n: int) -> Optional[str]:
     return None
 
 
+def commit_error(entry: InTransfer, commit: pb.Commit) -> Optional[str]:
+    """Why ``commit`` contradicts what was sent of ``entry`` (None: it does not). A sender commits once per
+    open, after every chunk went out: never fewer chunks than this side holds (a commit must not discard
+    chunks that were sent and acknowledged, e.g. complete an empty transfer after a held chunk), never
+    other numbers than its earlier commit on the same open, never chunks without parts."""
+    held = len(entry.chunks)
+    if commit.total_chunks < held:
+        return f"commit of {commit.total_chunks} chunks, but {held} were sent and are held here"
+    if entry.total is not None and (entry.total, entry.num_parts) != (commit.total_chunks, commit.num_parts):
+        return (f"commit of {commit.total_chunks} chunks and {commit.num_parts} parts after a commit of "
+                f"{entry.total} and {entry.num_parts}")
+    if commit.total_chunks and not commit.num_parts:
+        return f"commit of {commit.total_chunks} chunks and 0 parts"
+    return None
+
+
 class PeerService(pb_grpc.KVFlowPeerServicer):
     """Peer streams into ``store``, memory from ``budget``. Senders are authenticated by ``policy``
     (core.identity.PeerPolicy: token, per-peer secrets, certificate names, known peers);
@@ -217,6 +233,8 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             except SpoolError as exc:
                 return refuse(exc.code, exc.message)
         complete = entry.complete and entry.uuid == o.uuid
+        if not entry.complete:
+            entry.total = entry.num_parts = None    # its sender commits again on this open (commit_error)
         for tid, other in list(attached.items()):
             if other is entry and tid != o.tid:
                 del attached[tid]           # one tid per transfer on a stream: re-opens do not pile up
@@ -339,12 +357,12 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
                 return self._commit_ack(commit.tid, None, grpc.StatusCode.ABORTED,
                                         f"transfer {entry.key!r} is no longer held here")
             return self._commit_ack(commit.tid, entry)
+        error = commit_error(entry, commit)
+        if error:
+            self.store.fail(entry, grpc.StatusCode.INVALID_ARGUMENT, error)
+            return self._commit_ack(commit.tid, None, grpc.StatusCode.INVALID_ARGUMENT, error)
         entry.total = commit.total_chunks
         entry.num_parts = commit.num_parts
-        if len(entry.chunks) > entry.total:
-            self.store.truncate(entry, entry.total)
-            if entry.failed:
-                return self._commit_ack(commit.tid, None, *entry.failed)
         if len(entry.chunks) == entry.total:
             return self._finish(entry, commit.tid)
         return None
