@@ -15,6 +15,8 @@ _EXPORTS = {
     "Topology": "ciuicflow.topology",
     "hierarchical_all_reduce": "ciuicflow.collectives.hierarchical",
     "onebit_all_reduce": "ciuicflow.compression.onebit",
+    "explain": "ciuicflow.compression.policy",
+    "WirePlan": "ciuicflow.compression.policy",
     **{name: "ciuicflow.ddp.hooks" for name in _registry.METHODS},
     **{entry.state: "ciuicflow.ddp.hooks" for entry in _registry.ENTRIES},
     "register": "ciuicflow.ddp.hooks",

@@ -72,11 +72,11 @@ def test_the_first_reduction_with_the_adaptive_codec_says_so_once(caplog):
             OneBitCompressor(adaptive_optimizer="twobit"), OneBitCompressor(adaptive_optimizer="same"))
         small = OneBitCompressor(adaptive_optimizer="twobit", chunk_size=64)
         small_topmark = OneBitCompressor(adaptive_optimizer="topmark", chunk_size=64)
-        default._pick(False, None, one_phase)
+        default._pick(default.wire_plan(one_phase, False), None)
         assert not caplog.records
         for compressor in (default, int4, twobit, same, small, small_topmark):
             for _ in range(3):
-                compressor._pick(True, None, one_phase)
+                compressor._pick(compressor.wire_plan(one_phase, True), None)
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 5, messages
     assert "go as topmark" in messages[0] and "'auto'" in messages[0] and "20.5x" in messages[0]
@@ -96,7 +96,8 @@ def test_where_auto_falls_to_int4_it_points_to_the_one_bit_optimizers(caplog):
     from ciuicflow.compression.onebit import OneBitCompressor
 
     with caplog.at_level(logging.INFO, logger="ciuicflow.compression"):
-        OneBitCompressor()._pick(True, None, SimpleNamespace(exchange_ranks=4))
+        compressor = OneBitCompressor()
+        compressor._pick(compressor.wire_plan(SimpleNamespace(exchange_ranks=4), True), None)
     (message,) = [r.getMessage() for r in caplog.records]
     assert "go as int4" in message and "OneBitAdam" in message
 
@@ -107,6 +108,11 @@ def test_auto_sends_topmark_where_an_exchange_quantises_once_and_int4_elsewhere(
     class Route:
         def __init__(self, ranks):
             self.exchange_ranks = ranks
+
+    def served(compressor, ranks, adaptive=False):
+        """What the servers send where not the workers' codec (None: no servers, or the same)."""
+        plan = compressor.wire_plan(Route(ranks), adaptive)
+        return plan.server_codec if plan.phases == 2 and plan.server_codec != plan.codec else None
 
     auto, pinned = OneBitCompressor(), OneBitCompressor(adaptive_optimizer="twobit")
     assert auto.adaptive_optimizer == "auto"
@@ -127,40 +133,38 @@ def test_auto_sends_topmark_where_an_exchange_quantises_once_and_int4_elsewhere(
     for family in ("int8", "int4"):
         compressor = FAMILIES[family].compressor_class()()
         assert compressor.two_phases(Route(3)) and not compressor.two_phases(Route(2)), family
-        assert compressor.server_codec_for(compressor.codec, Route(8)) is None, family
+        assert served(compressor, 8) is None, family
     # beyond four ranks 1 bit's servers send int4 (registry.SERVER_FAMILY); not where phases=2
     # is asked for, nor with server_codec="same", nor for an adaptive optimizer's codec
     for ranks, server in ((2, None), (3, None), (4, None), (5, "int4"), (8, "int4")):
         for compressor in (auto, same):
-            got = compressor.server_codec_for(compressor.own_codec(Route(ranks)), Route(ranks))
-            assert (got and got.name) == server, ranks
-    assert auto.server_codec_for(auto.own_codec(Route(8)), None) is None
-    assert auto.server_codec_for(auto.codec_for(True, Route(8)), Route(8)) is None  # int4 already
+            assert served(compressor, ranks) == server, ranks
+    assert auto.wire_plan(None).phases == 1  # FSDP's reduce-scatter: no servers
+    assert served(auto, 8, adaptive=True) is None  # int4 already
     for asked in (OneBitCompressor(phases=2), OneBitCompressor(server_codec="same")):
-        assert asked.server_codec_for(asked.own_codec(Route(8)), Route(8)) is None
+        assert served(asked, 8) is None
     # server_codec="onebit_int4": 1 bit with int4 in a tenth of the chunks, where "auto" has a
     # server codec (beyond four ranks), its plain chunks carrying the state's error_decay
     refined = OneBitCompressor(server_codec="onebit_int4", error_decay=0.25)
     for ranks, server in ((4, None), (5, "onebit_int4"), (8, "onebit_int4")):
-        got = refined.server_codec_for(refined.own_codec(Route(ranks)), Route(ranks))
-        assert (got and got.name) == server, ranks
+        assert served(refined, ranks) == server, ranks
     assert refined.server_codecs["onebit_int4"].plain_decay == 0.25
     assert refined.step(refined.new_memory(), Route(8)).server_error_decay == 1.0
     # named, it also serves where phases=2 asks for two phases ("auto" then keeps 1 bit)
     both = OneBitCompressor(server_codec="onebit_int4", phases=2)
     for ranks in (3, 4, 8):
-        assert both.server_codec_for(both.own_codec(Route(ranks)), Route(ranks)).name == "onebit_int4"
+        assert served(both, ranks) == "onebit_int4"
     from ciuicflow.compression.registry import SERVED_FAMILIES  # the planner's list
     assert tuple(OneBitCompressor.server_codecs) == SERVED_FAMILIES
     pinned_int4 = OneBitCompressor(server_codec="int4")
-    assert pinned_int4.server_codec_for(pinned_int4.own_codec(Route(8)), Route(8)).name == "int4"
+    assert served(pinned_int4, 8) == "int4"
     with pytest.raises(ValueError, match="server_codec"):
         OneBitCompressor(server_codec="int2")
     # the 1-bit optimizers keep 1 bit at the server (measured so: docs/onebit_adam.md)
     from ciuicflow.optim import OneBitAdam
     exchange = OneBitAdam([torch.nn.Parameter(torch.zeros(3))])._compressor
     assert exchange.two_phases(Route(8)) and not exchange.two_phases(Route(4))
-    assert exchange.server_codec_for(exchange.own_codec(Route(8)), Route(8)) is None
+    assert served(exchange, 8) is None
     assert OneBitCompressor(adaptive_optimizer="topmark").two_phases(Route(4), True)
     assert OneBitCompressor(phases=2).codec_for(True, Route(2)).name == "int4"
     assert OneBitCompressor(phases=1).codec_for(True, Route(8)).name == "topmark"

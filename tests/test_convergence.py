@@ -211,6 +211,8 @@ def test_demo_command_prints_the_table(tmp_path, capsys):
                      "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "hierarchical_1bit" in table and "inter-node B/step" in table
+    # what each row sent, as ciuicflow.explain states it
+    assert "onebit+values, hierarchical, 1 phase" in table and "exact, DDP's all-reduce" in table
     results = {r["method"]: r for r in json.loads(out.read_text())["results"]}
     assert results["exact"]["accuracy"] > 30  # 20 steps learn something (chance: 10%)
     assert results["exact"]["compression_ratio"] is None

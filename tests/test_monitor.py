@@ -265,6 +265,27 @@ def test_counter_reset_counts_from_zero(tmp_path):
     mon.close()
 
 
+def test_steps_beyond_the_target_and_plan_changes_are_recorded():
+    """A tensor's plan (``stats()["wire"]``) is recorded when it appears and each time it changes,
+    with its reasons; steps sent beyond the method's own codec are counted per step."""
+    one_bit = {"codec": "onebit", "phases": 1, "reasons": ["2 ranks exchange in one phase"]}
+    int4 = {"codec": "int4", "phases": 1, "reasons": ["an adaptive optimizer steps it"]}
+    stats = {"beyond_target_reductions": 0, "wire": {0: one_bit}}
+    mon = Monitor(None, [lambda: {**stats, "wire": dict(stats["wire"])}])
+    records = []
+    for beyond, wire in ((0, {0: one_bit}), (0, {0: one_bit}), (3, {0: int4, 1: one_bit}),
+                         (5, {0: int4, 1: one_bit})):
+        stats.update(beyond_target_reductions=beyond, wire=wire)
+        mon.step_begin()
+        records.append(mon.step_end())
+    mon.close()
+    assert [r["beyond_target_reductions"] for r in records] == [0, 0, 3, 2]
+    # the first plan was read when the monitor started; then only changes and new tensors
+    assert [sorted(next(iter(r.get("wire", {None: {}}).values()))) for r in records] == \
+        [[], [], [0, 1], []]
+    assert next(iter(records[2]["wire"].values()))[0]["reasons"] == int4["reasons"]
+
+
 def test_misuse_raises_clear_errors(tmp_path):
     with pytest.raises(TypeError, match="stats"):
         Monitor(None, [42])

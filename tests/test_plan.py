@@ -242,11 +242,11 @@ def test_the_adaptive_codecs_bytes_are_what_they_pack():
     and for a trimmed last chunk."""
     import torch
     from ciuicflow import formats
-    from ciuicflow.compression import registry
+    from ciuicflow.compression import policy, registry
     from ciuicflow.compression.onebit import OneBitCompressor
 
     assert set(OneBitCompressor.adaptive_codecs) == set(registry.ADAPTIVE_CODECS)
-    assert registry.ADAPTIVE_OPTIMIZER_POLICIES[-1] == "same"
+    assert policy.ADAPTIVE_OPTIMIZER_POLICIES[-1] == "same"
     chunks = 7
     for name, codec in OneBitCompressor.adaptive_codecs.items():
         payload_bytes, granule, own_chunk = formats.FORMATS[name]

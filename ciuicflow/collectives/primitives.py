@@ -54,6 +54,9 @@ class Traffic:
     nonfinite_fallbacks: int = 0
     guard_exact_steps: int = 0  # exact steps the accuracy guard asked for
     adaptive_codec_reductions: int = 0  # tensors sent with the codec for adaptive optimizers
+    # tensors whose workers or servers sent more than the method's own codec (a 1-bit method's
+    # steps that were not all 1 bit)
+    beyond_target_reductions: int = 0
 
     def add(self, hop: Hop, nbytes: float) -> None:
         self.inter_bytes += nbytes * hop.inter_share

@@ -56,6 +56,7 @@ class GuardedMemory:
         self.relative_error: float | None = None
         self._guard_stale = False  # relative_error was measured before the guard's last exact step
         self._grad_norm_ema: float | None = None
+        self.wire_plan = None  # what the last step sent (compression.policy.WirePlan), if planned
 
     def sent_by_guard(self, traffic) -> None:
         """The guard's exact step sent what the memory held: it starts again from zero (the

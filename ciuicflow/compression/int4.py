@@ -1,12 +1,9 @@
 """4-bit quantisation with error feedback: two values (-7..7) per byte and one scale per chunk.
 
-The codec the 1-bit compressor sends an adaptive optimizer's tensors with where an exchange
-quantises each value twice (``adaptive_optimizer="auto"``; ``compression.topmark`` where once;
-docs/hooks.md "Adaptive optimizers"): 1-bit error feedback under Adam trains as if at a smaller
-learning rate, and 4 bits do not (simulation of two nodes on ``charlm_adamw``, all of the error
-carried: 4-bit 1.7764, int8 1.7766, 3-bit 1.7833, ternary 1.8744, 1-bit 1.8418, exact 1.7775),
-at half of int8's bytes: about 7.5x fewer than float32 with a scale per 256 elements. The
-arithmetic is the native ops' (``ciuicflow.ops.int4_pack``: int8's kernels with 15 levels).
+A method of its own (``hierarchical_int4``, ``int4``), and one of the codecs the 1-bit compressor
+sends an adaptive optimizer's tensors with (``compression.policy``; why: docs/decisions.md): about
+7.5x fewer bytes than float32 with a scale per 256 elements. The arithmetic is the native ops'
+(``ciuicflow.ops.int4_pack``: int8's kernels with 15 levels).
 """
 from __future__ import annotations
 

@@ -2,16 +2,20 @@
 
 One ``Ledger`` per state. ``start`` and ``record`` bracket each tensor's reduction and take its
 ``Traffic``; ``end_step`` closes a step; ``note_guard`` keeps a tensor's relative error and warns
-past the compressor's threshold.
+past the compressor's threshold; ``note_plan`` keeps what each tensor's last step sent
+(``compression.policy.WirePlan``) and counts, with the reason, each time that changes.
 """
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 
 import torch
 
 from ciuicflow.collectives.primitives import Traffic
+
+log = logging.getLogger("ciuicflow.compression")
 
 
 def _ratio(exact: float, actual: float):
@@ -33,6 +37,8 @@ class Ledger:
         self.tensors = 0  # buckets (DDP) or parameter groups (FSDP) reduced
         self.relative_errors: dict = {}  # tensor index or name -> the guard's last measure
         self.guard_alerts = 0
+        self.plans: dict = {}  # tensor index or name -> the WirePlan its last step sent
+        self.plan_changes: dict = {}  # tensor index or name -> times its plan changed
 
     @staticmethod
     def start(device: torch.device):
@@ -93,6 +99,19 @@ class Ledger:
                 f"{relative_error:.1f}x its gradient (threshold {compressor.guard_threshold}): "
                 f"compression is falling behind and may cost accuracy; {action}"))
 
+    def note_plan(self, key, what: str, plan) -> None:
+        """Keep ``key``'s plan (None: the compressor plans nothing); a change from its last one is
+        counted and logged with the new plan's reasons."""
+        if plan is None:
+            return
+        last = self.plans.get(key)
+        self.plans[key] = plan
+        if last is not None and last != plan:
+            self.plan_changes[key] = self.plan_changes.get(key, 0) + 1
+            log.info("ciuicflow %s: %s now sends %s (was %s): %s", plan.method, what,
+                     plan.describe().split("\n")[0], last.describe().split("\n")[0],
+                     "; ".join(plan.reasons))
+
     def note_adaptive(self, compressor, algorithm: str, adaptive: bool, route=None,
                       device=None) -> None:
         """Say once that an adaptive optimizer's tensors go with another codec than the
@@ -143,8 +162,14 @@ class Ledger:
             "relative_errors": dict(self.relative_errors),
             "guard_alerts": self.guard_alerts,
             "guard_exact_steps": t.guard_exact_steps,
-            # reductions sent with the codec for adaptive optimizers' tensors (int8 for 1-bit)
+            # reductions sent with the codec for adaptive optimizers' tensors
             "adaptive_codec_reductions": t.adaptive_codec_reductions,
+            # reductions whose workers or servers sent more than the method's own codec
+            "beyond_target_reductions": t.beyond_target_reductions,
+            # per tensor: what its last step sent (compression.policy.WirePlan), and how often
+            # that changed
+            "wire": {key: {**plan.as_dict(), "changes": self.plan_changes.get(key, 0)}
+                     for key, plan in self.plans.items()},
             "time_s": time_s,
             "time_per_step_s": time_s / steps if steps else 0.0,
         }

@@ -2,11 +2,9 @@
 
 A chunk's scale is the mean |value| of its elements (the L2-optimal scale for sign compression),
 so a chunk spanning elements of different size sends the small ones a large +-scale (noise) and
-the large ones too little (delay): the chunk is short by default (docs/hooks.md, "Defaults, and
-why", has the measurements). 256 elements per scale (the registry's default) cost 1/8 bit per
-element: 28x against float32. On every all-reduce route, chunks of concentrated windows also send
-their 4 largest values (``compression.outliers``: 12 bytes more for such a chunk, none for the
-others: between 28x and 21x).
+the large ones too little (delay): the chunk is short by default. On every all-reduce route,
+chunks of concentrated windows also send their largest values (``compression.outliers``; only
+such chunks carry them). Why each default: docs/decisions.md.
 """
 from __future__ import annotations
 
@@ -61,17 +59,10 @@ class Int4InOneBitLayout(Int4Codec):
 
 
 class OneBitCompressor(QuantizedCompressor):
-    """``hierarchical_1bit`` / ``onebit``. Defaults (docs/hooks.md, "Defaults, and why"): 256
-    elements per scale; half of the error carried over (the carried error is gradient sent late,
-    and momentum at a constant learning rate turns late gradient into oscillation: accuracy
-    collapsed with all of it carried); one phase up to four exchanging ranks; the guard
-    warns past 4x; beyond four ranks the servers of the two phases send int4
-    (``server_codec="auto"``; "onebit_int4": 1 bit with int4 in a tenth of the chunks,
-    ``compression.refined``, half the bytes at about half a point); tensors an adaptive optimizer steps go as topmark where each value is
-    quantised once (a one-phase exchange, FSDP's reduce-scatter; CPU tensors), as int4 elsewhere
-    (``adaptive_optimizer="auto"``;
-    ``compression.optimizer_watch`` says why, docs/convergence.md "The largest marked" what each
-    costs)."""
+    """``hierarchical_1bit`` / ``onebit``: 256 elements per scale, half of the error carried over,
+    values for concentrated windows on the all-reduce routes, the guard warning past 4x; what a
+    tensor carries beyond that (its phases, the servers' codec, an adaptive optimizer's codec) is
+    ``compression.policy``'s. Why each default: docs/decisions.md."""
 
     name = "onebit"
     codec = OneBitCodec()
@@ -91,12 +82,9 @@ class OneBitCompressor(QuantizedCompressor):
         """``outliers``: values each chunk of a concentrated window also sends
         (``compression.outliers``): an int in [0, 16] on every all-reduce route, or "auto" (the
         default): the registry's ``values`` (4) on every all-reduce route -- DDP's, flat and
-        hierarchical, and HSDP's replicas in ciuicflow.fsdp -- where ``chunk_size`` <= 256 (they
-        took the CNN of bench/convergence.py from 1.5-3.5 points below exact flat, up to 1.35
-        hierarchical and 1.55 on HSDP's replicas, to 0.1-1.1, 0.35-0.7 and 0-0.9:
-        docs/convergence.md, docs/fsdp.md). Only chunks that send values carry their bytes (12
-        at 4 values), so a gradient with no concentrated window costs what plain scale x sign
-        does. FSDP's compressed reduce-scatter (route None) sends none: not measured with them."""
+        hierarchical, and HSDP's replicas in ciuicflow.fsdp -- where ``chunk_size`` <= 256. Only
+        chunks that send values carry their bytes (12 at 4 values). FSDP's compressed
+        reduce-scatter (route None) sends none. Why: docs/decisions.md."""
         super().__init__(**options)
         # the refined codec's plain chunks carry this state's share of their memory
         self.server_codecs = {**self.server_codecs,

@@ -2,11 +2,10 @@
 
 Scale x sign spends one bit on every element alike, and a chunk's scale (the mean |value|) clips
 its large elements: with half of the memory carried (the 1-bit default ``error_decay`` 0.5) an
-element far above its chunk's scale moves at the scale, not at its value (docs/convergence.md).
-Where a gradient is concentrated -- the CNN's first linear layer, whose largest 1% of elements hold
-61-77% of its energy from mid-training on -- that clipping cost flat 1-bit 1.5-3.5 accuracy points.
-Where it is not, the clipping did no harm, and unclipping some coordinates but not others cost a
-residual MLP 4 points. So the values are gated by a measure of concentration:
+element far above its chunk's scale moves at the scale, not at its value. Where a gradient is
+concentrated (a few elements hold most of a layer's energy) that clipping costs accuracy; where it
+is not, it does no harm, and unclipping some coordinates but not others does (the measurements:
+docs/decisions.md). So the values are gated by a measure of concentration:
 
     in each window of ``WINDOW_CHUNKS`` chunks of y (input plus the decayed memory), if the largest
     ``TOP_SHARE`` of y^2 holds more than ``THRESHOLD`` of the window's energy, every chunk of the
@@ -14,8 +13,7 @@ residual MLP 4 points. So the values are gated by a measure of concentration:
     scale becomes the mean |y| of the rest.
 
 A short last window joins the one before it: judged alone, a bucket's tail of biases and LayerNorm
-gains (a few hundred elements, a different scale from the weights before them) looked concentrated
-and cost the residual MLP 1.7 points.
+gains (a few hundred elements, a different scale from the weights before them) looks concentrated.
 
 Layout: the plain 1-bit signs of every chunk (of at most 256 elements, so a position is one
 byte), chunk/8 bytes each, then a *side block* for each chunk that sends values, in chunk order:

@@ -12,9 +12,9 @@ from ciuicflow.compression.base import Compressor, Context
 from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, QuantizedStep, \
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
-from ciuicflow.compression.registry import ADAPTIVE_AUTO, ADAPTIVE_OPTIMIZER_POLICIES, FAMILIES, \
-    ROUTE_POLICIES, adaptive_bytes_per_element, adaptive_codec_name, served_codec_family
-from ciuicflow.compression.registry import two_phases as registry_two_phases
+from ciuicflow.compression import policy
+from ciuicflow.compression.policy import ADAPTIVE_AUTO, ADAPTIVE_OPTIMIZER_POLICIES, ROUTE_POLICIES
+from ciuicflow.compression.registry import FAMILIES, adaptive_bytes_per_element
 from ciuicflow.topology import Topology
 
 log = logging.getLogger("ciuicflow.compression")
@@ -26,60 +26,35 @@ __all__ = ["Codec", "QuantizedCompressor", "QuantizedErrors", "QuantizedStep", "
 class QuantizedCompressor(Compressor):
     """Base of the quantising compressors: a subclass sets ``name``, ``codec`` and its defaults.
 
-    Options:
+    Options (what each sends, and the "auto" defaults: ``compression.policy``, which
+    ``ciuicflow.explain`` prints; why: docs/decisions.md):
         chunk_size: elements that share one scale (a positive multiple of the codec's granule).
         error_decay: share of the error-feedback memory carried into the next step, in [0, 1]
             (1: classic error feedback).
         phases: 2 (each rank serves a segment and quantises its mean again: 2(W-1)/W of the packed
-            bytes), 1 (every rank gathers every packed tensor: (W-1)), or "auto": 1 when the
-            exchange has two ranks (the same bytes, without the server's second quantisation);
-            for 1 bit's own codec up to four ranks (``registry.ONE_PHASE_RANKS``: the second
-            quantisation cost up to 1.5 points on three and four nodes); for an adaptive
-            optimizer's tensors under ``adaptive_optimizer="auto"`` where that saves a third of
-            two phases' bytes (3 ranks: ``two_phases``); else 2.
-        server_codec: what the servers of a two-phase exchange that ``phases="auto"`` picks for
-            this compressor's own codec (beyond ``one_phase_ranks``) pack each segment's mean
-            with: "auto" (the default) the registry's ``server_family`` (1 bit: int4, whose error
-            is small; the second 1-bit quantisation cost a point on eight nodes:
-            ``registry.SERVER_FAMILY``), "same" this compressor's codec, or one of its
-            ``server_codecs`` by name (1 bit: "int4"; "onebit_int4", 1 bit with int4 in the tenth
-            of the chunks where 1 bit errs most, ``compression.refined``: 1 bit's bytes, about half
-            a point on the CNN on eight nodes where int4 kept a fifth), there and wherever
-            ``phases=2`` asks for two phases. With ``phases=2`` "auto" sends the compressor's
-            codec from the servers (its bytes, asked for).
+            bytes), 1 (every rank gathers every packed tensor: (W-1)), or "auto" (the policy's).
+        server_codec: what the servers of two phases pack each segment's mean with: "auto" (the
+            policy's), "same" (this compressor's codec) or one of ``server_codecs`` by name.
         guard: the accuracy guard: "warn" (a RuntimeWarning when a tensor's relative error,
             ||error-feedback memory|| / ||gradient||, exceeds ``guard_threshold``), "exact" (such a
             tensor's next step sends exactly what it would have compressed: its input plus the
             memory, decayed by ``error_decay``), "fp16" (the same step in float16: half the bytes,
             the rounding kept in the memory) or "off".
-        adaptive_optimizer: how to send tensors whose parameters an adaptive optimizer (Adam,
-            AdamW, RMSprop, ...: anything but SGD) steps, where this compressor's own codec is too
-            coarse for them (it lists ``adaptive_codecs``; docs/hooks.md): "topmark"
-            (``compression.topmark``: signs, the largest ninth marked, 20x), "int4", "int8" or
-            "twobit" (``compression.twobit``: sign and level bit) with that codec, "same" with
-            this compressor's own, "auto": topmark where each value is quantised once (a
-            one-phase all-reduce exchange: up to 3 ranks; the reduce-scatter) and the tensor is
-            on the CPU (its CUDA kernel has not yet run on a GPU), int4 elsewhere (two phases:
-            4 ranks or more; CUDA), on the route ``route`` picks. Default: the registry's
-            ``adaptive_family`` for this compressor ("auto" for 1-bit), else "same". Ignored
-            where ``adaptive_codecs`` is empty.
-        route: what a flat hook's state (``onebit``, ``int8``, ``int4``) does, warm-up included,
-            where the group's nodes are whole and hold several ranks: "auto" takes the hierarchical
-            route (an exact sum inside each node, then the nodes exchange: each value quantised
-            once on two nodes where the flat exchange over every rank quantises it twice, and the
-            inter-node links carry 1/L of the bytes; ``route_for``), "flat" keeps every rank in
-            the exchange (for nodes whose own links are no faster than the network's). Default:
-            the registry's (``Cost.route``): "auto" for 1-bit (flat 1 bit ended 0.6 points below
-            exact on the CNN over six seeds and below PyTorch's PowerSGD on the wide MLP, the
-            hierarchical route within the line on every seed: docs/convergence.md), "flat" for
-            int8 and int4 (within the line flat). ``ciuicflow.register`` refuses it for a
-            hierarchical hook, ``ciuicflow.fsdp`` always (neither would take it).
+        adaptive_optimizer: what tensors an adaptive optimizer (Adam, AdamW, RMSprop, ...:
+            anything but SGD) steps are sent with, where this compressor lists
+            ``adaptive_codecs``: one of them by name, "same" (this compressor's codec) or "auto"
+            (the policy's). Default: the registry's ``adaptive_family`` ("auto" for 1-bit), else
+            "same".
+        route: a flat hook's state (``onebit``, ``int8``, ``int4``) on whole nodes of several
+            ranks: "auto" may take the hierarchical route (an exact node sum, then the nodes
+            exchange: the policy says where), "flat" keeps every rank in the exchange. Default:
+            the registry's (``Cost.route``). ``ciuicflow.register`` refuses it for a hierarchical
+            hook, ``ciuicflow.fsdp`` always (neither would take it).
     """
 
     codec: Codec
     adaptive_codecs: dict = {}  # codecs for adaptive optimizers' tensors, by name, if others
-    # ... and their error decay: all of it carried for int4 and int8 (their errors are below half
-    # a step per element), half for twobit (docs/convergence.md, "2 bits for Adam")
+    # ... and their error decay where not all of it (docs/decisions.md)
     adaptive_error_decays: dict = {}
     server_codecs: dict = {}  # codecs a server may pack with (``server_codec``), by family name
     option_names = ("chunk_size", "error_decay", "phases", "guard", "guard_threshold",
@@ -126,115 +101,101 @@ class QuantizedCompressor(Compressor):
     def new_memory(self) -> QuantizedErrors:
         return QuantizedErrors()
 
-    def two_phases(self, route, adaptive: bool = False, device=None) -> bool:
-        """Whether an exchange on ``route`` serves segments (two phases: each value quantised
-        twice); the reduce-scatter form (``route`` None) quantises once. ``phases="auto"``: one
-        phase up to two ranks; for the compressor's own codec up to its registry
-        ``one_phase_ranks`` (1 bit: four, ``registry.ONE_PHASE_RANKS``); for an adaptive
-        optimizer's tensor (``adaptive``, on ``device``) under ``adaptive_optimizer="auto"`` where
-        sending its once-quantised codec to every rank saves a third of the bytes
-        (``registry.adaptive_one_phase``: 3 ranks)."""
-        if route is None:
-            return False
-        policy = self.adaptive_optimizer if adaptive and self.adaptive_codecs else None
-        return registry_two_phases(self.phases, route.exchange_ranks, FAMILIES[self.name].cost,
-                                   policy, self.chunk_size, _device_type(device))
+    def wire_plan(self, route, adaptive: bool = False, device=None,
+                  hierarchical=None) -> policy.WirePlan:
+        """What a tensor on ``route`` (None: the reduce-scatter form) sends from ``device``, an
+        adaptive optimizer's (``adaptive``) or not: ``policy.wire_plan`` over this compressor's
+        options; ``hierarchical``: the route a flat one may yield to (``route_for``)."""
+        whole = hierarchical is not None and hierarchical is not route \
+            and hierarchical.crosses_nodes
+        return policy.wire_plan(
+            self.name, exchange_ranks=route.exchange_ranks if route is not None else 0,
+            route=getattr(route, "name", "flat") if route is not None else "reduce_scatter",
+            whole_nodes=whole,
+            hierarchical_ranks=hierarchical.exchange_ranks if whole else None,
+            device_type=_device_type(device), adaptive=adaptive, options=self.options())
 
-    def adaptive_codec_name(self, route=None, device=None) -> str:
-        """The ``adaptive_optimizer`` policy on ``route`` (None: the reduce-scatter form) for
-        tensors on ``device``, "auto" resolved (``registry.adaptive_codec_name``)."""
-        once = not self.two_phases(route, True, device)
-        return adaptive_codec_name(self.adaptive_optimizer, once, _device_type(device))
+    def two_phases(self, route, adaptive: bool = False, device=None) -> bool:
+        """Whether an exchange on ``route`` serves segments (each value quantised twice)."""
+        return self.wire_plan(route, adaptive, device).phases == 2
 
     def route_for(self, route, hierarchical, device=None):
-        """Under ``route="auto"``, a tensor on a flat route takes the hierarchical one where the
-        topology has whole nodes of several ranks: after the node sum fewer ranks exchange, so
-        each value is quantised at most as often (two nodes: once; flat over four ranks, twice:
-        1 bit lost 0.6 points on the CNN, topmark under Adam +2.7% where int4 sent 7.7x and the
-        hierarchical topmark 20x; docs/convergence.md) and the inter-node links carry 1/L of the
-        bytes."""
-        if self.route != "auto" or route is hierarchical or not hierarchical.crosses_nodes \
-                or hierarchical.exchange_ranks >= route.exchange_ranks:
+        """The route the policy gives a tensor of a flat hook's state: the hierarchical one under
+        ``route="auto"`` where the nodes are whole and hold several ranks, else ``route``."""
+        if route is hierarchical:
+            return route
+        plan = self.wire_plan(route, False, device, hierarchical)
+        if plan.route != "hierarchical":
             return route
         if not self._told_route:  # once per compressor: why a flat hook's node sum is exact
             self._told_route = True
             log.info("ciuicflow: the flat %s state's buckets go the hierarchical route (an exact "
-                     "node sum, then %s between the nodes; %s for an adaptive optimizer's), not "
-                     "flat; route='flat' keeps them flat: docs/hooks.md", self.name,
-                     self.codec.name, self.adaptive_codec_name(hierarchical, device))
+                     "node sum, then %s between the nodes), not flat; route='flat' keeps them "
+                     "flat: docs/hooks.md", self.name, plan.codec)
         return hierarchical
 
     def codec_for(self, adaptive: bool, route=None, device=None) -> Codec:
-        """The codec a tensor on ``device`` is sent with: the ``adaptive_optimizer`` one of
-        ``adaptive_codecs`` for an adaptive optimizer's parameters (none for "same"), else this
-        compressor's own on ``route`` (None: the reduce-scatter form)."""
-        name = self.adaptive_codec_name(route, device)
-        if adaptive and name in self.adaptive_codecs:
-            return self.adaptive_codecs[name]
-        return self.own_codec(route)
+        """The codec a tensor on ``device`` is sent with on ``route`` (None: the reduce-scatter
+        form): the plan's (``wire_plan``)."""
+        return self._codec_named(self.wire_plan(route, adaptive, device).codec, route)
 
     def own_codec(self, route=None) -> Codec:
         """This compressor's codec on ``route``; a subclass may pick one per route."""
         return self.codec
 
-    def _pick(self, adaptive: bool, traffic: Traffic | None, route=None,
-              device=None) -> tuple[Codec, float]:
-        """(codec, error decay) for one reduction; a reduction sent with the adaptive codec is
-        counted in ``traffic``."""
-        codec = self.codec_for(adaptive, route, device)
-        if codec is self.own_codec(route):
+    def _codec_named(self, name: str, route) -> Codec:
+        if name == self.name:
+            return self.own_codec(route)
+        return self.adaptive_codecs.get(name) or self.server_codecs[name]
+
+    def _pick(self, plan: policy.WirePlan, traffic: Traffic | None,
+              route=None) -> tuple[Codec, float]:
+        """(codec, error decay) of ``plan``'s workers; a reduction sent with another codec than
+        this compressor's own is counted in ``traffic``."""
+        codec = self._codec_named(plan.codec, route)
+        if plan.codec == self.name:
             return codec, self.error_decay
         if traffic is not None:
             traffic.adaptive_codec_reductions += 1
-        name = codec.name
-        if not self._told_adaptive:  # once per compressor: why its ratio is not 1-bit's
+        if not self._told_adaptive:  # once per compressor: why its ratio is not its own codec's
             self._told_adaptive = True
-            ratio = 4 / adaptive_bytes_per_element(name, self.chunk_size)
-            # where "auto" falls to int4 (four or more exchanging ranks, or GPUs), 1-bit Adam
-            # compresses Adam's momentum at 1 bit and held AdamW's loss on up to six nodes
-            # (docs/onebit_adam.md)
+            ratio = 4 / adaptive_bytes_per_element(codec.name, self.chunk_size)
             hint = ("; ciuicflow.OneBitAdam sends Adam's momentum at 1 bit instead "
                     "(docs/onebit_adam.md)" if self.adaptive_optimizer == "auto"
-                    and name == ADAPTIVE_AUTO[1] else "")
+                    and codec.name == ADAPTIVE_AUTO[1] else "")
             log.info("ciuicflow: an adaptive optimizer (Adam, AdamW, ...) steps some of the %s "
                      "state's parameters: their gradients go as %s, not %s (adaptive_optimizer=%r; "
                      "%.1fx fewer bytes than float32): docs/hooks.md, 'Adaptive optimizers'%s",
-                     self.name, name, self.name, self.adaptive_optimizer, ratio, hint)
-        return codec, self.adaptive_error_decays.get(name, 1.0)
+                     self.name, codec.name, self.name, self.adaptive_optimizer, ratio, hint)
+        return codec, self.adaptive_error_decays.get(codec.name, 1.0)
 
     def chunk_for(self, codec: Codec) -> int:
         """Elements per chunk with ``codec``: its own where it has one (topmark's 512), else
         ``chunk_size``."""
         return codec.chunk_size or self.chunk_size
 
-    def server_codec_for(self, codec: Codec, route) -> Codec | None:
-        """What the servers of a two-phase exchange of ``codec`` on ``route`` pack with, where not
-        ``codec`` itself (None), for this compressor's own codec: with ``server_codec="auto"``
-        the ``server_family``'s codec where ``phases="auto"`` picked two phases (beyond
-        ``one_phase_ranks``); a codec named by ``server_codec`` there, and wherever ``phases=2``
-        asks for two phases."""
-        if route is None or codec is not self.own_codec(route):
+    def _server_codec(self, plan: policy.WirePlan, route) -> Codec | None:
+        """The codec the servers of ``plan``'s two phases pack with, where not the workers'."""
+        if plan.phases != 2 or plan.server_codec in ("", plan.codec):
             return None
-        family = served_codec_family(self.phases, self.server_codec, FAMILIES[self.name].cost,
-                                     route.exchange_ranks)
-        if not family:
-            return None
-        server = self.server_codecs[family]
-        if not self._told_server:  # once per compressor: why its bytes are not 1 bit's
+        server = self._codec_named(plan.server_codec, route)
+        if not self._told_server:  # once per compressor: why its bytes are not its codec's
             self._told_server = True
             log.info("ciuicflow: %d ranks exchange the %s state's buckets in two phases; the "
                      "servers send each segment's mean as %s, not %s (server_codec=%r; "
-                     "'same' keeps %s): docs/hooks.md", route.exchange_ranks,
-                     self.name, server.name, codec.name, self.server_codec, codec.name)
+                     "'same' keeps %s): docs/hooks.md", plan.exchange_ranks,
+                     self.name, server.name, plan.codec, self.server_codec, plan.codec)
         return server
 
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
              traffic: Traffic | None = None, device=None) -> QuantizedStep:
-        codec, decay = self._pick(adaptive, traffic, route, device)
-        server = self.two_phases(route, adaptive, device)
-        server_codec = self.server_codec_for(codec, route) if server else None
+        plan = errors.wire_plan = self.wire_plan(route, adaptive, device)
+        codec, decay = self._pick(plan, traffic, route)
+        server_codec = self._server_codec(plan, route)
+        if traffic is not None and not plan.sends_target:
+            traffic.beyond_target_reductions += 1
         return QuantizedStep(codec, errors, self.chunk_for(codec), exact_mask, error_decay=decay,
-                             server=server, guard_threshold=self.exact_step_threshold,
+                             server=plan.phases == 2, guard_threshold=self.exact_step_threshold,
                              measure=self.measure, guard_half=self.guard_half,
                              server_codec=server_codec, server_error_decay=None
                              if server_codec is None
@@ -257,7 +218,10 @@ class QuantizedCompressor(Compressor):
         (``quantized_scatter``), with this compressor's codec (``codec_for(adaptive)``), chunk
         size, error decay and guard; ``exact_mask`` (a row's positions) marks those reduced
         exactly."""
-        codec, decay = self._pick(adaptive, traffic, device=rows.device)
+        plan = memory.wire_plan = self.wire_plan(None, adaptive, rows.device)
+        codec, decay = self._pick(plan, traffic)
+        if traffic is not None and not plan.sends_target:
+            traffic.beyond_target_reductions += 1
         return quantized_reduce_scatter(codec, memory, output, rows, hop,
                                         chunk_size=self.chunk_for(codec), error_decay=decay,
                                         scale=scale, traffic=traffic, exact_mask=exact_mask,

@@ -1,13 +1,10 @@
 """1 bit, and int4 for the chunks where 1 bit errs most: what the servers of 1 bit's two phases send.
 
-Beyond four exchanging ranks the 1-bit hooks exchange in two phases, and each server quantises the
-mean of its segment again. With 1 bit there the CNN of bench/convergence.py ended about a point
-below exact on eight nodes (mean of four seeds -1.0, two of them past the line); with int4 it kept
-exact's accuracy (-0.13) at twice the bytes (11.5x fewer than float32 instead of 22x). This codec
-sends every chunk's signs and scale as 1 bit does and, for the ``REFINED_SHARE`` (a tenth) of a
-segment's chunks whose scale x sign errs most (the largest ||y - scale sign(y)||^2), three more
-bits per element: |y| in steps of max|y| / 7, so that those chunks decode as int4 does (levels
--7..7). docs/convergence.md, "A tenth of the servers' chunks as int4", has the measurements.
+In two phases each server quantises the mean of its segment again; 1 bit there costs accuracy
+and int4 twice the bytes (docs/decisions.md). This codec sends every chunk's signs and scale as
+1 bit does and, for the ``REFINED_SHARE`` (a tenth) of a segment's chunks whose scale x sign errs
+most (the largest ||y - scale sign(y)||^2), three more bits per element: |y| in steps of
+max|y| / 7, so that those chunks decode as int4 does (levels -7..7).
 
 Layout: 1 bit's signs of every chunk (chunk/8 bytes each, chunks of at most ``MAX_CHUNK``), then a
 *side block* per refined chunk, in chunk order: the 3-bit magnitudes of ``MAX_CHUNK`` elements, low

@@ -59,49 +59,6 @@ VALUES_MAX_CHUNK = 256
 # as, its ``adaptive_optimizer`` option (their layouts: ``ciuicflow.formats``, which ``plan`` costs
 # them by; tests check the codecs agree); "same": the compressor's own codec.
 ADAPTIVE_CODECS = ("topmark", "int4", "int8", "twobit")
-# "auto" (the 1-bit default): topmark where each value is quantised once (a one-phase all-reduce
-# exchange: two ranks, and three, where that saves a third of int4's two phases' bytes,
-# adaptive_one_phase; FSDP's compressed reduce-scatter), int4 elsewhere: where two phases quantise
-# each value twice, topmark ended 2.1-2.7% above exact loss and int4 within 0.1%
-# (docs/convergence.md, "The largest marked")
-ADAPTIVE_AUTO = ("topmark", "int4")  # (each value quantised once, twice)
-ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODECS, "same")
-# a quantising state's ``route`` option (Cost.route)
-ROUTE_POLICIES = ("auto", "flat")
-# the device types "auto" may pick an adaptive codec on, where not every one: topmark's CUDA
-# kernel has not yet run on a GPU (none was lent), so "auto" sends int4 from CUDA tensors
-ADAPTIVE_CODEC_DEVICES = {"topmark": ("cpu",)}
-
-
-def adaptive_codec_name(policy: str, quantised_once: bool, device_type: str | None = None) -> str:
-    """The codec an ``adaptive_optimizer`` policy sends with ("same" for the compressor's own)
-    where each value is ``quantised_once`` (a one-phase all-reduce exchange, the reduce-scatter)
-    or twice (two phases), for tensors on ``device_type`` (None: any)."""
-    if policy != "auto":
-        return policy
-    name = ADAPTIVE_AUTO[0 if quantised_once else 1]
-    if device_type is not None and device_type not in ADAPTIVE_CODEC_DEVICES.get(name, (device_type,)):
-        return ADAPTIVE_AUTO[1]
-    return name
-
-
-# "auto" exchanges an adaptive optimizer's tensor in one phase (each value quantised once, the
-# finer codec) over more than two ranks only where that saves at least this share of the bytes of
-# two phases: on three and four nodes alike it ended 0.4-1.5% above exact loss where int4 ended
-# within 0.5% (docs/convergence.md, "More than two nodes"): worth 1.8x fewer bytes (three nodes),
-# not 1.3x (four)
-ADAPTIVE_ONE_PHASE_SAVING = 1 / 3
-
-
-def adaptive_one_phase(ranks: int, chunk: int, device_type: str | None = None) -> bool:
-    """Whether "auto" exchanges an adaptive optimizer's tensor over ``ranks`` (> 2) ranks in one
-    phase: where the once-quantised codec sent to every other rank, (ranks - 1) copies, costs at
-    most 1 - ``ADAPTIVE_ONE_PHASE_SAVING`` of the twice-quantised one in two phases, 2 (ranks - 1)
-    / ranks copies. With topmark (1.56 bits per element) against int4 (4.13): 3 ranks (13.7x
-    against int4's 7.8x; 4 ranks would save 24%, 10.2x)."""
-    once, twice = (adaptive_codec_name("auto", q, device_type) for q in (True, False))
-    return once != twice and ranks * adaptive_bytes_per_element(once, chunk) \
-        <= 2 * (1 - ADAPTIVE_ONE_PHASE_SAVING) * adaptive_bytes_per_element(twice, chunk)
 
 
 def adaptive_bytes_per_element(policy: str, chunk: int) -> float:
@@ -151,31 +108,11 @@ class Method:
         return f"{self.entry.summary}, over the whole group (no topology)"
 
 
-# 1 bit goes in one phase up to four exchanging ranks (nodes' sums, hierarchically): 1-bit SGD
-# gradients (the hooks) and 1-bit Adam's momentum (ciuicflow.optim) alike. The server's second
-# quantisation cost accuracy wherever it was measured. SGD, bench/convergence.py's
-# cnn_sgd_cosine, gap to exact per seed, two phases -> one: 4 nodes x 2 ranks (seeds 0-3) -1.5 /
-# -0.4 / -0.5 / -1.15 -> -0.5 / +0.25 / +0.05 / -0.5 pt; 4 x 1 -0.35 / -1.1 -> -0.3 / -0.4;
-# 3 x 2 -0.6 / -0.95 -> -0.2 / -0.25; wide_mlp_bf16_step 4 x 1 -0.98 / -0.73 -> +0.1 / -0.1
-# (docs/convergence.md, "More than two nodes under SGD"). Adam, charlm_adamw, one rank per node,
-# seeds 0-2, mean / worst seed: three nodes 0/1 Adam +1.4% / +2.3% with two phases, +0.2% / +0.8%
-# with one; four: 0/1 Adam +1.0% / +1.8% and 1-bit Adam +1.2% / +2.0% with two, +0.2% / +0.6% and
-# +0.8% / +1.1% with one (docs/onebit_adam.md, "One phase up to four ranks"). The price: 1 bit at
-# about 28x fewer bytes than float32 on two ranks, 19x on three, 14x on four (two phases: 28x on
-# any W); with the hooks' values, on the CNN: 15x and 11x where two phases sent 22x. Beyond four
-# ranks two phases (one phase's W-1 copies grow with W), with int4 at the server (below).
+# ranks up to which 1 bit goes in one phase, and what its servers send beyond (docs/decisions.md)
 ONE_PHASE_RANKS = 4
 
-# Beyond four ranks 1 bit's exchange has two phases, and its servers pack each segment's mean as
-# int4, not 1 bit: the second 1-bit quantisation cost a point on eight nodes (the CNN, seeds 0-3,
-# -0.95 / -0.8 / -1.1 / -1.2 pt; int4 at the server -0.5 / +0.2 / +0.05 / -0.25) at 1/12.9 of
-# exact's bytes, int4 at the server 1/8.5 (docs/convergence.md, "Beyond four nodes"). The
-# hooks' and HSDP's replicas' rule; the 1-bit optimizers keep 1 bit there (server_codec="same":
-# within their line on six nodes, docs/onebit_adam.md).
 SERVER_FAMILY = "int4"
-# the share of a segment's chunks the "onebit_int4" server codec sends as int4 (compression.refined;
-# an option, server_codec="onebit_int4": 1 bit's bytes, about half a point below exact on the CNN on
-# eight nodes where int4 stays within a fifth; docs/convergence.md, "A tenth of the servers' chunks")
+# the share of a segment's chunks the "onebit_int4" server codec sends as int4 (compression.refined)
 REFINED_SHARE = 0.1
 # what the 1-bit servers may send (a quantising state's server_codec, besides "auto" and "same")
 SERVED_FAMILIES = ("int4", "onebit_int4")
@@ -188,45 +125,6 @@ def served_bytes_per_element(family: str, chunk: int) -> float:
     if family == "onebit_int4":
         return 1 / 8 + 4 / chunk + REFINED_SHARE * (3 * VALUES_MAX_CHUNK / 8) / chunk
     return adaptive_bytes_per_element(family, chunk)
-
-
-def served_family(cost: Cost, ranks: int) -> str:
-    """The family whose codec the servers of an exchange of ``cost``'s own codec over ``ranks``
-    ranks pack with, under ``phases="auto"``: its ``server_family`` beyond ``one_phase_ranks``
-    (and two), else "" (the codec itself)."""
-    return cost.server_family if ranks > max(2, cost.one_phase_ranks) else ""
-
-
-def two_phases(phases, ranks: int, cost: Cost, adaptive_policy: str | None = None, chunk: int = 0,
-               device_type: str | None = None) -> bool:
-    """Whether a quantising state with option ``phases`` ("auto", 1 or 2) exchanges over ``ranks``
-    ranks in two phases (each rank serves a segment: each value quantised twice). "auto": one
-    phase up to two ranks; the state's own codec (``adaptive_policy`` None or "same") up to
-    ``cost.one_phase_ranks``; an adaptive optimizer's codec under "auto" where
-    ``adaptive_one_phase`` says so (``chunk``, ``device_type``), else two. The compressors' rule
-    (QuantizedCompressor.two_phases) and the planner's."""
-    if phases != "auto":
-        return phases == 2
-    if ranks <= 2:
-        return False
-    if adaptive_policy in (None, "same"):
-        return ranks > cost.one_phase_ranks
-    return not (adaptive_policy == "auto" and adaptive_one_phase(ranks, chunk, device_type))
-
-
-def served_codec_family(phases, server_codec: str, cost: Cost, ranks: int) -> str:
-    """What the servers of a two-phase exchange of ``cost``'s own codec over ``ranks`` ranks pack
-    with, for a state's ``phases`` and ``server_codec`` options: under ``phases="auto"`` the
-    ``server_family`` where it picked two phases (``served_family``), or the family
-    ``server_codec`` names there; where ``phases=2`` asks for two phases, the named family only
-    ("auto" then sends the state's own codec). "" is the state's own codec. The compressors' rule
-    (QuantizedCompressor.server_codec_for) and the planner's."""
-    if server_codec == "same":
-        return ""
-    if phases == "auto":
-        family = served_family(cost, ranks)
-        return family and (family if server_codec == "auto" else server_codec)
-    return "" if server_codec == "auto" else server_codec
 
 
 ENTRIES = (

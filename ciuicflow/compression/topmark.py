@@ -2,16 +2,10 @@
 sign, the largest 55 of each 512-element chunk marked, and two fitted magnitudes per chunk.
 
 Adam divides each coordinate's update by the root of its own running mean square, so it needs
-each element's magnitude, which 1-bit scale x sign replaces by its chunk's (2.7-8.1% above exact
-loss, docs/convergence.md). ``twobit`` sends a level bit per element to bring the magnitudes back
-(14.8x). The large elements of a gradient are few and clustered (whole rows of a layer), so
-marking a chunk's largest 55 of 512 and sending their positions as one number costs about half a
-bit per element, not one: log2 C(512, 55) = 248 bits. Real runs of ``hierarchical_1bit`` on two
-nodes (each value quantised once): +1.0% / +1.4% / +1.3% above exact loss on three seeds of
-``charlm_adamw`` (int4 +0.1% to +0.5%; twobit +0.2% to +1.2%), +1.2% on a held-out LM, at 20.2-20.4x
-after warm-up (docs/convergence.md, "The largest marked"); quantised twice it loses
-more, which is why the 1-bit states' default sends it only where each value is quantised once
-(one-phase exchanges; FSDP's compressed reduce-scatter: +0.3% / +1.6% / +0.7%, held out +0.8%).
+each element's magnitude, which 1-bit scale x sign replaces by its chunk's. The large elements of
+a gradient are few and clustered, so marking a chunk's largest 55 of 512 and sending their
+positions as one number costs about half a bit per element: log2 C(512, 55) = 248 bits. Where the
+1-bit states send it: ``compression.policy``; what it costs in accuracy: docs/decisions.md.
 
 Per chunk of y (input plus the memory): the ``k = marked(chunk)`` largest |y| (ties to the lower
 position) send ``hi`` (their mean |y|), the others ``lo`` (the others' mean |y|), each with its
@@ -30,10 +24,9 @@ the scale), 20.5x. The codec's chunk is its
 own (512), whatever the compressor's (1-bit's is 256).
 
 Native on CPU (``ciuicflow.ops.topmark_pack`` / ``topmark_unpack_mean``, csrc/cpu/topmark.cpp)
-and CUDA (csrc/cuda/topmark.cu: one thread per chunk, the same arithmetic, so the same bytes;
-compiled, not yet run on a GPU); tensors on other devices, or on CUDA in a build without CUDA
-kernels, go through the CPU. Until the CUDA kernel has run on a GPU the 1-bit states' default
-("auto") sends int4 from CUDA tensors (``registry.ADAPTIVE_CODEC_DEVICES``).
+and CUDA (csrc/cuda/topmark.cu: one thread per chunk, the same arithmetic, so the same bytes);
+tensors on other devices, or on CUDA in a build without CUDA kernels, go through the CPU. The
+policy's "auto" picks it only on the devices in ``policy.ADAPTIVE_CODEC_DEVICES``.
 """
 from __future__ import annotations
 

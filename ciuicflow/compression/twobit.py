@@ -3,9 +3,7 @@ a level bit, per chunk two fitted magnitudes.
 
 Adam divides each coordinate's update by the root of its own running mean square. 1-bit scale x
 sign gives every element of a chunk the same magnitude, so Adam's variance of the compressed
-gradient is the chunk's, not the coordinate's, and training under 1-bit gradients ended 2.7-8.1%
-above exact loss (docs/convergence.md, "Adaptive optimizers: their buckets go as int8"); int4 holds Adam's loss at about 7.5x.
-One more bit per element that tells the large elements from the small ones brings most of the
+gradient is the chunk's, not the coordinate's (what that cost: docs/decisions.md). One more bit per element that tells the large elements from the small ones brings most of the
 per-coordinate magnitude back at twice int4's compression.
 
 Per chunk of y (input plus the memory): ``threshold`` = 0.9816 x RMS(y) (Lloyd-Max's boundary of a
@@ -22,11 +20,8 @@ that unpack to 0). 256
 elements per chunk: 2 + 40 / 256 bits per element, 14.8x fewer bytes than float32.
 
 The pack is native on CPU and CUDA (``ciuicflow.ops.twobit_pack``, csrc/cpu/twobit.cpp and
-csrc/cuda/twobit.cu; the CUDA kernel has not yet run on a GPU) and torch ops elsewhere
-(``pack_torch``, also where a build has no CUDA kernels); the unpack is torch ops everywhere (a
-gather per row).
-On one CPU thread, 6.25M Gaussian elements: the native pack 39 ms (torch ops 108-123 ms; int4's
-native pack 18 ms), two rows unpack in 26 ms (int4: 29 ms).
+csrc/cuda/twobit.cu) and torch ops elsewhere (``pack_torch``, also where a build has no CUDA
+kernels); the unpack is torch ops everywhere (a gather per row). Timings: docs/decisions.md.
 """
 from __future__ import annotations
 

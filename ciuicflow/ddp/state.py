@@ -256,6 +256,7 @@ class AllReduceState:
         route.add_exact(traffic, info.buffer)
         result = self.compressor.exchange(info.buffer, memory, route, context, traffic)
         self._check_guard(info, memory.relative_error)
+        self._ledger.note_plan(info.index, f"bucket {info.index}", memory.wire_plan)
         return info.buffer if result is None else result
 
     def _exact_mask(self, info: BucketView, hierarchical: bool) -> torch.Tensor | None:

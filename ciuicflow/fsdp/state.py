@@ -213,8 +213,10 @@ class FSDPState:
         self._record(step, compressed, traffic, start)
 
     def _note_guard(self, group: _Group, memory) -> None:
-        self._ledger.note_guard(self.compressor, self.algorithm, group.name,
-                                f"parameter group {group.name or '(root)'}", memory.relative_error)
+        what = f"parameter group {group.name or '(root)'}"
+        self._ledger.note_guard(self.compressor, self.algorithm, group.name, what,
+                                memory.relative_error)
+        self._ledger.note_plan(group.name, what, memory.wire_plan)
 
     def _memory(self, group: _Group, flat: torch.Tensor):
         if group.memory is None:

@@ -26,8 +26,10 @@ sent (``intra_node_bytes``, ``inter_node_bytes``, ``exact_*``), ``compression_ra
 actual, all links) and ``inter_node_compression_ratio``, ``error_feedback_norm`` (every
 ``error_norm_every`` steps, default 50, else null), ``relative_error`` (the accuracy guard's
 measure of the compressing hook states: ||error-feedback memory|| / ||gradient||, worst bucket;
-null without one), ``phases`` (seconds per ``phase``) and ``metrics``
-(``add_metrics``). With overlapping hooks (``overlap=True``) communication runs beside the
+null without one), ``beyond_target_reductions`` (tensors sent with more than their method's own
+codec: a 1-bit method's steps that were not all 1 bit), ``wire`` (per source, the tensors whose
+plan, ``ciuicflow.explain``'s ``WirePlan`` with its reasons, first appeared or changed at this
+step; absent otherwise), ``phases`` (seconds per ``phase``) and ``metrics`` (``add_metrics``). With overlapping hooks (``overlap=True``) communication runs beside the
 backward pass, so ``comm_fraction`` bounds the exposed share from above.
 """
 from __future__ import annotations

@@ -10,7 +10,10 @@ keeps the difference. Recognised keys, all optional:
 - ``time_s``: seconds spent compressing and communicating;
 - ``error_feedback_norm``: the current L2 norm of the error-feedback memory (not a counter);
 - ``relative_error``: the accuracy guard's measure, ||error-feedback memory|| / ||gradient|| of
-  the worst bucket at its last step (not a counter; ciuicflow's compressing hook states).
+  the worst bucket at its last step (not a counter; ciuicflow's compressing hook states);
+- ``beyond_target_reductions``: tensors sent with more than the method's own codec (a counter);
+- ``wire``: per tensor, what its last step sent (``compression.policy.WirePlan.as_dict``, not a
+  counter): the monitor records a tensor's plan when it first appears and each time it changes.
 
 When a ciuicflow hook state does not report ``error_feedback_norm``, it is computed from the error
 buffers in its ``state_dict()["memory"]`` (tensors named ``worker``/``server`` for 1-bit, ``error``
@@ -22,7 +25,7 @@ from __future__ import annotations
 from typing import Callable
 
 COUNTER_KEYS = ("intra_node_bytes", "inter_node_bytes", "exact_intra_node_bytes",
-                "exact_inter_node_bytes", "time_s")
+                "exact_inter_node_bytes", "time_s", "beyond_target_reductions")
 ERROR_BUFFER_NAMES = ("worker", "server", "error")
 
 
@@ -40,7 +43,10 @@ class StatsSource:
                             f"{type(source).__name__}")
         self.name = getattr(source, "algorithm", None) or type(source).__name__
         self.relative_error = None  # last read
-        self._last = self._counters(self._read_checked())  # traffic before the monitor is not ours
+        first = self._read_checked()
+        self._last = self._counters(first)  # traffic before the monitor is not ours
+        self.wire: dict = dict(first.get("wire") or {})  # tensor -> its plan, last read
+        self.wire_changed: dict = {}  # tensors whose plan appeared or changed at the last read
 
     def _read_checked(self) -> dict:
         stats = self._read()
@@ -61,6 +67,9 @@ class StatsSource:
             delta = current
         self._last = current
         self.relative_error = stats.get("relative_error")
+        wire = stats.get("wire") or {}
+        self.wire_changed = {key: plan for key, plan in wire.items() if self.wire.get(key) != plan}
+        self.wire = wire
         norm = stats.get("error_feedback_norm")
         return delta, (float(norm) if norm is not None else None)
 

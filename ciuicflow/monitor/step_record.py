@@ -34,7 +34,11 @@ def step_record(index: int, step_s: float, sources, error_norm_every: int, phase
         "error_feedback_norm": _error_norm(index, sources, error_norm_every, reported_norms),
         "relative_error": max((s.relative_error for s in sources
                                if s.relative_error is not None), default=None),
+        "beyond_target_reductions": int(total["beyond_target_reductions"]),
     }
+    wire = {s.name: s.wire_changed for s in sources if s.wire_changed}
+    if wire:  # what a tensor sends, where it appeared or changed this step (and why: its reasons)
+        record["wire"] = wire
     if phases:
         record["phases"] = phases
     if metrics:

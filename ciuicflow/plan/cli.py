@@ -5,12 +5,12 @@ import json
 import sys
 from dataclasses import asdict
 
-from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, adaptive_codec_name
+from ciuicflow.compression.policy import ADAPTIVE_OPTIMIZER_POLICIES, adaptive_codec_name, explain
 from ciuicflow.plan.cost_model import plan, recommend
 from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, SERVER_CODECS, ClusterSpec, Workload, \
     compute_seconds_from_flops
-from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, cost, \
-    default_rank
+from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, STRATEGIES, \
+    cost, default_rank
 from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, parse_count, parse_seconds
 
 # what the opt-in codecs cost in training under Adam, as measured (docs/convergence.md)
@@ -85,6 +85,9 @@ def add_arguments(parser) -> None:
                              "four nodes; 2: each node serves a segment, 1 bit's servers then send "
                              "--server-codec's codec, or 1 bit where that is auto)")
     parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(ALL_STRATEGIES)}")
+    parser.add_argument("--explain", action="store_true",
+                        help="also print what each quantising DDP method sends and why "
+                             "(ciuicflow.explain: the rule the compressors take)")
     parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
 
 
@@ -179,9 +182,27 @@ def run(args) -> int:
         family = cost(best.strategy).adaptive_family
         print(f"(modelled with SGD; under Adam/AdamW {best.strategy} sends "
               f"{adaptive_codec_name(family, True, 'cuda')} values from GPUs: pass --optimizer adam)")
+    plans = wire_plans(estimates, cluster, workload) if args.explain else []
+    if plans:
+        print("\nWhat each quantising method sends (ciuicflow.explain):")
+        for wire in plans:
+            print(wire.describe())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cluster": asdict(cluster), "workload": asdict(workload),
                        "compute_source": source, "estimates": [e.as_dict() for e in estimates],
-                       "recommended": best.name, "reason": why}, f, indent=1)
+                       "recommended": best.name, "reason": why,
+                       "wire_plans": [wire.as_dict() for wire in plans]}, f, indent=1)
     return 0
+
+
+def wire_plans(estimates, cluster: ClusterSpec, workload: Workload) -> list:
+    """``ciuicflow.explain`` of each quantising DDP strategy among ``estimates``, for the
+    workload's optimizer and options on the cluster's GPUs."""
+    options = {"phases": workload.phases, "server_codec": workload.server_codec or "auto"}
+    if workload.adaptive_optimizer:
+        options["adaptive_optimizer"] = workload.adaptive_optimizer
+    return [explain(e.strategy, nodes=cluster.nodes, ranks_per_node=cluster.gpus_per_node,
+                    device="cuda", optimizer=workload.optimizer, **options)
+            for e in estimates if e.strategy in STRATEGIES and e.strategy not in EXACT_STRATEGIES
+            and cost(e.strategy).kind == "quantized"]

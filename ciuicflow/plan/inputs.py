@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ciuicflow.compression.registry import ADAPTIVE_OPTIMIZER_POLICIES, SERVED_FAMILIES
+from ciuicflow.compression.policy import ADAPTIVE_OPTIMIZER_POLICIES
+from ciuicflow.compression.registry import SERVED_FAMILIES
 
 SERVER_CODECS = ("", "auto", "same", *SERVED_FAMILIES)  # Workload.server_codec
 

@@ -1,10 +1,11 @@
 """The bytes and seconds of one exchange: a flat ring, a pairwise all-to-all, and the quantised
 exchange of compression.quantized (its codec's bytes per element, one phase or two, what the
-servers send back), costed by the registry's rules as the compressors apply them. The DDP model
+servers send back), costed by the plan the compressors take (``compression.policy``). The DDP model
 (``cost_model``) and the FSDP model (``fsdp_model``) both build on these."""
 from __future__ import annotations
 
-from ciuicflow.compression import registry
+from ciuicflow.compression import policy, registry
+from ciuicflow.compression.policy import WirePlan
 from ciuicflow.plan.alpha_beta import _scatter_or_gather
 from ciuicflow.plan.inputs import ClusterSpec, Workload
 
@@ -36,49 +37,37 @@ def flat_all_to_all(c: ClusterSpec, nbytes: float) -> tuple:
     return seconds, inter, (g - 1) / p * nbytes
 
 
+def wire_plan(method_cost, w: Workload, exchange_ranks: int | None) -> WirePlan:
+    """The compressors' plan (``compression.policy.wire_plan``) for the workload's gradients on
+    GPUs over ``exchange_ranks`` ranks (None: FSDP's reduce-scatter), with the workload's options."""
+    family = next(name for name, entry in registry.FAMILIES.items() if entry.cost is method_cost)
+    options = {"phases": w.phases, "server_codec": w.server_codec or "auto",
+               "adaptive_optimizer": w.adaptive_optimizer or None, "chunk_size": w.chunk_size or None}
+    return policy.wire_plan(family, exchange_ranks=exchange_ranks or 0,
+                            route="reduce_scatter" if exchange_ranks is None else "flat",
+                            device_type="cuda", adaptive=w.optimizer == "adam", options=options)
+
+
 def packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
-                              exchange_ranks: int | None = None) -> float:
-    """A quantising method's bytes per element: the values (under an adaptive optimizer, with the
-    codec it sends those gradients with: ``Workload.adaptive_optimizer``), one float32 scale per
-    chunk and, with ``values`` (the all-reduce routes: DDP's hooks, HSDP's replicas), the values a
-    chunk of a concentrated window sends (``Cost.values``, 3 bytes each, in chunks of at most
-    ``registry.VALUES_MAX_CHUNK``), counted for ``Workload.values_share`` of the chunks (default
-    every one: an upper bound, reached where every window is concentrated; a gradient with none
-    costs the plain bytes; which windows are is known only from the data). ``exchange_ranks``:
-    ranks of the all-reduce exchange (None: the reduce-scatter), which "auto" picks the codec by
-    (each value quantised once in the reduce-scatter and in a one-phase exchange, up to two ranks)."""
-    bits = method_cost.payload_bits
+                             exchange_ranks: int | None = None) -> float:
+    """A quantising method's bytes per element: its plan's codec (``wire_plan``), one float32
+    scale per chunk and, with ``values`` (the all-reduce routes: DDP's hooks, HSDP's replicas),
+    the values a chunk of a concentrated window sends (3 bytes each), counted for
+    ``Workload.values_share`` of the chunks (default every one: an upper bound, reached where
+    every window is concentrated; which windows are is known only from the data).
+    ``exchange_ranks``: ranks of the all-reduce exchange (None: the reduce-scatter)."""
+    plan = wire_plan(method_cost, w, exchange_ranks)
     chunk = w.chunk_size or method_cost.chunk_size
-    policy = w.adaptive_optimizer or method_cost.adaptive_family
-    if not sends_own_codec(method_cost, w):
-        # the planner's gradients are on GPUs: "auto" sends int4 there until topmark's CUDA
-        # kernel has run on one (registry.ADAPTIVE_CODEC_DEVICES), in two phases beyond two ranks
-        # (registry.adaptive_one_phase: one phase only where topmark is sent)
-        once = exchange_ranks is None or not two_phases(method_cost, w, exchange_ranks)
-        policy = registry.adaptive_codec_name(policy, once, "cuda")
-        if policy != "same":
-            return registry.adaptive_bytes_per_element(policy, chunk)
-    if values and method_cost.values and chunk <= registry.VALUES_MAX_CHUNK:
-        return bits / 8 + (4 + 3 * method_cost.values * w.values_share) / chunk
-    return bits / 8 + 4 / chunk
-
-
-def sends_own_codec(method_cost, w: Workload) -> bool:
-    """Whether a quantising method sends the workload's gradients with its own codec (not, under
-    Adam, with the one its ``adaptive_optimizer`` policy picks)."""
-    policy = w.adaptive_optimizer or method_cost.adaptive_family
-    return not (w.optimizer == "adam" and method_cost.adaptive_family and policy != "same")
+    if plan.codec != plan.family:
+        return registry.adaptive_bytes_per_element(plan.codec, chunk)
+    if values and plan.values:
+        return method_cost.payload_bits / 8 + (4 + 3 * plan.values * w.values_share) / chunk
+    return method_cost.payload_bits / 8 + 4 / chunk
 
 
 def two_phases(method_cost, w: Workload, ranks: int) -> bool:
-    """Whether the exchange over ``ranks`` ranks has two phases for ``Workload.phases``
-    (registry.two_phases, the compressors' rule: "auto" takes the method's own codec in one phase
-    up to its ``one_phase_ranks``; an adaptive optimizer's codec on the planner's GPUs, int4, goes
-    in two)."""
-    policy = None if sends_own_codec(method_cost, w) else \
-        (w.adaptive_optimizer or method_cost.adaptive_family)
-    return registry.two_phases(w.phases, ranks, method_cost, policy,
-                               w.chunk_size or method_cost.chunk_size, "cuda")
+    """Whether the exchange over ``ranks`` ranks has two phases (``wire_plan``)."""
+    return wire_plan(method_cost, w, ranks).phases == 2
 
 
 def one_phase(method_cost, w: Workload, ranks: int) -> bool:
@@ -88,16 +77,13 @@ def one_phase(method_cost, w: Workload, ranks: int) -> bool:
 
 
 def served_bytes_per_element(method_cost, w: Workload, ranks: int, per_elem: float) -> float:
-    """Bytes per element the servers of a two-phase exchange over ``ranks`` ranks send back: what
-    ``registry.served_codec_family`` picks for ``Workload.phases`` and ``Workload.server_codec``
-    (QuantizedCompressor.server_codec_for: beyond four ranks 1 bit's servers send int4), else what
-    the workers sent (``per_elem``)."""
-    if not sends_own_codec(method_cost, w) or not two_phases(method_cost, w, ranks):
+    """Bytes per element the servers of a two-phase exchange over ``ranks`` ranks send back: their
+    codec in the plan (``wire_plan``) where it is not the workers', else what the workers sent
+    (``per_elem``)."""
+    plan = wire_plan(method_cost, w, ranks)
+    if plan.phases != 2 or plan.server_codec in ("", plan.codec):
         return per_elem
-    family = registry.served_codec_family(w.phases, w.server_codec or "auto", method_cost, ranks)
-    if not family:
-        return per_elem
-    return registry.served_bytes_per_element(family, w.chunk_size or method_cost.chunk_size)
+    return registry.served_bytes_per_element(plan.server_codec, w.chunk_size or method_cost.chunk_size)
 
 
 def quantized_exchange(ranks: int, nbytes: float, bw: float, lat: float, one_phase: bool, parts: dict,
