@@ -2,7 +2,7 @@
 copying their data, deserializers that report malformed bytes instead of raising, receive buffers."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import numpy       # imported at startup: a first import in the middle of a transfer would stall it
 
