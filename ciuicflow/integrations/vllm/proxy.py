@@ -7,41 +7,55 @@ returned. Standard library only (runs in either environment).
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200=decode0
 
 ``--decode URL=PEER``: PEER is that decode node's sidecar ``--name`` (the destination the prefill sends to).
-Per request, headers ``x-ciuic-priority: high|normal|low``, ``x-ciuic-deadline-s: SECONDS`` and
-``x-ciuic-flow: enabled|disabled`` reach the sidecars' scheduler (the body's ``priority``, vLLM's own, is
-passed through and also maps to a transfer priority when no header is given). If the prefill instance
-fails, the decode instance computes the prompt itself (answer header ``x-ciuic-prefill: failed``).
+Per request, headers ``x-ciuic-priority: high|normal|low``, ``x-ciuic-deadline-s: SECONDS`` (finite, > 0,
+at most 86400) and ``x-ciuic-flow: enabled|disabled`` reach the sidecars' scheduler; a malformed one is a
+400 and nothing goes upstream (the body's ``priority``, vLLM's own, is passed through and also maps to a
+transfer priority when no header is given). If the prefill instance fails, the decode instance computes
+the prompt itself (answer header ``x-ciuic-prefill: failed``).
+
+Clients are untrusted (docs/security.md, The routing proxy). Transfer parameters are the proxy's alone
+(proxy_params.py): a body that carries ``kv_transfer_params`` is refused with 400, and the decode request
+carries only the parameters the chosen prefill instance returned for this request's own key. Every client
+connection is bounded in size, time and number (proxy_io.py, proxy_server.py); answers are streamed
+through, never read whole, and the prefill's answer is read with a cap.
 """
 from __future__ import annotations
 
 import argparse
 import http.client
 import itertools
-import json
 import logging
+import math
+import re
 import sys
 import threading
 import time
 import urllib.parse
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import asdict
 from typing import List, Optional, Tuple
 
-from . import config as C
+from .proxy_io import Limits
+from .proxy_params import (BadRequest, client_body, json_bytes, prefill_params, prefill_request,
+                           transfer_headers, with_transfer_params)
+from .proxy_server import BoundedHandler, ProxyServer
 
 log = logging.getLogger("ciuicflow.vllm.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]*")        # an upstream header value passed on: printable ASCII
 
 
-def _post(base: str, path: str, body: dict, timeout: float) -> Tuple[int, bytes]:
-    u = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+def upstream_url(url: str) -> str:
+    """``url``, if the proxy can reach it: plain ``http://HOST[:PORT]`` (an ``https`` URL would be spoken
+    to in cleartext, on port 80)."""
+    u = urllib.parse.urlsplit(url)
     try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
+        u.port
+    except ValueError:
+        raise ValueError(f"upstream URL {url!r}: invalid port") from None
+    if u.scheme != "http" or not u.hostname:
+        raise ValueError(f"upstream URL {url!r}: want http://HOST[:PORT] (the proxy speaks plain HTTP)")
+    return url
 
 
 class Router:
@@ -50,6 +64,10 @@ class Router:
     def __init__(self, prefill: List[str], decode: List[Tuple[str, str]], timeout: float = 600.0):
         if not prefill or not decode:
             raise ValueError("need at least one --prefill and one --decode")
+        for url in [*prefill, *(u for u, _ in decode)]:
+            upstream_url(url)
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"upstream timeout must be a positive number of seconds, not {timeout!r}")
         self.prefill, self.decode, self.timeout = prefill, decode, timeout
         self._p, self._d = itertools.cycle(prefill), itertools.cycle(decode)
         self._lock = threading.Lock()
@@ -60,126 +78,194 @@ class Router:
             self.stats["requests"] += 1
             return next(self._p), *next(self._d)
 
-    def prefill_request(self, path: str, body: dict, headers, peer: str, key: str) -> dict:
-        pre = dict(body)
-        pre.pop("stream_options", None)
-        pre.update(stream=False, max_tokens=1)
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
-        pre.pop("min_tokens", None)
-        params = {C.P_DECODE: True, C.P_PREFILL: False, C.P_KEY: key, C.P_DEST: peer}
-        if headers.get("x-ciuic-priority"):
-            params[C.P_PRIORITY] = headers["x-ciuic-priority"]
-        if headers.get("x-ciuic-deadline-s"):
-            params[C.P_DEADLINE] = float(headers["x-ciuic-deadline-s"])
-        if headers.get(C.P_FLOW):
-            params[C.P_FLOW] = headers[C.P_FLOW]
-        pre["kv_transfer_params"] = params
-        return pre
+    def count(self, what: str) -> None:
+        with self._lock:
+            self.stats[what] = self.stats.get(what, 0) + 1
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    router: Router = None  # set by serve()
+class Handler(BoundedHandler):
+    """The request flow: check the request, prefill (its parameters only for this request's key), then
+    relay the decode instance's answer."""
+    router: Router = None   # set by serve()
 
-    def log_message(self, fmt, *args):  # quiet: one line per request at debug level
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    def _send(self, status: int, data: bytes, extra: Optional[dict] = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
+    def handle_expect_100(self):
+        # "Expect: 100-continue": refuse a request we would refuse anyway before the client sends its body
+        try:
+            if self.command == "POST" and self.path.split("?")[0] in ROUTES:
+                self._content_length()
+                transfer_headers(self.headers)
+        except BadRequest as exc:
+            self._refuse(exc.status, exc.message)
+            return False
+        return super().handle_expect_100()
 
     def do_GET(self):
-        if self.path in ("/health", "/v1/models"):
-            base = self.router.decode[0][0]
-            u = urllib.parse.urlsplit(base)
-            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-            try:
-                conn.request("GET", self.path)
-                r = conn.getresponse()
-                self._send(r.status, r.read())
-            except OSError as exc:
-                self._send(502, json.dumps({"error": str(exc)}).encode())
-            finally:
-                conn.close()
-            return
-        self._send(404, b'{"error": "not found"}')
+        if self._has_body():
+            self._refuse(400, "GET with a body")
+        elif self.path in ("/health", "/v1/models"):
+            self._relay(self.router.decode[0][0], "GET", self.path, None, {})
+        else:
+            self._refuse(404, "not found")
 
     def do_POST(self):
         path = self.path.split("?")[0]
         if path not in ROUTES:
-            self._send(404, b'{"error": "not found"}')
+            self._refuse(404, "not found")
             return
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        except ValueError:
-            self._send(400, b'{"error": "body is not JSON"}')
+            length = self._content_length()
+            asked = transfer_headers(self.headers)
+        except BadRequest as exc:
+            self._refuse(exc.status, exc.message)
             return
-        router = self.router
-        prefill, decode, peer = router.pick()
+        inflight = self.server.inflight
+        if not inflight.take(length):
+            self._refuse(503, "proxy busy: too many request bytes in flight", {"Retry-After": "1"})
+            return
+        try:
+            self._complete(path, length, asked)
+        finally:
+            inflight.give(length)
+
+    def _complete(self, path: str, length: int, asked: dict) -> None:
+        raw = self._read_body(length)
+        if raw is None:                         # the client went away
+            self.close_connection = True
+            return
+        router, gate = self.router, self.server.parse_gate
         key = f"cf-{uuid.uuid4().hex}"
-        headers = {k.lower(): v for k, v in self.headers.items()}
+        if not gate.take(length, self.limits.body_timeout_s):
+            self._refuse(503, "proxy busy", {"Retry-After": "1"}, body_read=True)
+            return
+        try:
+            body, brace = client_body(raw)
+            empty = not body
+            prefill, decode, peer = router.pick()
+            pre = json_bytes(prefill_request(body, asked, peer, key))
+            del body
+        except BadRequest as exc:
+            self._refuse(exc.status, exc.message, body_read=True)
+            return
+        except RecursionError:      # parsed, but nested too deeply to write back
+            self._refuse(400, "body nested too deeply", body_read=True)
+            return
+        finally:
+            gate.give(length)
         extra = {}
         t0 = time.monotonic()
         try:
-            status, data = _post(prefill, path, router.prefill_request(path, body, headers, peer, key), router.timeout)
-            if status != 200:
-                raise RuntimeError(f"prefill answered {status}: {data[:300]!r}")
-            params = json.loads(data).get("kv_transfer_params")
-        except (OSError, RuntimeError, ValueError) as exc:
+            params = self._prefill(prefill, path, pre, key)
+        except (OSError, http.client.HTTPException, RuntimeError, ValueError, RecursionError) as exc:
             log.warning("prefill %s failed (%s): the decode instance computes the prompt", prefill, exc)
-            router.stats["prefill_failed"] += 1
+            router.count("prefill_failed")
             params, extra = None, {"x-ciuic-prefill": "failed"}
+        del pre
         extra["x-ciuic-prefill-s"] = f"{time.monotonic() - t0:.4f}"
         extra["x-ciuic-key"] = key          # names this request's transfer in the servers' logs (phases.py)
-        dec = dict(body)
-        if params:
-            dec["kv_transfer_params"] = params
-        self._forward(decode, path, dec, extra)
+        self._relay(decode, "POST", path, with_transfer_params(raw, brace, empty, params) if params else raw, extra)
 
-    def _forward(self, base: str, path: str, body: dict, extra: dict) -> None:
+    def _prefill(self, base: str, path: str, body: bytes, key: str) -> bytes:
+        """The prefill call; its answer is read up to ``max_prefill_answer_bytes`` (counted in the prefill
+        answers held at once) and must carry this request's own key. Its parameters, as JSON."""
+        cap = self.limits.max_prefill_answer_bytes
         u = urllib.parse.urlsplit(base)
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=self.router.timeout)
+        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=self.router.timeout)
         try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
             resp = conn.getresponse()
-            if not body.get("stream"):
-                self._send(resp.status, resp.read(), extra)
+            if resp.status != 200:
+                raise RuntimeError(f"prefill answered {resp.status}: {resp.read(300)!r}")
+            if resp.length is not None and resp.length > cap:
+                raise RuntimeError(f"prefill answer of {resp.length} bytes (at most {cap} taken)")
+            need = resp.length if resp.length is not None else cap
+            server = self.server
+            if not server.answers.take(need, self.limits.body_timeout_s):
+                raise RuntimeError("proxy busy: no room for the prefill answer")
+            try:
+                data = resp.read(need + 1)
+                if len(data) > cap:
+                    raise RuntimeError(f"prefill answer over {cap} bytes")
+                if not server.parse_gate.take(len(data), self.limits.body_timeout_s):
+                    raise RuntimeError("proxy busy: no room to read the prefill answer")
+                try:
+                    return prefill_params(data, key)
+                finally:
+                    server.parse_gate.give(len(data))
+            finally:
+                server.answers.give(need)
+        finally:
+            conn.close()
+
+    def _relay(self, base: str, method: str, path: str, body: Optional[bytes], extra: dict) -> None:
+        """Send the request upstream and stream its answer through as it comes (never read whole)."""
+        u = urllib.parse.urlsplit(base)
+        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=self.router.timeout)
+        try:
+            try:
+                conn.request(method, path, body, {"Content-Type": "application/json"} if body is not None else {})
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                self._send_json(502, {"error": f"upstream {base}: {exc}"}, extra)
                 return
-            # stream the decode instance's server-sent events through as they come
+            if resp.status < 200:       # an interim answer (103, 101) that http.client hands over as the answer
+                self._send_json(502, {"error": f"upstream {base}: interim answer {resp.status}"}, extra)
+                return
+            content_type = resp.getheader("Content-Type", "application/json")
+            if not _HEADER_VALUE.fullmatch(content_type):      # e.g. a folded value, with CR LF inside
+                content_type = "application/json"
             self.send_response(resp.status)
-            self.send_header("Content-Type", resp.getheader("Content-Type", "text/event-stream"))
-            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Content-Type", content_type)
+            chunked = False
+            if resp.length is not None:
+                self.send_header("Content-Length", str(resp.length))
+            elif self.request_version != "HTTP/1.0":
+                chunked = True
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.close_connection = True
+                self.send_header("Connection", "close")
             for k, v in extra.items():
                 self.send_header(k, v)
             self.end_headers()
             while True:
-                chunk = resp.read1(65536)
+                try:
+                    chunk = resp.read1(65536)
+                except (OSError, http.client.HTTPException) as exc:
+                    log.warning("upstream %s failed mid-answer (%s): the client's connection is closed", base, exc)
+                    self.close_connection = True
+                    return
                 if not chunk:
                     break
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-        except OSError as exc:
-            try:
-                self._send(502, json.dumps({"error": f"decode instance: {exc}"}).encode(), extra)
-            except OSError:
-                pass
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+            if resp.length:             # http.client counts down what is left: the upstream closed early
+                log.warning("upstream %s closed %d bytes short of its answer: the client's connection is closed",
+                            base, resp.length)
+                self.close_connection = True
+            elif chunked:
+                self.wfile.write(b"0\r\n\r\n")
         finally:
             conn.close()
 
 
+_DEFAULTS = Limits()
+
+
 def serve(prefill: List[str], decode: List[Tuple[str, str]], host: str = "127.0.0.1", port: int = 0,
-          timeout: float = 600.0) -> ThreadingHTTPServer:
-    """Start the proxy in a background thread; ``server.server_address`` has the bound port."""
-    handler = type("BoundHandler", (Handler,), {"router": Router(prefill, decode, timeout)})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
+          timeout: float = 600.0, *, max_body_bytes: int = _DEFAULTS.max_body_bytes,
+          max_header_bytes: int = _DEFAULTS.max_header_bytes, max_connections: int = _DEFAULTS.max_connections,
+          max_inflight_bytes: int = _DEFAULTS.max_inflight_bytes,
+          max_prefill_answer_bytes: int = _DEFAULTS.max_prefill_answer_bytes,
+          header_timeout_s: float = _DEFAULTS.header_timeout_s, body_timeout_s: float = _DEFAULTS.body_timeout_s,
+          idle_timeout_s: float = _DEFAULTS.idle_timeout_s,
+          send_timeout_s: float = _DEFAULTS.send_timeout_s) -> ProxyServer:
+    """Start the proxy in a background thread; ``server.server_address`` has the bound port. ``timeout``:
+    each upstream socket operation; the rest: ``Limits`` (the same defaults as the command line)."""
+    limits = Limits(max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes,
+                    max_connections=max_connections, max_inflight_bytes=max_inflight_bytes,
+                    max_prefill_answer_bytes=max_prefill_answer_bytes, header_timeout_s=header_timeout_s,
+                    body_timeout_s=body_timeout_s, idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s)
+    handler = type("BoundHandler", (Handler,), {"router": Router(prefill, decode, timeout), "limits": limits})
+    server = ProxyServer((host, port), handler, limits)
     threading.Thread(target=server.serve_forever, name="ciuicflow-vllm-proxy", daemon=True).start()
     return server
 
@@ -191,16 +277,57 @@ def parse_decode(value: str) -> Tuple[str, str]:
     return url, peer
 
 
+def _fixed_mmap_threshold(nbytes: int = 128 * 1024) -> None:
+    """glibc: allocations of ``nbytes`` and more always get their own mapping, returned to the system when
+    freed. By default glibc raises that threshold after the first large free (up to 32 MiB), and request
+    bodies then come from per-thread heaps that keep what they held: measured, 8 concurrent 4 MiB bodies
+    left the process at twice the resident memory. Not glibc (or no ctypes): nothing."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).mallopt(-3, int(nbytes))        # M_MMAP_THRESHOLD
+    except (ImportError, OSError, AttributeError, TypeError):
+        pass
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill", action="append", required=True, metavar="URL")
     p.add_argument("--decode", action="append", required=True, type=parse_decode, metavar="URL=PEER")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="each upstream socket operation, seconds")
+    d = _DEFAULTS
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body (413 beyond, from Content-Length, before reading)")
+    p.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
+                   help="request line and headers together (431 beyond)")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="client connections at once (beyond: 503, closed at once); lowered to fit RLIMIT_NOFILE")
+    p.add_argument("--max-inflight-bytes", type=int, default=d.max_inflight_bytes,
+                   help="request bodies held at once, all connections (503 beyond); as much again for prefill answers")
+    p.add_argument("--max-prefill-answer-bytes", type=int, default=d.max_prefill_answer_bytes,
+                   help="largest prefill answer read (beyond: the prefill counts as failed)")
+    p.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s,
+                   help="request line and headers must arrive within this (from the connection or first byte)")
+    p.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s,
+                   help="the whole request body must arrive within this after the headers")
+    p.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s,
+                   help="a kept-alive connection with no new request for this long is closed")
+    p.add_argument("--send-timeout-s", type=float, default=d.send_timeout_s,
+                   help="a client that takes no part of its answer for this long is cut off")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = serve(args.prefill, args.decode, args.host, args.port, args.timeout)
+    _fixed_mmap_threshold()
+    try:
+        server = serve(args.prefill, args.decode, args.host, args.port, args.timeout,
+                       max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
+                       max_connections=args.max_connections, max_inflight_bytes=args.max_inflight_bytes,
+                       max_prefill_answer_bytes=args.max_prefill_answer_bytes,
+                       header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                       idle_timeout_s=args.idle_timeout_s, send_timeout_s=args.send_timeout_s)
+    except ValueError as exc:
+        p.error(str(exc))
+    log.info("limits: %s, connections %d", asdict(server.limits), server.max_connections)
     log.info("proxy ready on http://%s:%d", *server.server_address[:2])
     try:
         threading.Event().wait()
