@@ -12,15 +12,17 @@ model and data as bench/comm.py (an MLP fitting a fixed teacher, built by bench/
   zero_one_adam          ciuicflow.optim.ZeroOneAdam (0/1 Adam), variance frozen after the warm-up
   no_comm                local Adam, no communication: the compute floor
 
-Each method runs --warmup unmeasured steps (the 1-bit optimizers' freeze_steps, so every measured step is
-compressed; for 0/1 Adam, var_freeze_step), then --steps measured ones. Measured per step: wall time (mean, slowest rank), bytes that left the
+Each method runs --warmup unmeasured steps (the 1-bit optimizers' freeze_steps, frozen there as asked
+(hold_until_stable=False), so every measured step is compressed; for 0/1 Adam, var_freeze_step), then
+--steps measured ones. Measured per step: wall time (mean, slowest rank), bytes that left the
 nodes on their inter-node links (veth counters, summed over nodes), and for the 1-bit optimizers the bytes their
 collectives modelled. Without root/netns everything runs on loopback and every output says NOT SHAPED.
 
 The full run also trains on sklearn's digits for --convergence-steps steps (longer than the tests): exact Adam
 against OneBitAdam at several warm-up lengths, OneBitAdam compressing m instead of m / sqrt(v) (the paper),
 OneBitAdam with exact momentum averaging (the frozen variance alone), and ZeroOneAdam with its variance frozen at
-the same step, for a softmax regression and an MLP.
+the same step (all frozen there as asked, hold_until_stable=False), for a softmax regression and an MLP. When the
+optimizers freeze by themselves, and what early freezes cost, is bench/onebit_freeze.py's.
 
     python bench/onebit_adam.py                              # 25M-param MLP, 2 nodes x 2 ranks, 1 Gbit/s
     python bench/onebit_adam.py --smoke --json out/onebit_adam.json     # CI: tiny, well under a minute
@@ -106,7 +108,8 @@ def _stepper(name, model, args):
             config["optimizer"] = {"type": "Adam", "params": {"lr": args.lr, "torch_adam": True}}
             optimizer, what = None, "DeepSpeed engine, ZeRO 0, its Adam (torch_adam)"
         else:
-            optimizer = OneBitAdam(model.parameters(), lr=args.lr, freeze_steps=args.warmup)
+            optimizer = OneBitAdam(model.parameters(), lr=args.lr, freeze_steps=args.warmup,
+                                   hold_until_stable=False)
             what = "DeepSpeed engine, ZeRO 0, ciuicflow OneBitAdam"
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
@@ -118,11 +121,12 @@ def _stepper(name, model, args):
         return step, optimizer, what
 
     if name == "zero_one_adam":
-        optimizer = ZeroOneAdam(model.parameters(), lr=args.lr, var_freeze_step=args.warmup)
+        optimizer = ZeroOneAdam(model.parameters(), lr=args.lr, var_freeze_step=args.warmup,
+                                hold_until_stable=False)
         what = "ciuicflow ZeroOneAdam (hierarchical), no DDP"
     else:
         optimizer = OneBitAdam(model.parameters(), lr=args.lr, freeze_steps=args.warmup,
-                               hierarchical=name == "onebit_adam")
+                               hold_until_stable=False, hierarchical=name == "onebit_adam")
         what = f"ciuicflow OneBitAdam(hierarchical={name == 'onebit_adam'}), no DDP"
     return _plain_step(model, optimizer, loss_fn), optimizer, what
 
@@ -234,13 +238,15 @@ def run_convergence(steps):
     import torch
     from ciuicflow.optim import OneBitAdam, ZeroOneAdam
 
+    asked = dict(hold_until_stable=False)  # frozen where asked, the variance stable or not
     variants = {
-        "onebit_adam": lambda freeze: lambda p, lr: OneBitAdam(p, lr=lr, freeze_steps=freeze),
+        "onebit_adam": lambda freeze: lambda p, lr: OneBitAdam(p, lr=lr, freeze_steps=freeze, **asked),
         "onebit_adam_compress_m": lambda freeze: lambda p, lr: OneBitAdam(
-            p, lr=lr, freeze_steps=freeze, scale_momentum_before_compress=False),
+            p, lr=lr, freeze_steps=freeze, scale_momentum_before_compress=False, **asked),
         "frozen_variance_exact_momentum": lambda freeze: lambda p, lr: OneBitAdam(
-            [{"params": list(p), "compress": False}], lr=lr, freeze_steps=freeze),
-        "zero_one_adam": lambda freeze: lambda p, lr: ZeroOneAdam(p, lr=lr, var_freeze_step=freeze),
+            [{"params": list(p), "compress": False}], lr=lr, freeze_steps=freeze, **asked),
+        "zero_one_adam": lambda freeze: lambda p, lr: ZeroOneAdam(p, lr=lr, var_freeze_step=freeze,
+                                                                  **asked),
     }
     rows = []
     for model_kind, lr, l2 in (("softmax", 3e-2, 1e-3), ("mlp", 3e-3, 0.0)):

@@ -69,7 +69,8 @@ def _engine_matches_plain(rank, world, checkpoint_dir):
     freeze, steps = 4, 10
 
     def optimizer_for(model):
-        return OneBitAdam(model.parameters(), lr=1e-2, freeze_steps=freeze, hierarchical=False)
+        return OneBitAdam(model.parameters(), lr=1e-2, freeze_steps=freeze, hold_until_stable=False,
+                          hierarchical=False)
 
     report = {}
     plain = _mlp(5)
@@ -111,7 +112,8 @@ def _engine_matches_plain(rank, world, checkpoint_dir):
     # 0/1 Adam: the engine all-reduces exactly the variance steps' gradients (1, 2, 4, 6), the
     # optimizer sends 1-bit gradients (3, 5), then 1-bit syncs of local steps (7, 8, 10), not 9
     def zero_one_for(model):
-        return ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2,
+        return ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, hold_until_stable=False,
+                           var_update_scaler=2,
                            local_step_scaler=2, local_step_clipper=2, hierarchical=False,
                            warmup_steps=0)
 
@@ -172,7 +174,7 @@ def _bf16(rank, world):
     from ciuicflow.optim import OneBitAdam
 
     model = _mlp(8).to(torch.bfloat16)
-    optimizer = OneBitAdam(model.parameters(), lr=1e-2, freeze_steps=3)
+    optimizer = OneBitAdam(model.parameters(), lr=1e-2, freeze_steps=3, hold_until_stable=False)
     engine = _engine(model, optimizer, _config(bf16={"enabled": True}))
     world_group_bytes = []  # DeepSpeed's traffic; the optimizer's goes over the node subgroups
     with CollectiveBytes() as log:
@@ -329,7 +331,8 @@ def _planned_configs_run(rank, world):
     plan = deepspeed_config(params, cluster, gpu_memory=1e6, micro_batch=8, precision="fp32",
                             onebit=True)
     model = _mlp(10)
-    engine = _engine(model, OneBitAdam(model.parameters(), freeze_steps=1), {**plan.config, **QUIET})
+    engine = _engine(model, OneBitAdam(model.parameters(), freeze_steps=1, hold_until_stable=False),
+                     {**plan.config, **QUIET})
     _engine_steps(engine, rank, range(3))
     return stages, engine.enable_backward_allreduce
 

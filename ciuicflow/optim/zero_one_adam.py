@@ -4,7 +4,9 @@ Adam"), with the schedules of DeepSpeed's removed ``ZeroOneAdam``.
 Where 1-bit Adam needs a warm-up of exact communication until its variance freezes, 0/1 Adam
 compresses from the start in the paper; here after ``warmup_steps`` exact steps (64 by default):
 
-- **until ``var_freeze_step``**: the variance is updated only on *variance steps*, whose gradients
+- **until the variance freezes** (``var_freeze_step="auto"``: when it is measured stable, on its
+  variance steps, as ``OneBitAdam``'s; an explicit step that comes earlier is held until then,
+  ``ciuicflow.optim.variance_freeze``): the variance is updated only on *variance steps*, whose gradients
   are averaged exactly; on every other step each rank folds its own gradients into the momentum and
   the ranks average the update directions ``m / (sqrt(v_hat) + eps)`` with ciuicflow's 1-bit
   all-reduce (worker and server error feedback; worker only where two nodes exchange), as
@@ -32,6 +34,7 @@ import torch
 from ciuicflow.compression.onebit import DEFAULT_CHUNK_SIZE
 from ciuicflow.compression.quantized import QuantizedErrors
 from ciuicflow.optim.compressed_momentum import CompressedMomentumOptimizer, _check_adam_args, _FlatBucket
+from ciuicflow.optim.variance_freeze import AUTO, VarianceFreeze
 
 COMPRESS_BEFORE_FREEZE = ("directions", "gradients")
 # exact steps first: 1-bit directions from the start cost accuracy on six nodes, where 64 exact steps
@@ -46,7 +49,12 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
     Args:
         params, lr, betas, eps, weight_decay, bias_correction, group, hierarchical, chunk_size,
             caller_averages_grads: as in ``OneBitAdam``.
-        var_freeze_step: the variance is frozen after this step (>= 1).
+        var_freeze_step: ``"auto"`` (default): the variance freezes after the first variance
+            step at which it is measured stable, as ``OneBitAdam``'s ``freeze_steps``; an integer:
+            after this step if it is stable by then, else see ``hold_until_stable``.
+        hold_until_stable: as in ``OneBitAdam``: an explicit ``var_freeze_step`` before the
+            variance is stable warns and keeps the variance steps going until it is (True), or
+            warns and freezes anyway (False).
         warmup_steps: the first steps (up to ``var_freeze_step``) are all variance steps, Adam on
             the exact mean gradient; the variance steps' schedule runs alongside as without them.
             Not in the paper (0 gives its algorithm): compressing from the start cost accuracy on
@@ -66,7 +74,8 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
     flat_state_keys = ("exp_avg", "synced_params")  # synced_params: where all ranks last agreed
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, var_freeze_step: int = 100_000,
+                 weight_decay: float = 0.0, *, var_freeze_step: int | str = AUTO,
+                 hold_until_stable: bool = True,
                  warmup_steps: int = DEFAULT_WARMUP_STEPS, var_update_scaler: int = 16,
                  local_step_scaler: int = 32_678,
                  local_step_clipper: int = 16, bias_correction: bool = True, group=None,
@@ -77,8 +86,7 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
             raise ValueError(f"compress_before_freeze must be one of {COMPRESS_BEFORE_FREEZE}, "
                              f"got {compress_before_freeze!r}")
         self.compress_before_freeze = compress_before_freeze
-        for name, value in (("var_freeze_step", var_freeze_step),
-                            ("var_update_scaler", var_update_scaler),
+        for name, value in (("var_update_scaler", var_update_scaler),
                             ("local_step_scaler", local_step_scaler),
                             ("local_step_clipper", local_step_clipper)):
             if int(value) != value or value < 1:
@@ -86,7 +94,6 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
         if int(warmup_steps) != warmup_steps or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps}")
         self.warmup_steps = int(warmup_steps)
-        self.var_freeze_step = int(var_freeze_step)
         self.var_update_scaler = int(var_update_scaler)
         self.local_step_scaler = int(local_step_scaler)
         self.local_step_clipper = int(local_step_clipper)
@@ -100,6 +107,18 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
                         bias_correction=bias_correction)
         super().__init__(params, defaults, group=group, hierarchical=hierarchical,
                          chunk_size=chunk_size, caller_averages_grads=caller_averages_grads)
+        self.variance_freeze = VarianceFreeze(self, "var_freeze_step", var_freeze_step,
+                                              hold_until_stable)
+        self.var_freeze_step = self.variance_freeze.requested
+
+    @property
+    def frozen_at(self) -> int | None:
+        """The step after which the variance froze (None before)."""
+        return self.variance_freeze.frozen_at
+
+    @property
+    def freeze_reason(self) -> str:
+        return self.variance_freeze.reason
 
     # -- the schedules ------------------------------------------------------------------------
 
@@ -115,12 +134,14 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
                 "local_step_interval": self.local_step_interval,
                 "local_step_counter": self.local_step_counter,
                 "steps_since_sync": self.steps_since_sync, "lr_sums": self.lr_sums,
-                "decay_products": self.decay_products}
+                "decay_products": self.decay_products, "freeze": self.variance_freeze.state_dict()}
 
     def _load_schedule_state(self, schedule: dict) -> None:
+        self.variance_freeze.load_state_dict(schedule.get("freeze", {}))
         for key in self._schedule_state():
-            value = schedule[key]
-            setattr(self, key, list(value) if isinstance(value, list) else value)
+            if key != "freeze":
+                value = schedule[key]
+                setattr(self, key, list(value) if isinstance(value, list) else value)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -158,7 +179,7 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
                 if self.var_counter == self.var_update_scaler:
                     self.var_counter = 0
                     self.var_interval *= 2
-            if t >= self.var_freeze_step:
+            if self.variance_freeze.after_step(buckets, t, variance_step, self.variance_updates):
                 if self.compress_before_freeze == "gradients":
                     for bucket in buckets:
                         bucket.errors = QuantizedErrors()  # they held gradients; from now on, directions
