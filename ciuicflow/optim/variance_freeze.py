@@ -151,6 +151,8 @@ class VarianceFreeze:
         if step - self.snapshot_step < WINDOW:
             return
         self.last = self._measure(buckets, step, variance_updates)
+        if self._rank() in (None, 0):
+            log.debug("%s: %s", type(self.optimizer).__name__, self.last.describe())
         self._snapshot(buckets, step, variance_updates)
 
     def _snapshot(self, buckets: list, step: int, variance_updates: int) -> None:
