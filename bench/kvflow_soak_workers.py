@@ -5,7 +5,8 @@ at random by the orchestrator (kvflow_soak.py):
   each with its key as idempotency key, retrying until OK (a restarted sender first retries the intents
   of its previous life that never got their OK);
 * ``consumer``: receives the transfers meant for its sidecar (it learns their keys from the senders'
-  ledgers) with ``manual_ack``, checks their bytes, records the delivery, then acknowledges;
+  ledgers) with ``manual_ack``, checks their bytes, records the delivery, then acknowledges; keys that failed
+  least first, each waiting longer after each failed try;
 * ``garbage``: hostile bytes on every port of every sidecar (local API, peer port, data plane, metrics,
   descriptor socket): random bytes, malformed frames and messages, bad tickets, idle connections.
 """
@@ -80,36 +81,59 @@ def sender(a) -> None:
 
 
 # ---------------------------------------------------------------------- consumer
+BACKOFF_S = (0.25, 8.0)         # a key not there: tried again after 0.25 s, doubling to 8 s
+
+
 def consumer(a) -> None:
+    """Receives the keys meant for its sidecar in random order, those that failed least first (among them
+    those their sender was told OK: they have arrived): a key not there yet, or never to come (a sender and a
+    receiver without spool both killed), waits longer after each failed try, so that such keys cannot starve
+    the others (each failed try waits the receive's timeout)."""
     from ciuicflow.kvflow import Client, KVFlowError
     client = Client(a.api)
     ledger = Ledger(os.path.join(a.ledger, f"consumer-{a.name}.jsonl"))
     errors, reported = {}, time.monotonic()
+    fails, next_try = {}, {}
     while True:
         if time.monotonic() - reported > 2.0:
             print("consumer", a.name, "errors", errors, flush=True)
             errors, reported = {}, time.monotonic()
         events = read_all(a.ledger)
         acked = acked_keys(events)
+        oks = {e["key"] for e in events if e["ev"] == "ok"}
         todo = [e for e in events if e["ev"] == "intent" and e["dest"] == a.dest and e["key"] not in acked]
         if not todo and _stopping(a.stop):
             return
-        random.shuffle(todo)
-        for intent in todo[:64]:
+        now = time.monotonic()
+        due = [e for e in todo if next_try.get(e["key"], 0.0) <= now]
+        random.shuffle(due)
+        due.sort(key=lambda e: (fails.get(e["key"], 0), e["key"] not in oks))
+        end = now + 5.0             # then the ledger again: new keys, new acknowledgements
+        for intent in due[:64]:
+            if time.monotonic() > end:
+                break
+            key = intent["key"]
             t0 = time.monotonic()
             try:
-                parts = client.recv(intent["key"], timeout_s=0.5, source=intent["src"], manual_ack=True)
+                parts = client.recv(key, timeout_s=0.5, source=intent["src"], manual_ack=True)
             except KVFlowError as exc:
                 errors[exc.code.name] = errors.get(exc.code.name, 0) + 1
-                continue                # not there yet (or being received by the other consumer)
+                if exc.code.name in ("DEADLINE_EXCEEDED", "NOT_FOUND"):      # not there (yet)
+                    fails[key] = fails.get(key, 0) + 1
+                    next_try[key] = time.monotonic() + min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (fails[key] - 1))
+                continue                # (or being received by the other consumer, or its sidecar is down)
             data = parts if isinstance(parts, bytes) else b"".join(parts)
-            ledger.write("delivered", key=intent["key"], t0=t0, sha_ok=digest(data) == intent["sha"])
+            ledger.write("delivered", key=key, t0=t0, sha_ok=digest(data) == intent["sha"])
             try:
-                client.ack(intent["key"], source=intent["src"])
-                ledger.write("acked", key=intent["key"])
+                client.ack(key, source=intent["src"])
+                ledger.write("acked", key=key)
             except KVFlowError:
                 pass                    # its sidecar was killed: received again later
-        time.sleep(0.05)
+        if not due:
+            first = min((next_try.get(e["key"], 0.0) for e in todo), default=now)
+            time.sleep(min(0.5, max(0.05, first - time.monotonic())))
+        else:
+            time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------- garbage
