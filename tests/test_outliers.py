@@ -296,11 +296,10 @@ def test_auto_sends_values_on_all_reduce_routes_only():
     assert isinstance(OneBitCompressor(outliers=2).own_codec(HierarchicalRoute(None)),
                       OneBitOutlierCodec)
     assert isinstance(OneBitCompressor(outliers=0).own_codec(FlatRoute(None)), OneBitCodec)
-    # an adaptive optimizer's tensors keep their codec: int4 where four ranks exchange in two
-    # phases, topmark where two do in one (compression.topmark)
+    # an adaptive optimizer's tensors keep their codec (the policy's ladder: int4 first)
     from types import SimpleNamespace
     assert auto.codec_for(True, FlatRoute(SimpleNamespace(world_size=4))).name == "int4"
-    assert auto.codec_for(True, FlatRoute(SimpleNamespace(world_size=2))).name == "topmark"
+    assert auto.codec_for(True, FlatRoute(SimpleNamespace(world_size=2))).name == "int4"
 
 
 # -- on real processes -----------------------------------------------------------------------

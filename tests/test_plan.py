@@ -461,7 +461,7 @@ def test_cli(tmp_path, capsys):
     assert rc == 0 and "as same" in text and "OneBitAdam" in text
     assert json.loads(out.read_text())["workload"]["adaptive_optimizer"] == "same"
     rc = pl.run(parser.parse_args(adam))
-    assert rc == 0 and "their default, auto: int4 on GPUs" in capsys.readouterr().out
+    assert rc == 0 and "their default, auto: int4, a bucket raised to int8" in capsys.readouterr().out
     rc = pl.run(parser.parse_args(adam[:-2] + ["--adaptive-optimizer", "twobit"]))
     assert rc == 2 and "--optimizer adam" in capsys.readouterr().err
 

@@ -29,17 +29,20 @@ def _key(plan):
     ("onebit", (2, 2), "cpu", "sgd", {}, ("onebit", 1, "", "hierarchical", 2, 4)),
     ("onebit", (2, 2), "cpu", "sgd", {"route": "flat"}, ("onebit", 1, "", "flat", 4, 4)),
     ("onebit", (4, 1), "cpu", "sgd", {}, ("onebit", 1, "", "flat", 4, 4)),
-    # an adaptive optimizer's tensors: topmark quantised once from CPU tensors, int4 elsewhere
-    ("hierarchical_1bit", (2, 2), "cpu", "adam", {}, ("topmark", 1, "", "hierarchical", 2, 0)),
-    ("hierarchical_1bit", (3, 2), "cpu", "adamw", {}, ("topmark", 1, "", "hierarchical", 3, 0)),
+    # an adaptive optimizer's tensors start on the ladder's first rung, int4, on any device
+    ("hierarchical_1bit", (2, 2), "cpu", "adam", {}, ("int4", 1, "", "hierarchical", 2, 0)),
+    ("hierarchical_1bit", (3, 2), "cpu", "adamw", {}, ("int4", 2, "int4", "hierarchical", 3, 0)),
     ("hierarchical_1bit", (4, 2), "cpu", "adam", {}, ("int4", 2, "int4", "hierarchical", 4, 0)),
     ("hierarchical_1bit", (2, 2), "cuda", "adam", {}, ("int4", 1, "", "hierarchical", 2, 0)),
+    ("hierarchical_1bit", (2, 2), "cpu", "adam", {"adaptive_optimizer": "topmark"},
+     ("topmark", 1, "", "hierarchical", 2, 0)),
     ("hierarchical_1bit", (2, 2), "cpu", "adam", {"adaptive_optimizer": "int8"},
      ("int8", 1, "", "hierarchical", 2, 0)),
     ("hierarchical_1bit", (2, 2), "cpu", "adam", {"adaptive_optimizer": "same"},
      ("onebit", 1, "", "hierarchical", 2, 4)),
-    # int4 and int8 keep their codec under any optimizer; two phases beyond two ranks
+    # int4 starts on its own rung; int8 is the ladder's top; two phases beyond two ranks
     ("hierarchical_int4", (2, 2), "cpu", "adam", {}, ("int4", 1, "", "hierarchical", 2, 0)),
+    ("hierarchical_int8", (2, 2), "cpu", "adam", {}, ("int8", 1, "", "hierarchical", 2, 0)),
     ("int8", (4, 1), "cpu", "sgd", {}, ("int8", 2, "int8", "flat", 4, 0)),
 ])
 def test_explain_states_the_rule(method, shape, device, optimizer, options, expected):
@@ -48,6 +51,32 @@ def test_explain_states_the_rule(method, shape, device, optimizer, options, expe
     assert _key(plan) == expected
     assert plan.reasons and plan.describe().startswith(method)
     assert plan.sends_target == (plan.codec == plan.family and plan.server_codec in ("", plan.family))
+
+
+def test_the_ladder_climbs_after_patience_and_never_down():
+    """An adaptive optimizer's tensor: one rung up after PATIENCE steps in a row above the
+    tolerance, none where a step falls back under it, none past the top, never down."""
+    from ciuicflow.compression import policy
+
+    plan = policy.explain("hierarchical_1bit", nodes=2, optimizer="adam")
+    assert (plan.codec, plan.rungs_left) == ("int4", 1)
+    rung, over = 0, 0
+    high, low = 2 * policy.TOLERANCE, policy.TOLERANCE / 2
+    for noise in [high] * (policy.PATIENCE - 1) + [low] + [high] * (policy.PATIENCE - 1):
+        rung, over = policy.climb(plan, rung, over, noise)
+    assert rung == 0  # the low step restarted the count
+    rung, over = policy.climb(plan, rung, over, high)
+    assert rung == 1
+    top = policy.wire_plan("hierarchical_1bit", exchange_ranks=2, adaptive=True, rung=rung)
+    assert (top.codec, top.rungs_left) == ("int8", 0)
+    for _ in range(3 * policy.PATIENCE):
+        rung, over = policy.climb(top, rung, over, high)
+    assert rung == 1
+    for _ in range(3 * policy.PATIENCE):
+        rung, over = policy.climb(top, rung, over, 0.0)
+    assert rung == 1
+    sgd = policy.explain("hierarchical_1bit", nodes=2)
+    assert policy.climb(sgd, 0, 0, 100.0) == (0, 0)  # no ladder: the guard's business
 
 
 def test_explain_refuses_an_unknown_method():
@@ -104,3 +133,50 @@ def test_stats_report_what_explain_says():
             beyond = stats["beyond_target_reductions"]
             # 4 compressed steps past the 2 warm-up steps, each of several buckets
             assert (beyond > 4) if not plan.sends_target else (beyond == 0), (hook, optimizer, beyond)
+
+
+def _ladder_runs(rank, world):
+    from ciuicflow.compression import policy
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for tolerance in (0.0, float("inf")):
+            policy.TOLERANCE = tolerance  # the rule's constant, set for this process's run
+            stats = _train("hierarchical_1bit", "adamw", steps=2 + policy.PATIENCE + 2)
+            out[tolerance] = {key: (w["codec"], w["changes"]) for key, w in stats["wire"].items()}
+    return out
+
+
+def test_a_bucket_climbs_its_ladder_on_every_rank_of_its_exchange_alike():
+    """With no tolerance every AdamW bucket is raised from int4 to int8 after PATIENCE compressed
+    steps, once, on every rank alike; with an infinite one none is."""
+    results = run_distributed(_ladder_runs, 4, nodes=2, timeout=300)
+    for rank, result in enumerate(results):
+        assert result[0.0] and set(result[0.0].values()) == {("int8", 1)}, (rank, result[0.0])
+        assert set(result[float("inf")].values()) == {("int4", 0)}, (rank, result)
+
+
+def test_plan_explain_prints_the_plans_the_compressors_take(tmp_path, capsys):
+    """``ciuicflow plan --explain``: each quantising DDP method's plan, as ``explain`` states it for
+    the cluster's shape and the workload's optimizer, printed and in the JSON."""
+    import argparse
+    import json
+
+    from ciuicflow import plan as pl
+
+    parser = argparse.ArgumentParser()
+    pl.add_arguments(parser)
+    out = tmp_path / "plan.json"
+    args = ["--model", "1B", "--nodes", "8", "--gpus-per-node", "4", "--optimizer", "adam",
+            "--explain", "--json", str(out)]
+    assert pl.run(parser.parse_args(args)) == 0
+    printed = capsys.readouterr().out
+    plans = {p["method"]: p for p in json.loads(out.read_text())["wire_plans"]}
+    assert set(plans) == {"hierarchical_1bit", "onebit", "hierarchical_int8", "int8",
+                          "hierarchical_int4", "int4"}
+    for method, got in plans.items():
+        want = ciuicflow.explain(method, nodes=8, ranks_per_node=4, optimizer="adam")
+        assert got == want.as_dict(), method
+        assert want.describe().splitlines()[0] in printed, method
+    assert plans["hierarchical_1bit"]["codec"] == "int4" and plans["hierarchical_1bit"]["rungs_left"] == 1

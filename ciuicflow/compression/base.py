@@ -47,6 +47,9 @@ class Context:
     # a key under which the route may keep the result instead of writing it into the tensor
     # (``collectives.routes``: a DDP bucket's, whose hook returns whatever holds the mean)
     keep: object = None
+    # what the optimizer divides each coordinate by (an adaptive one's root mean square, the
+    # tensor's layout), so that the guard measures noise as the optimizer sees it (None: 1)
+    units: torch.Tensor | None = None
 
 
 class GuardedMemory:
@@ -57,6 +60,7 @@ class GuardedMemory:
         self._guard_stale = False  # relative_error was measured before the guard's last exact step
         self._grad_norm_ema: float | None = None
         self.wire_plan = None  # what the last step sent (compression.policy.WirePlan), if planned
+        self.rung, self.over = 0, 0  # its ladder: rungs climbed, steps in a row over the tolerance
 
     def sent_by_guard(self, traffic) -> None:
         """The guard's exact step sent what the memory held: it starts again from zero (the

@@ -8,6 +8,7 @@ sends an adaptive optimizer's tensors with (``compression.policy``; why: docs/de
 from __future__ import annotations
 
 from ciuicflow import formats
+from ciuicflow.compression.int8 import Int8Codec
 from ciuicflow.compression.quantized import Codec, QuantizedCompressor, native_ops
 from ciuicflow.compression.registry import FAMILIES
 
@@ -36,6 +37,8 @@ class Int4Compressor(QuantizedCompressor):
 
     name = "int4"
     codec = Int4Codec()
+    # the rung above int4 on the ladder an adaptive optimizer's tensor climbs (compression.policy)
+    adaptive_codecs = {"int8": Int8Codec()}
     default_chunk_size = _COST.chunk_size
     default_error_decay = 1.0
     default_guard_threshold = _COST.guard_threshold

@@ -27,6 +27,9 @@ LINEAR_OPTIMIZERS: tuple[type, ...] = (torch.optim.SGD,)
 
 _lock = threading.Lock()
 _adaptive: set[int] = set()  # ids of parameters; a parameter's id leaves when it is freed
+_stepped_by: dict = {}  # id of an adaptively stepped parameter -> weakref of its optimizer
+# where an adaptive optimizer keeps each coordinate's running mean square (what it divides by)
+SECOND_MOMENT_KEYS = ("exp_avg_sq", "square_avg", "sum")
 _seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> params counted
 _handle = None
 
@@ -48,11 +51,33 @@ def _on_step(optimizer, args, kwargs) -> None:
     with _lock:
         _seen[optimizer] = count
         if is_adaptive(optimizer):
+            ref = weakref.ref(optimizer)
             for group in optimizer.param_groups:
                 for param in group["params"]:
+                    _stepped_by[id(param)] = ref
                     if id(param) not in _adaptive:
                         _adaptive.add(id(param))
-                        weakref.finalize(param, _adaptive.discard, id(param))
+                        weakref.finalize(param, _forget, id(param))
+
+
+def _forget(key: int) -> None:
+    _adaptive.discard(key)
+    _stepped_by.pop(key, None)
+
+
+def second_moment(param) -> torch.Tensor | None:
+    """The running mean square an adaptive optimizer divides ``param``'s update by (Adam's
+    ``exp_avg_sq``, RMSprop's ``square_avg``, Adagrad's ``sum``), or None where it has none yet."""
+    ref = _stepped_by.get(id(param))
+    optimizer = ref() if ref is not None else None
+    state = optimizer.state.get(param) if optimizer is not None else None
+    if not state:
+        return None
+    for key in SECOND_MOMENT_KEYS:
+        value = state.get(key)
+        if isinstance(value, torch.Tensor) and value.shape == param.shape:
+            return value
+    return None
 
 
 def watch() -> None:

@@ -7,31 +7,34 @@ the tensors' device and whether an adaptive optimizer (Adam, ...) steps them. It
 compressors (and through them DDP, FSDP and the 1-bit optimizers) and ``ciuicflow plan`` read it;
 ``ciuicflow.explain`` prints it. Why each default is what it is: docs/decisions.md.
 
-The rule today, in its options' defaults ("auto"):
+The rule, in its options' defaults ("auto"):
 1. Route: a hierarchical method is exact inside nodes and exchanges between them; a flat state
    with ``route="auto"`` takes that route too where the nodes are whole and hold several ranks.
 2. Codec: the family's own (1 bit with values for concentrated windows on the all-reduce
-   routes); for an adaptive optimizer's tensors the 1-bit family sends topmark where each value
-   is quantised once and the tensor is on a CPU, int4 elsewhere (``adaptive_optimizer``).
-3. Phases: one (each value quantised once) up to two ranks, up to the family's
-   ``one_phase_ranks`` for its own codec, and for an adaptive codec where one phase saves a third
-   of two phases' bytes; else two, whose servers send the family's ``server_family``.
+   routes). A tensor an adaptive optimizer steps climbs ``ADAPTIVE_LADDER`` instead (int4, then
+   int8; int8's family starts there): it is raised one rung when its measured noise, the guard's
+   ||error memory|| / ||input|| with every coordinate divided by the optimizer's root mean square
+   (the largest over the exchanging ranks, so every rank decides alike), stays above
+   ``TOLERANCE`` for ``PATIENCE`` steps, and never lowered. Adam divides each coordinate by its
+   own RMS, so noise it sees is noise in those units; sign compression's is far above any
+   tolerance there, which is why the ladder starts at int4.
+3. Phases: one (each value quantised once) up to two ranks, and up to the family's
+   ``one_phase_ranks`` for its own codec; else two, whose servers send the family's
+   ``server_family`` (or the workers' codec).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ciuicflow import formats
 from ciuicflow.compression.registry import ADAPTIVE_CODECS, FAMILIES, METHODS, VALUES_MAX_CHUNK, Cost
 
-ADAPTIVE_AUTO = ("topmark", "int4")  # "auto": (where each value is quantised once, twice)
+# "auto" for an adaptive optimizer's tensors: the rungs a tensor climbs while its noise in the
+# optimizer's units stays above TOLERANCE for PATIENCE steps (docs/decisions.md)
+ADAPTIVE_LADDER = ("int4", "int8")
+TOLERANCE = 0.5  # noise at half the signal's size: the optimizer's RMS inflated by at most 12%
+PATIENCE = 5
 ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODECS, "same")
 ROUTE_POLICIES = ("auto", "flat")
-# "auto" picks a codec only on the devices its kernels have run on (decisions.md)
-ADAPTIVE_CODEC_DEVICES = {"topmark": ("cpu",)}
-# one phase for an adaptive codec beyond two ranks only where it saves this share of two phases'
-# bytes (decisions.md)
-ADAPTIVE_ONE_PHASE_SAVING = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class WirePlan:
     server_codec: str = ""
     values: int = 0  # values a chunk of a concentrated window also sends (compression.outliers)
     reasons: tuple = field(default=(), compare=False)
+    rungs_left: int = 0  # rungs of its ladder above this codec (``climb``)
 
     @property
     def family(self) -> str:
@@ -80,46 +84,41 @@ class WirePlan:
         return {"method": self.method, "route": self.route, "exchange_ranks": self.exchange_ranks,
                 "codec": self.codec, "values": self.values, "phases": self.phases,
                 "server_codec": self.server_codec, "sends_target": self.sends_target,
-                "reasons": list(self.reasons)}
+                "rungs_left": self.rungs_left, "reasons": list(self.reasons)}
 
 
 def family_of(method_or_family: str) -> str:
     return method_or_family if method_or_family in FAMILIES else METHODS[method_or_family].family
 
 
-def adaptive_codec_name(policy: str, quantised_once: bool, device_type: str | None = None) -> str:
-    """The codec an ``adaptive_optimizer`` policy sends with ("same": the compressor's own) where
-    each value is ``quantised_once`` or twice, from ``device_type`` (None: any)."""
-    if policy != "auto":
-        return policy
-    name = ADAPTIVE_AUTO[0 if quantised_once else 1]
-    if device_type is not None and device_type not in ADAPTIVE_CODEC_DEVICES.get(name, (device_type,)):
-        return ADAPTIVE_AUTO[1]
-    return name
+def adaptive_ladder(family: str) -> tuple:
+    """The rungs an adaptive optimizer's tensor climbs under ``family``'s method: from the
+    family's own precision where it is on ``ADAPTIVE_LADDER``, else from its first rung."""
+    return ADAPTIVE_LADDER[ADAPTIVE_LADDER.index(family):] if family in ADAPTIVE_LADDER \
+        else ADAPTIVE_LADDER
 
 
-def adaptive_one_phase(ranks: int, chunk: int, device_type: str | None = None) -> bool:
-    """Whether "auto" sends an adaptive optimizer's tensor over ``ranks`` (> 2) ranks in one
-    phase: where the once-quantised codec to every other rank, (ranks - 1) copies, costs at most
-    1 - ``ADAPTIVE_ONE_PHASE_SAVING`` of the twice-quantised one in two phases, 2 (ranks - 1) /
-    ranks copies."""
-    once, twice = (adaptive_codec_name("auto", q, device_type) for q in (True, False))
-    return once != twice and ranks * formats.bytes_per_element(once, chunk) \
-        <= 2 * (1 - ADAPTIVE_ONE_PHASE_SAVING) * formats.bytes_per_element(twice, chunk)
+def climb(plan: WirePlan, rung: int, over: int, noise: float | None) -> tuple[int, int]:
+    """(rung, steps over the tolerance) after a step that sent ``plan`` and measured ``noise`` in
+    the optimizer's units: one rung up after ``PATIENCE`` steps in a row above ``TOLERANCE``."""
+    if plan is None or not plan.rungs_left or noise is None:
+        return rung, over
+    if noise <= TOLERANCE:
+        return rung, 0
+    if over + 1 >= PATIENCE:
+        return rung + 1, 0
+    return rung, over + 1
 
 
-def two_phases(phases, ranks: int, cost: Cost, adaptive_policy: str | None = None, chunk: int = 0,
-               device_type: str | None = None) -> bool:
+def two_phases(phases, ranks: int, cost: Cost, own_codec: bool = True) -> bool:
     """Whether a quantising exchange with option ``phases`` ("auto", 1 or 2) over ``ranks`` ranks
-    has two phases, for the family's own codec (``adaptive_policy`` None or "same") or an adaptive
-    optimizer's codec under that policy."""
+    has two phases: "auto" takes one up to two ranks (the same bytes, no second quantisation), and
+    up to the family's ``one_phase_ranks`` for its ``own_codec``."""
     if phases != "auto":
         return phases == 2
     if ranks <= 2:
         return False
-    if adaptive_policy in (None, "same"):
-        return ranks > cost.one_phase_ranks
-    return not (adaptive_policy == "auto" and adaptive_one_phase(ranks, chunk, device_type))
+    return not own_codec or ranks > cost.one_phase_ranks
 
 
 def served_codec_family(phases, server_codec: str, cost: Cost, ranks: int) -> str:
@@ -136,15 +135,16 @@ def served_codec_family(phases, server_codec: str, cost: Cost, ranks: int) -> st
 
 def wire_plan(method: str, *, exchange_ranks: int, route: str = "hierarchical",
               whole_nodes: bool = False, hierarchical_ranks: int | None = None,
-              device_type: str | None = None, adaptive: bool = False,
-              options: dict | None = None) -> WirePlan:
+              adaptive: bool = False,
+              options: dict | None = None, rung: int = 0) -> WirePlan:
     """The plan of one tensor's exchange (the module docstring's rule). ``method``: a method or
     family name of the registry; ``route``: the hook's ("hierarchical", "flat") or
     "reduce_scatter" (FSDP's compressed reduce-scatter, each value quantised once);
     ``exchange_ranks``: ranks of the exchange on that route; ``whole_nodes``: the nodes are whole
     and hold several ranks, where ``hierarchical_ranks`` (fewer) would exchange after an exact
-    node sum; ``adaptive``: an adaptive optimizer steps the tensor; ``options``: the state's
-    (``phases``, ``server_codec``, ``adaptive_optimizer``, ``route``, ``outliers``, ``chunk_size``)."""
+    node sum (the rule sends the same from every device); ``adaptive``: an adaptive optimizer steps the tensor; ``options``: the state's
+    (``phases``, ``server_codec``, ``adaptive_optimizer``, ``route``, ``outliers``, ``chunk_size``);
+    ``rung``: how far the tensor has climbed its ladder (``climb``)."""
     family = family_of(method)
     cost = FAMILIES[family].cost
     options = options or {}
@@ -165,14 +165,18 @@ def wire_plan(method: str, *, exchange_ranks: int, route: str = "hierarchical",
     use_adaptive = adaptive and cost.adaptive_family and policy != "same"
     scatter = route == "reduce_scatter"
     if use_adaptive:
-        twice = not scatter and two_phases(phases_option, ranks, cost, policy, chunk, device_type)
-        codec = adaptive_codec_name(policy, not twice, device_type)
-        reasons.append(f"an adaptive optimizer steps it: adaptive_optimizer={policy!r} sends "
-                       f"{codec} where each value is quantised {'twice' if twice else 'once'}")
+        ladder = adaptive_ladder(family) if policy == "auto" else (policy,)
+        codec = ladder[min(rung, len(ladder) - 1)]
+        twice = not scatter and two_phases(phases_option, ranks, cost, codec == family)
+        reasons.append(
+            f"an adaptive optimizer steps it: rung {min(rung, len(ladder) - 1) + 1} of "
+            f"{' -> '.join(ladder)} (raised while its noise in the optimizer's units stays above "
+            f"{TOLERANCE})" if len(ladder) > 1 else
+            f"an adaptive optimizer steps it: adaptive_optimizer={policy!r} sends {codec}")
         return WirePlan(method, route, ranks, codec, 2 if twice else 1, codec if twice else "",
-                        0, tuple(reasons))
+                        0, tuple(reasons), len(ladder) - 1 - min(rung, len(ladder) - 1))
     codec, values = family, 0 if scatter else _outlier_count(options, cost, chunk)
-    twice = not scatter and two_phases(phases_option, ranks, cost, None, chunk, device_type)
+    twice = not scatter and two_phases(phases_option, ranks, cost)
     server = ""
     if twice:
         server = served_codec_family(phases_option, options.get("server_codec", "auto"), cost,
@@ -203,4 +207,4 @@ def explain(method: str, *, nodes: int, ranks_per_node: int = 1, device: str = "
     ranks = nodes if route == "hierarchical" else world
     return wire_plan(method, exchange_ranks=ranks, route=route,
                      whole_nodes=nodes > 1 and ranks_per_node > 1, hierarchical_ranks=nodes,
-                     device_type=device, adaptive=optimizer.lower() != "sgd", options=options)
+                     adaptive=optimizer.lower() != "sgd", options=options)

@@ -13,7 +13,7 @@ from ciuicflow.compression.quantized_exchange import Codec, QuantizedErrors, Qua
     native_ops
 from ciuicflow.compression.quantized_scatter import ScatterErrors, quantized_reduce_scatter
 from ciuicflow.compression import policy
-from ciuicflow.compression.policy import ADAPTIVE_AUTO, ADAPTIVE_OPTIMIZER_POLICIES, ROUTE_POLICIES
+from ciuicflow.compression.policy import ROUTE_POLICIES
 from ciuicflow.compression.registry import FAMILIES, adaptive_bytes_per_element
 from ciuicflow.topology import Topology
 
@@ -80,8 +80,9 @@ class QuantizedCompressor(Compressor):
             raise ValueError(f"phases must be 1, 2 or 'auto', got {phases!r}")
         if adaptive_optimizer is None:
             adaptive_optimizer = FAMILIES[self.name].cost.adaptive_family or "same"
-        if adaptive_optimizer not in ADAPTIVE_OPTIMIZER_POLICIES:
-            raise ValueError(f"adaptive_optimizer must be one of {ADAPTIVE_OPTIMIZER_POLICIES}, "
+        allowed = ("auto", *self.adaptive_codecs, "same")
+        if adaptive_optimizer not in allowed:
+            raise ValueError(f"adaptive_optimizer must be one of {allowed}, "
                              f"got {adaptive_optimizer!r}")
         if route is None:
             route = FAMILIES[self.name].cost.route
@@ -102,7 +103,7 @@ class QuantizedCompressor(Compressor):
         return QuantizedErrors()
 
     def wire_plan(self, route, adaptive: bool = False, device=None,
-                  hierarchical=None) -> policy.WirePlan:
+                  hierarchical=None, rung: int = 0) -> policy.WirePlan:
         """What a tensor on ``route`` (None: the reduce-scatter form) sends from ``device``, an
         adaptive optimizer's (``adaptive``) or not: ``policy.wire_plan`` over this compressor's
         options; ``hierarchical``: the route a flat one may yield to (``route_for``)."""
@@ -113,7 +114,7 @@ class QuantizedCompressor(Compressor):
             route=getattr(route, "name", "flat") if route is not None else "reduce_scatter",
             whole_nodes=whole,
             hierarchical_ranks=hierarchical.exchange_ranks if whole else None,
-            device_type=_device_type(device), adaptive=adaptive, options=self.options())
+            adaptive=adaptive, options=self.options(), rung=rung)
 
     def two_phases(self, route, adaptive: bool = False, device=None) -> bool:
         """Whether an exchange on ``route`` serves segments (each value quantised twice)."""
@@ -161,8 +162,7 @@ class QuantizedCompressor(Compressor):
             self._told_adaptive = True
             ratio = 4 / adaptive_bytes_per_element(codec.name, self.chunk_size)
             hint = ("; ciuicflow.OneBitAdam sends Adam's momentum at 1 bit instead "
-                    "(docs/onebit_adam.md)" if self.adaptive_optimizer == "auto"
-                    and codec.name == ADAPTIVE_AUTO[1] else "")
+                    "(docs/onebit_adam.md)" if self.adaptive_optimizer == "auto" else "")
             log.info("ciuicflow: an adaptive optimizer (Adam, AdamW, ...) steps some of the %s "
                      "state's parameters: their gradients go as %s, not %s (adaptive_optimizer=%r; "
                      "%.1fx fewer bytes than float32): docs/hooks.md, 'Adaptive optimizers'%s",
@@ -188,8 +188,10 @@ class QuantizedCompressor(Compressor):
         return server
 
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
-             traffic: Traffic | None = None, device=None) -> QuantizedStep:
-        plan = errors.wire_plan = self.wire_plan(route, adaptive, device)
+             traffic: Traffic | None = None, device=None, units=None) -> QuantizedStep:
+        """One exchange's step for a tensor with memory ``errors``; ``units``: what its optimizer
+        divides each coordinate by, for the guard's measure (None: 1)."""
+        plan = errors.wire_plan = self.wire_plan(route, adaptive, device, rung=errors.rung)
         codec, decay = self._pick(plan, traffic, route)
         server_codec = self._server_codec(plan, route)
         if traffic is not None and not plan.sends_target:
@@ -199,11 +201,17 @@ class QuantizedCompressor(Compressor):
                              measure=self.measure, guard_half=self.guard_half,
                              server_codec=server_codec, server_error_decay=None
                              if server_codec is None
-                             else self.adaptive_error_decays.get(server_codec.name, 1.0))
+                             else self.adaptive_error_decays.get(server_codec.name, 1.0),
+                             units=units)
 
     def exchange(self, flat, memory, route, context: Context, traffic) -> torch.Tensor:
-        return route.reduce(flat, self.step(memory, route, context.exact_mask, context.adaptive,
-                                            traffic, flat.device), traffic, keep=context.keep)
+        step = self.step(memory, route, context.exact_mask, context.adaptive, traffic,
+                         flat.device, context.units)
+        result = route.reduce(flat, step, traffic, keep=context.keep)
+        if context.units is not None:  # the guard measured in the optimizer's units: climb?
+            memory.rung, memory.over = policy.climb(memory.wire_plan, memory.rung, memory.over,
+                                                    memory.relative_error)
+        return result
 
     # -- the reduce-scatter form (FSDP sharded over every rank) ---------------------------------
 

@@ -97,10 +97,19 @@ class QuantizedErrors(GuardedMemory):
 
     def state_dict(self) -> dict:
         """Copies: the buffers themselves are reused and overwritten by later steps."""
-        return {"worker": snapshot(self.worker), "server": snapshot(self.server)}
+        # and where its ladder stands (policy.climb): the rung, the steps in a row over the
+        # tolerance, and the running gradient norm the measure divides by (-1: none yet)
+        ladder = torch.tensor([self.rung, self.over, -1.0 if self._grad_norm_ema is None
+                               else self._grad_norm_ema], dtype=torch.float64)
+        return {"worker": snapshot(self.worker), "server": snapshot(self.server), "ladder": ladder}
 
     def load_state_dict(self, state: dict) -> None:
         self.worker, self.server = snapshot(state["worker"]), snapshot(state["server"])
+        ladder = state.get("ladder")
+        if ladder is not None:
+            rung, over, ema = ladder.tolist()
+            self.rung, self.over = int(rung), int(over)
+            self._grad_norm_ema = None if ema < 0 else ema
         self._spare, self._numel = None, None
         self._loaded = True  # its tensor is the one it is loaded for (the caller's key says so)
 
@@ -187,6 +196,8 @@ class QuantizedStep:
     read of them on the host). ``guard_half``: the guard's step sends float16, not float32.
     ``server_codec``: what a server packs its segment's mean with (None: ``codec``), in
     ``codec``'s chunks, its memory carried by ``server_error_decay`` (None: ``error_decay``).
+    ``units``: the tensor's size per coordinate as its optimizer sees it (an adaptive optimizer's
+    root mean square, the whole tensor's layout), which the guard's norms divide by (None: 1).
     """
 
     needs_flag = True
@@ -195,7 +206,8 @@ class QuantizedStep:
                  exact_mask: torch.Tensor | None = None, *, error_decay: float = 1.0,
                  server: bool = True, guard_threshold: float | None = None,
                  measure: bool = True, guard_half: bool = False,
-                 server_codec: Codec | None = None, server_error_decay: float | None = None):
+                 server_codec: Codec | None = None, server_error_decay: float | None = None,
+                 units: torch.Tensor | None = None):
         self.codec = codec
         self.server_codec = codec if server_codec is None else server_codec
         self.server_error_decay = float(error_decay if server_error_decay is None
@@ -208,6 +220,7 @@ class QuantizedStep:
         self.guard_threshold = guard_threshold if measure else None
         self.measure = bool(measure)
         self.guard_half = bool(guard_half)
+        self.units = units
 
     def __call__(self, x: torch.Tensor, hop: Hop, flag, offset: int,
                  traffic: Traffic | None) -> torch.Tensor:
@@ -242,7 +255,9 @@ class QuantizedStep:
             scales = padded(scales, parts * layout.nscales)
             worker_error[layout.numel:].zero_()  # padding carries no error
             if self.measure:  # the flag row's ||worker error|| and ||input|| for the guard
-                norms = sums.sqrt().to(torch.float32)
+                norms = sums.sqrt().to(torch.float32) if self.units is None else \
+                    self._norms_in_units(xc, worker_error[:layout.numel], offset, x.numel(),
+                                         compressed_at)
         else:
             packed = side = x.new_empty(0, dtype=torch.uint8)
             scales = x.new_empty(0, dtype=torch.float32)
@@ -392,6 +407,17 @@ class QuantizedStep:
             left.mul_(hop.size)
             errors.worker[:numel] = left if compressed_at is None else left[compressed_at]
         return x
+
+    def _norms_in_units(self, xc, error, offset: int, length: int, compressed_at):
+        """||error / units|| and ||input / units|| over the compressed positions: the guard's
+        norms as the optimizer sees them (``units``: what it divides each coordinate by)."""
+        units = self.units.view(-1)[offset:offset + length]
+        if units.numel() < length:  # a route's last shard runs into its padding
+            units = torch.cat([units, units.new_ones(length - units.numel())])
+        if compressed_at is not None:
+            units = units[compressed_at]
+        return torch.stack([torch.linalg.vector_norm(error / units),
+                            torch.linalg.vector_norm(xc.float() / units)]).to(torch.float32)
 
     def _split(self, offset: int, length: int, device):
         """Index tensors of the compressed and the exact positions of x[offset:offset+length]."""

@@ -24,8 +24,8 @@ class Cost:
 
     ``kind``: "exact" (float values), "quantized" (``payload_bits`` per element plus a float32
     scale per ``chunk_size`` elements, sent with the two-phase or one-phase exchange of
-    ``compression.quantized``; ``adaptive_family``, if set, the family whose codec the compressor
-    sends an adaptive optimizer's tensors with by default: its ``adaptive_optimizer``) or "lowrank"
+    ``compression.quantized``; ``adaptive_family``, if set, its ``adaptive_optimizer`` default:
+    "auto", the policy's ladder for an adaptive optimizer's tensors) or "lowrank"
     (PowerSGD's factors at ``rank``). These are also the compressors' defaults: their classes read
     them from here."""
 
@@ -139,9 +139,9 @@ ENTRIES = (
           Cost("quantized", payload_bits=1, adaptive_family="auto", chunk_size=formats.DEFAULT_CHUNK_SIZE,
                guard_threshold=4.0, values=4, route="auto", one_phase_ranks=ONE_PHASE_RANKS,
                server_family=SERVER_FAMILY),
-          "the most compression with SGD (21-28x: values where a gradient is concentrated; 11-19x on three and four nodes, which exchange in one phase; about 11x beyond, whose servers send int4, 22x with server_codec='onebit_int4' at about half a point); under Adam-family optimizers "
-          "its buckets go as topmark (20x) where two nodes exchange CPU tensors, int4 (about 7.5x) elsewhere; watch "
-          "the accuracy guard"),
+          "the most compression with SGD (21-28x on two nodes, 11-19x on three and four, about 11x "
+          "beyond); under Adam-family optimizers its buckets go as int4 (about 7.5x), raised to int8 "
+          "where their measured noise says so; watch the accuracy guard"),
     Entry("powersgd", "ciuicflow.compression.powersgd:PowerSGDCompressor", "PowerSGDState",
           {"hierarchical": "hierarchical_powersgd", "flat": "powersgd"},
           "rank-r PowerSGD factors with error feedback and warm start",
@@ -150,12 +150,14 @@ ENTRIES = (
     Entry("int8", "ciuicflow.compression.int8:Int8Compressor", "Int8State",
           {"hierarchical": "hierarchical_int8", "flat": "int8"},
           "int8 values with a scale per chunk and error feedback",
-          Cost("quantized", payload_bits=8, chunk_size=formats.DEFAULT_CHUNK_SIZE, guard_threshold=4.0),
+          Cost("quantized", payload_bits=8, adaptive_family="auto", chunk_size=formats.DEFAULT_CHUNK_SIZE,
+               guard_threshold=4.0),
           "about 4x with almost no error; where 1-bit's error costs accuracy"),
     Entry("int4", "ciuicflow.compression.int4:Int4Compressor", "Int4State",
           {"hierarchical": "hierarchical_int4", "flat": "int4"},
           "4-bit values with a scale per chunk and error feedback",
-          Cost("quantized", payload_bits=4, chunk_size=formats.DEFAULT_CHUNK_SIZE, guard_threshold=4.0),
+          Cost("quantized", payload_bits=4, adaptive_family="auto", chunk_size=formats.DEFAULT_CHUNK_SIZE,
+               guard_threshold=4.0),
           "about 7.5x with little error: what the 1-bit methods send Adam-family optimizers' "
           "tensors as"),
 )

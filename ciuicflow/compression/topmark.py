@@ -25,8 +25,8 @@ own (512), whatever the compressor's (1-bit's is 256).
 
 Native on CPU (``ciuicflow.ops.topmark_pack`` / ``topmark_unpack_mean``, csrc/cpu/topmark.cpp)
 and CUDA (csrc/cuda/topmark.cu: one thread per chunk, the same arithmetic, so the same bytes);
-tensors on other devices, or on CUDA in a build without CUDA kernels, go through the CPU. The
-policy's "auto" picks it only on the devices in ``policy.ADAPTIVE_CODEC_DEVICES``.
+tensors on other devices, or on CUDA in a build without CUDA kernels, go through the CPU. An
+option (``adaptive_optimizer="topmark"``), not on the policy's ladder (docs/decisions.md).
 """
 from __future__ import annotations
 

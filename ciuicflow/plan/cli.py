@@ -5,7 +5,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from ciuicflow.compression.policy import ADAPTIVE_OPTIMIZER_POLICIES, adaptive_codec_name, explain
+from ciuicflow.compression.policy import ADAPTIVE_OPTIMIZER_POLICIES, explain
 from ciuicflow.plan.cost_model import plan, recommend
 from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, SERVER_CODECS, ClusterSpec, Workload, \
     compute_seconds_from_flops
@@ -16,9 +16,9 @@ from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, 
 # what the opt-in codecs cost in training under Adam, as measured (docs/convergence.md)
 _ADAPTIVE_COSTS = {
     "topmark": "+1.0% to +1.4% above exact loss on bench/convergence.py's language model where two nodes "
-               "exchange (each value quantised once); +2.1% to +2.4% simulated where more do (quantised twice, "
-               "where the default auto sends int4); its CUDA kernel has not yet run on a GPU",
-    "twobit": "about half a percentage point more loss than the default int4 on bench/convergence.py's "
+               "exchange (each value quantised once), +2.1% to +2.4% where more do, 3 points on a held-out "
+               "CNN: docs/decisions.md",
+    "twobit": "about half a percentage point more loss than int4 on bench/convergence.py's "
               "language models (+0.2% to +1.2% against exact on the hierarchical route)",
     "same": "1-bit gradients under Adam ended 2.7-8.1% above exact loss on bench/convergence.py's language "
             "models: for 1 bit with Adam use ciuicflow.OneBitAdam",
@@ -67,11 +67,12 @@ def add_arguments(parser) -> None:
                              "all-reduce, which matters for FSDP over every rank")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="what steps the parameters (default sgd): with adam (or AdamW, any adaptive "
-                             "optimizer) the 1-bit methods send int4 from GPUs, which is what they cost then")
+                             "optimizer) the 1-bit and int4 methods send int4, raised to int8 per bucket "
+                             "where measured noise says so; they are costed at int4")
     parser.add_argument("--adaptive-optimizer", choices=ADAPTIVE_OPTIMIZER_POLICIES, default="",
                         help="with --optimizer adam: the 1-bit states' adaptive_optimizer, what they send "
-                             "those buckets as (default auto, theirs: int4 from GPUs; topmark: 1.6 bits; "
-                             "twobit: 2 bits; same: 1 bit)")
+                             "those buckets as (default auto, theirs: int4, then int8 where measured noise "
+                             "says so; topmark: 1.6 bits; twobit: 2 bits; same: 1 bit)")
     parser.add_argument("--values-share", type=float, default=1.0,
                         help="share of the 1-bit all-reduces' chunks that also send values (concentrated "
                              "windows, 0 to 1; default 1, the upper bound: which windows are depends on "
@@ -161,8 +162,8 @@ def run(args) -> int:
     print(f"Compute {format_seconds(workload.compute_seconds)} per micro-batch ({source}), accum {workload.accum}, "
           f"overlap {workload.overlap:g}")
     if workload.optimizer == "adam":
-        sent = workload.adaptive_optimizer or ("their default, auto: int4 on GPUs (topmark, 20x where each value "
-                                               "is quantised once, until its CUDA kernel has run on one)")
+        sent = workload.adaptive_optimizer or ("their default, auto: int4, a bucket raised to int8 where its "
+                                               "measured noise says so (costed at int4)")
         print(f"Adaptive optimizer: the 1-bit methods send its buckets as {sent} (--adaptive-optimizer)")
     if workload.phases != "auto" or workload.server_codec not in ("", "auto"):
         print(f"Quantising states modelled with phases={workload.phases!r}, server_codec="
@@ -177,11 +178,11 @@ def run(args) -> int:
         print(f"({best.strategy} with adaptive_optimizer={workload.adaptive_optimizer}: "
               f"{_ADAPTIVE_COSTS[workload.adaptive_optimizer]}; docs/convergence.md)")
     if workload.optimizer == "sgd" and best.strategy not in EXACT_STRATEGIES \
-            and cost(best.strategy).adaptive_family:
-        # what its default policy sends from GPUs (the planner's), where each value is quantised once
-        family = cost(best.strategy).adaptive_family
-        print(f"(modelled with SGD; under Adam/AdamW {best.strategy} sends "
-              f"{adaptive_codec_name(family, True, 'cuda')} values from GPUs: pass --optimizer adam)")
+            and cost(best.strategy).adaptive_family and cost(best.strategy).payload_bits == 1:
+        under_adam = explain(best.strategy.removeprefix("fsdp_"), nodes=cluster.nodes,
+                             ranks_per_node=cluster.gpus_per_node, optimizer="adam").codec
+        print(f"(modelled with SGD; under Adam/AdamW {best.strategy} sends {under_adam} values, raised "
+              f"to int8 where measured noise says so: pass --optimizer adam)")
     plans = wire_plans(estimates, cluster, workload) if args.explain else []
     if plans:
         print("\nWhat each quantising method sends (ciuicflow.explain):")

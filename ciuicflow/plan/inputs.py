@@ -70,8 +70,8 @@ class Workload:
     # (registry Cost.adaptive_family; docs/hooks.md, "Adaptive optimizers")
     optimizer: str = "sgd"
     # under "adam": the 1-bit states' ``adaptive_optimizer`` (auto, topmark, int4, int8, twobit or
-    # same: what they send those buckets as); "" is their default (the registry's
-    # ``adaptive_family``: auto, topmark where each value is quantised once, int4 where twice)
+    # same: what they send those buckets as); "" is their default, auto (compression.policy's
+    # ladder, costed at its first rung, int4)
     adaptive_optimizer: str = ""
     # the share of a 1-bit method's chunks that also send values (concentrated windows,
     # compression/outliers.py): 1.0, every chunk, is the upper bound; which windows are

@@ -38,14 +38,18 @@ def flat_all_to_all(c: ClusterSpec, nbytes: float) -> tuple:
 
 
 def wire_plan(method_cost, w: Workload, exchange_ranks: int | None) -> WirePlan:
-    """The compressors' plan (``compression.policy.wire_plan``) for the workload's gradients on
-    GPUs over ``exchange_ranks`` ranks (None: FSDP's reduce-scatter), with the workload's options."""
+    """The compressors' plan (``compression.policy.wire_plan``) for the workload's gradients over
+    ``exchange_ranks`` ranks (None: FSDP's reduce-scatter), with the workload's options. Under an
+    adaptive optimizer, the ladder's first rung: where a bucket is raised is known only from its
+    measured noise, so a raised bucket costs more than modelled."""
     family = next(name for name, entry in registry.FAMILIES.items() if entry.cost is method_cost)
+    # --adaptive-optimizer is the 1-bit states' option; the others keep their default
+    asked = w.adaptive_optimizer if method_cost.payload_bits == 1 else ""
     options = {"phases": w.phases, "server_codec": w.server_codec or "auto",
-               "adaptive_optimizer": w.adaptive_optimizer or None, "chunk_size": w.chunk_size or None}
+               "adaptive_optimizer": asked or None, "chunk_size": w.chunk_size or None}
     return policy.wire_plan(family, exchange_ranks=exchange_ranks or 0,
                             route="reduce_scatter" if exchange_ranks is None else "flat",
-                            device_type="cuda", adaptive=w.optimizer == "adam", options=options)
+                            adaptive=w.optimizer == "adam", options=options)
 
 
 def packed_bytes_per_element(method_cost, w: Workload, values: bool = False,
