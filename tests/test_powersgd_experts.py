@@ -33,7 +33,8 @@ def test_stacked_experts_are_batches_and_conv_weights_keep_their_matrix():
 def _gradient(rank, step, zero):
     """This rank's [E, ROWS, COLS] gradient; experts in ``zero`` are zero on every rank (no token
     was routed to them), expert 1 only on rank 0."""
-    g = torch.randn(EXPERTS, ROWS, COLS, generator=torch.Generator().manual_seed(1000 * step + rank))
+    g = torch.randn(EXPERTS, ROWS, COLS,
+                    generator=torch.Generator().manual_seed(1000 * step + rank))
     g[list(zero)] = 0.0
     if rank == 0:
         g[1] = 0.0
@@ -112,7 +113,8 @@ def _unrouted_from_the_start(rank, world):
 
     memory, outputs = PowerSGDMemory(), []
     for step in range(4):
-        g = torch.randn(EXPERTS, ROWS, COLS, generator=torch.Generator().manual_seed(step + 9 * rank))
+        g = torch.randn(EXPERTS, ROWS, COLS,
+                        generator=torch.Generator().manual_seed(step + 9 * rank))
         if step < 2:  # no token reaches expert 0 in the first two steps, on any rank
             g[0] = 0.0
         exact = g.clone()

@@ -1,4 +1,5 @@
-"""Which parameters of a tensor PowerSGD compresses, as which matrices, and where their factors live.
+"""Which parameters of a tensor PowerSGD compresses, as which matrices, and where their factors
+live.
 
 A tensor laid out as segments ((offset, shape) per parameter) is planned once per layout: each
 compressed parameter is a batch of ``count`` matrices rows x cols (``count`` 1 for a plain matrix,
@@ -87,7 +88,8 @@ def plan_compression(numel: int, segments, rank: int, min_compression_rate: floa
     for offset, shape in segments:
         view = matrix_view(shape, rank, min_compression_rate)
         size = _numel(shape)
-        if view is None or (exact_mask is not None and bool(exact_mask[offset:offset + size].any())):
+        excluded = exact_mask is not None and bool(exact_mask[offset:offset + size].any())
+        if view is None or excluded:
             continue
         m = Matrices(offset, *view, p_numel, q_numel)
         matrices.append(m)
