@@ -271,3 +271,59 @@ def test_every_port_under_a_low_descriptor_limit(sidecars):
     finally:
         _close_all(held)
     assert b.proc.poll() is None and not EMFILE.search(b.log()), b.log()[-3000:]
+
+
+# ---------------------------------------------------------------------- another local user
+LOCAL_FLOOD = textwrap.dedent("""
+    import socket, sys, time
+    port, sock_path = int(sys.argv[1]), sys.argv[2]
+    held = []
+    for _ in range(300):        # idle connections on the metrics port, as many as it takes
+        s = socket.socket()
+        s.settimeout(2)
+        try:
+            s.connect(("127.0.0.1", port))
+            held.append(s)
+        except OSError:
+            s.close()
+    # the descriptor socket: its directory is the sidecar user's alone
+    try:
+        u = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        u.connect(sock_path)
+        handoff = "connected"
+    except OSError as exc:
+        handoff = type(exc).__name__
+    time.sleep(1.0)
+    still = 0                   # connections the sidecar still holds open (a read times out)
+    for s in held:
+        s.settimeout(0.01)
+        try:
+            s.recv(1)           # b"": closed; bytes: refused with an answer
+        except socket.timeout:
+            still += 1
+        except OSError:
+            pass
+    print(len(held), still, handoff, flush=True)
+""")
+
+
+def test_another_local_user_cannot_exhaust_the_sidecar(sidecars, unprivileged):
+    """An unprivileged local user (not the sidecar's) floods the metrics port and tries the descriptor
+    socket: the metrics port holds at most its cap and refuses the rest, the descriptor socket refuses
+    that user outright, and the sidecar's own clients go on (Stats fast, a transfer completes)."""
+    port = sidecars.free_port()
+    a, b = _pair(sidecars, 1024, ["--metrics-port", str(port), "--hello-timeout-s", "3"])
+    ca, cb = _warm(a, b)
+    cap, pid = cb.stats()["caps"]["metrics"], b.proc.pid
+    threads0 = _threads(pid)
+    run = unprivileged.run(LOCAL_FLOOD.replace("sys.argv[1]", repr(str(port))).replace(
+        "sys.argv[2]", repr(runtime.api_file(b.api_port, "sock"))), timeout=60)
+    assert run.returncode == 0, run.stderr
+    opened, still_open, handoff = run.stdout.split()
+    assert int(still_open) <= cap, (opened, still_open, cap)
+    assert handoff in ("PermissionError", "FileNotFoundError"), handoff
+    assert _threads(pid) <= threads0 + 1
+    assert sorted(_stats_ms(cb) for _ in range(10))[5] < 100
+    ca.send("b", "after", os.urandom(1 << 20)).wait(30)
+    assert len(cb.recv("after", timeout_s=10)) == 1 << 20
+    assert "Traceback" not in b.log() and not EMFILE.search(b.log())
