@@ -3,13 +3,10 @@ states report sending (``stats()["wire"]``) is what it said, on real gloo proces
 import warnings
 
 import pytest
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ciuicflow
 from tests.dist_utils import run_distributed
-from tests.test_hooks import Net, _batch
+from tests.test_adaptive_optimizers import _train as train
 
 
 def _key(plan):
@@ -85,18 +82,7 @@ def test_explain_refuses_an_unknown_method():
 
 
 def _train(hook, optimizer, steps=6, **options):
-    model = Net()
-    ddp = DDP(model, bucket_cap_mb=0.0001)
-    state = ciuicflow.register(ddp, hook, warmup_steps=2, **options)
-    opt = (torch.optim.AdamW(ddp.parameters(), lr=1e-2) if optimizer == "adamw"
-           else torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
-    for step in range(steps):
-        x, y = _batch(dist.get_rank(), step)
-        loss = torch.nn.functional.cross_entropy(ddp(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return state.stats()
+    return train(hook, optimizer, steps, **options)[1].stats()
 
 
 CASES = (("hierarchical_1bit", "sgd", {}), ("hierarchical_1bit", "adamw", {}),
