@@ -38,8 +38,7 @@ def test_ledger_lines_are_durable_and_read_back(tmp_path):
 
 
 # ---------------------------------------------------------------------- the attackers' verdict
-from kvflow_soak_ledger import (STATS_LIMIT_MS, STATS_NOISE, STATS_STALL_MS, attack_report, judge,  # noqa: E402
-                                stats_during)
+from kvflow_soak_ledger import STATS_LIMIT_MS, STATS_STALL_MS, attack_report, judge, stats_during  # noqa: E402
 
 
 def attack(attacker, target, t0, t1, bad=(), **extra):
@@ -91,17 +90,15 @@ def test_judge_fails_each_missed_target():
         ["d1: peak RSS 501 MiB over its bound 500 MiB"]
     slow = [("d0", 1.0 + i / 100, (STATS_LIMIT_MS + 5) / 1000) for i in range(20)]
     assert judge(v, report, stats_during(slow, report), memory, ["metrics"]) == \
-        [f"metrics: local Stats p90 {STATS_LIMIT_MS + 5:g} ms during its floods (limit {STATS_LIMIT_MS:g})"]
-    # a host slower than the target outside the floods too: the floods may not make it STATS_NOISE times slower
-    noise = [("p0", 8 + i / 100, 0.08) for i in range(20)]
-    assert judge(v, report, stats_during(slow + noise, report), memory, ["metrics"]) == []
-    limit = STATS_NOISE * 80
-    slower = [("d0", 1.0 + i / 100, (limit + 1) / 1000) for i in range(20)]
-    assert judge(v, report, stats_during(slower + noise, report), memory, ["metrics"]) == \
-        [f"metrics: local Stats p90 {limit + 1:g} ms during its floods (limit {limit:g})"]
+        [f"metrics: local Stats median {STATS_LIMIT_MS + 5:g} ms during its floods (limit {STATS_LIMIT_MS:g})"]
+    tail = [("d0", 1.0 + i / 100, 0.005 if i < 15 else (STATS_LIMIT_MS + 5) / 1000) for i in range(20)]
+    assert judge(v, report, stats_during(tail, report), memory, ["metrics"]) == []       # a slow tail: reported
+    assert stats_during(tail, report)["metrics"]["over_limit"] == 5
     stall = [("d0", 1.0 + i / 100, 0.01) for i in range(20)] + [("d1", 5.1, (STATS_STALL_MS + 1) / 1000)]
     assert judge(v, report, stats_during(stall, report), memory, ["metrics"]) == \
         [f"metrics: local Stats took {STATS_STALL_MS + 1:g} ms during its floods (stall limit {STATS_STALL_MS:g})"]
     assert judge(v, report, stats, memory, ["metrics"], stats_failures=2) == \
         ["2 local Stats calls failed while their sidecar was up"]
     assert judge(v, report, stats, memory, [], proxy={"exited": -9}) == ["the proxy exited by itself (-9)"]
+    assert judge(v, report, stats, memory, [], proxy={"exited": None}, emfile=3) == \
+        ["the sidecars ran out of descriptors (3 log lines)"]
