@@ -2,8 +2,9 @@
 
 ``wire_plan(...)`` takes every input the choice depends on, explicitly: the method's family and
 route, the state's options, the exchange's ranks, whether the nodes are whole with several ranks,
-the tensors' device and whether an adaptive optimizer (Adam, ...) steps them. It returns a
-``WirePlan``: the workers' codec, one phase or two, the route, and the servers' codec. The
+whether an adaptive optimizer (Adam, ...) steps the tensor and how far its measured noise has
+raised it (the same from every device). It returns a ``WirePlan``: the workers' codec, one phase
+or two, the route, and the servers' codec. The
 compressors (and through them DDP, FSDP and the 1-bit optimizers) and ``ciuicflow plan`` read it;
 ``ciuicflow.explain`` prints it. Why each default is what it is: docs/decisions.md.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ciuicflow.compression.registry import ADAPTIVE_CODECS, FAMILIES, METHODS, VALUES_MAX_CHUNK, Cost
+from ciuicflow.compression.registry import method as find_method
 
 # "auto" for an adaptive optimizer's tensors: the rungs a tensor climbs while its noise in the
 # optimizer's units stays above TOLERANCE for PATIENCE steps (docs/decisions.md)
@@ -135,16 +137,15 @@ def served_codec_family(phases, server_codec: str, cost: Cost, ranks: int) -> st
 
 def wire_plan(method: str, *, exchange_ranks: int, route: str = "hierarchical",
               whole_nodes: bool = False, hierarchical_ranks: int | None = None,
-              adaptive: bool = False,
-              options: dict | None = None, rung: int = 0) -> WirePlan:
+              adaptive: bool = False, options: dict | None = None, rung: int = 0) -> WirePlan:
     """The plan of one tensor's exchange (the module docstring's rule). ``method``: a method or
     family name of the registry; ``route``: the hook's ("hierarchical", "flat") or
     "reduce_scatter" (FSDP's compressed reduce-scatter, each value quantised once);
     ``exchange_ranks``: ranks of the exchange on that route; ``whole_nodes``: the nodes are whole
     and hold several ranks, where ``hierarchical_ranks`` (fewer) would exchange after an exact
-    node sum (the rule sends the same from every device); ``adaptive``: an adaptive optimizer steps the tensor; ``options``: the state's
-    (``phases``, ``server_codec``, ``adaptive_optimizer``, ``route``, ``outliers``, ``chunk_size``);
-    ``rung``: how far the tensor has climbed its ladder (``climb``)."""
+    node sum; ``adaptive``: an adaptive optimizer steps the tensor; ``options``: the state's
+    (``phases``, ``server_codec``, ``adaptive_optimizer``, ``route``, ``outliers``,
+    ``chunk_size``); ``rung``: how far the tensor has climbed its ladder (``climb``)."""
     family = family_of(method)
     cost = FAMILIES[family].cost
     options = options or {}
@@ -198,10 +199,11 @@ def _outlier_count(options: dict, cost: Cost, chunk: int) -> int:
 
 def explain(method: str, *, nodes: int, ranks_per_node: int = 1, device: str = "cuda",
             optimizer: str = "sgd", **options) -> WirePlan:
-    """What ``method``'s default state (or one with ``options``) sends from ``device`` tensors
-    stepped by ``optimizer`` ("sgd", or an adaptive one: "adam", "adamw", ...) on ``nodes`` nodes
-    of ``ranks_per_node`` ranks: the ``WirePlan`` of a bucket, as the compressors take it."""
-    from ciuicflow.compression.registry import method as find_method
+    """What ``method``'s default state (or one with ``options``) sends for tensors stepped by
+    ``optimizer`` ("sgd", or an adaptive one: "adam", "adamw", ...) on ``nodes`` nodes of
+    ``ranks_per_node`` ranks: the ``WirePlan`` a bucket starts with, as the compressors take it
+    (an adaptive optimizer's may be raised later by its measured noise: ``rungs_left``). The rule
+    sends the same from every ``device``."""
     route = find_method(method).route
     world = nodes * ranks_per_node
     ranks = nodes if route == "hierarchical" else world
