@@ -104,9 +104,10 @@ class QuantizedCompressor(Compressor):
 
     def wire_plan(self, route, adaptive: bool = False, device=None,
                   hierarchical=None, rung: int = 0) -> policy.WirePlan:
-        """What a tensor on ``route`` (None: the reduce-scatter form) sends from ``device``, an
-        adaptive optimizer's (``adaptive``) or not: ``policy.wire_plan`` over this compressor's
-        options; ``hierarchical``: the route a flat one may yield to (``route_for``)."""
+        """What a tensor on ``route`` (None: the reduce-scatter form) sends, an adaptive
+        optimizer's (``adaptive``) or not: ``policy.wire_plan`` over this compressor's options;
+        ``hierarchical``: the route a flat one may yield to (``route_for``); ``rung``: how far its
+        measured noise raised it. ``device`` is the tensor's: the rule is the same on every one."""
         whole = hierarchical is not None and hierarchical is not route \
             and hierarchical.crosses_nodes
         return policy.wire_plan(
@@ -235,10 +236,6 @@ class QuantizedCompressor(Compressor):
                                         scale=scale, traffic=traffic, exact_mask=exact_mask,
                                         guard_threshold=self.exact_step_threshold,
                                         measure=self.measure, guard_half=self.guard_half)
-
-
-def _device_type(device) -> str | None:
-    return None if device is None else torch.device(device).type
 
 
 def quantized_all_reduce(compressor: QuantizedCompressor, tensor: torch.Tensor,
