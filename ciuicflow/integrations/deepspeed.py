@@ -3,7 +3,7 @@
     import deepspeed
     from ciuicflow.optim import OneBitAdam
     engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=OneBitAdam(model.parameters(), lr=1e-3, freeze_steps=100),
+        model=model, optimizer=OneBitAdam(model.parameters(), lr=1e-3),
         config={"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}})
 
 Building a ciuicflow 1-bit optimizer in a process that has imported deepspeed calls ``install()``,
