@@ -82,6 +82,15 @@ class CompressedMomentumOptimizer(Optimizer):
         self._skip_next_steps = 0  # DeepSpeed's state-allocating step (see integrations.deepspeed)
         prepare_engines()  # deepspeed.initialize must know how to drive us
 
+    @property
+    def frozen_at(self) -> int | None:
+        """The step after which the variance froze (None before; a subclass's ``variance_freeze``)."""
+        return self.variance_freeze.frozen_at
+
+    @property
+    def freeze_reason(self) -> str:
+        return self.variance_freeze.reason
+
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_buckets", None) is not None or getattr(self, "steps_taken", 0):
             raise RuntimeError(f"{type(self).__name__}: add parameter groups before the first step "

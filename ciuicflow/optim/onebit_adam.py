@@ -88,15 +88,6 @@ class OneBitAdam(CompressedMomentumOptimizer):
         self.variance_freeze = VarianceFreeze(self, "freeze_steps", freeze_steps, hold_until_stable)
         self.freeze_steps = self.variance_freeze.requested
 
-    @property
-    def frozen_at(self) -> int | None:
-        """The step after which the variance froze (None before)."""
-        return self.variance_freeze.frozen_at
-
-    @property
-    def freeze_reason(self) -> str:
-        return self.variance_freeze.reason
-
     @torch.no_grad()
     def step(self, closure=None):
         loss, buckets = self._begin_step(closure)

@@ -111,15 +111,6 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
                                               hold_until_stable)
         self.var_freeze_step = self.variance_freeze.requested
 
-    @property
-    def frozen_at(self) -> int | None:
-        """The step after which the variance froze (None before)."""
-        return self.variance_freeze.frozen_at
-
-    @property
-    def freeze_reason(self) -> str:
-        return self.variance_freeze.reason
-
     # -- the schedules ------------------------------------------------------------------------
 
     def _next_step_exact(self) -> bool:
