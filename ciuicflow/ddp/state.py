@@ -251,7 +251,7 @@ class AllReduceState:
         adaptive = self._adaptive(info.parameters)
         context = Context(tuple(info.segments), self._exact_mask(info, route.name == "hierarchical"),
                           step, info.index, self.seed, adaptive, keep,
-                          units=optimizer_units(info) if adaptive else None)
+                          units=optimizer_units(info) if adaptive and _may_climb(memory) else None)
         self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, route,
                                    info.buffer.device)
         route.add_exact(traffic, info.buffer)
@@ -282,6 +282,13 @@ class AllReduceState:
 
     def _warn_once(self, tag: str, message: str) -> None:
         self._ledger.warn_once(tag, message)
+
+
+def _may_climb(memory) -> bool:
+    """Whether the bucket's plan has a rung left (its first step: not known yet, so yes): only then
+    is its noise measured in the optimizer's units, a pass over the bucket every step."""
+    plan = getattr(memory, "wire_plan", None)
+    return plan is None or plan.rungs_left > 0
 
 
 def optimizer_units(info: BucketView) -> torch.Tensor | None:
