@@ -1,0 +1,310 @@
+"""DiLoCo: local SGD across nodes with an outer optimizer, in fragments, overlapped with compute.
+
+Inside a node every inner step is what it is without DiLoCo (the user's DDP over the node's ranks,
+with any ciuicflow hook, or FSDP2 over the node). Every ``sync_every`` inner steps each fragment's
+pseudo-gradient (its parameters at the last sync minus now) is averaged across nodes
+(``diloco.exchange``), and the fragment's outer optimizer (Nesterov SGD by default) steps its
+anchor (the parameters at the last sync, the same on every rank) with that mean: the fragment's
+parameters become the new anchor. The inner optimizer's state stays local.
+
+Replicas are bit-identical after each outer step: the mean is unpacked from the same bytes on every
+rank, and anchors and outer optimizers start equal and step alike.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from ciuicflow.collectives.primitives import Traffic, ring_all_reduce_bytes
+from ciuicflow.diloco.exchange import NodeLayout, OuterExchange, make_compressor
+from ciuicflow.diloco.layout import Schedule, is_sharded, local_tensor, split
+
+_STATE_VERSION = 1
+# DiLoCo's outer step (arXiv 2311.08105); kept after measuring others (docs/diloco.md)
+DEFAULT_OUTER_LR = 0.7
+DEFAULT_OUTER_MOMENTUM = 0.9
+DEFAULT_CODEC = "int8"  # docs/diloco.md: int4 and int8 measured side by side
+
+
+def nesterov(lr: float = DEFAULT_OUTER_LR, momentum: float = DEFAULT_OUTER_MOMENTUM):
+    """The default outer optimizer's factory: SGD with Nesterov momentum."""
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+class _Pending:
+    """A fragment's sync in flight: sent after one inner step, applied after ``apply_at``."""
+
+    __slots__ = ("apply_at", "future", "mean", "done")
+
+    def __init__(self, apply_at: int, future: Future | None = None, mean=None, done=False):
+        self.apply_at, self.future, self.mean, self.done = apply_at, future, mean, done
+
+
+class DiLoCo:
+    """Hierarchical local SGD / (Streaming) DiLoCo over the nodes of the default process group.
+
+    Call ``step()`` after every inner ``optimizer.step()`` (or pass ``inner_optimizer``: a hook of
+    its ``step`` does it), and ``close()`` at the end (or use it as a context manager).
+
+    Args:
+        model: the model (a DDP model's ``module`` is read; FSDP2 shards are read locally).
+        inner_optimizer: optional; its ``step`` then calls ``self.step()`` after it.
+        sync_every: inner steps between two syncs of a fragment (H).
+        fragments: the model is cut into this many fragments, each synced at its own step,
+            staggered over the period (Streaming DiLoCo); 1: the whole model at once.
+        fragment_sync_delay: inner steps between a fragment's send and its update (its exchange
+            runs on a worker thread meanwhile); 0: wait for it at once.
+        fragment_update_alpha: the fragment becomes alpha x local + (1 - alpha) x global; 0 keeps
+            the replicas bit-identical.
+        codec: the registry compressor of the outer exchange ("int8", "int4", "onebit") or
+            "exact"; ``codec_options``: its options (``chunk_size``, ``error_decay``, ...).
+        outer_optimizer: a factory ``params -> torch.optim.Optimizer`` (default: ``nesterov()``,
+            lr 0.7, momentum 0.9); each fragment gets its own, over one flat float32 tensor.
+        ranks_per_node: nodes of this many consecutive ranks (default: ``Topology.detect()``).
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer=None, *, sync_every: int,
+                 fragments: int = 1, fragment_sync_delay: int = 0,
+                 fragment_update_alpha: float = 0.0, codec: str = DEFAULT_CODEC,
+                 codec_options: dict | None = None, outer_optimizer=None,
+                 ranks_per_node: int | None = None):
+        module = getattr(model, "module", model)
+        params = [p for p in module.parameters() if p.requires_grad]
+        _check_options(params, sync_every, fragments, fragment_sync_delay, fragment_update_alpha,
+                       outer_optimizer)
+        self.sync_every, self.alpha = int(sync_every), float(fragment_update_alpha)
+        self.schedule = Schedule(self.sync_every, int(fragments), int(fragment_sync_delay))
+        self.codec = codec
+        compressor = make_compressor(codec, codec_options)  # before any collective: fail alike
+        self.layout = NodeLayout(ranks_per_node)
+        self.fragments = split(params, int(fragments))
+        self.sharded = is_sharded(params)
+        self._exchange = OuterExchange(self.layout, compressor, len(self.fragments), self.sharded)
+        self._broadcast_initial(params)
+        factory = outer_optimizer or nesterov()
+        self.anchors = [torch.nn.Parameter(f.read(), requires_grad=False) for f in self.fragments]
+        self.outer = [factory([a]) for a in self.anchors]
+        self.inner_steps = 0
+        self.fragment_syncs = 0  # fragments' outer steps applied
+        self.skipped = 0         # fragments' outer steps skipped (non-finite pseudo-gradient)
+        self._traffic = Traffic()
+        self._pending: dict[int, _Pending] = {}
+        self._wait = self._wall = 0.0
+        self._last_time: float | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ciuicflow-diloco") \
+            if self.schedule.delay else None
+        self._hook = inner_optimizer.register_step_post_hook(lambda *_: self.step()) \
+            if inner_optimizer is not None else None
+        self._closed = False
+
+    # -- the training loop's calls -------------------------------------------------------------
+
+    def step(self) -> None:
+        """After an inner optimizer step: send the fragments due, apply those whose delay is up."""
+        self._check_open()
+        now = time.perf_counter()
+        if self._last_time is not None:
+            self._wall += now - self._last_time
+        self._last_time = now
+        self.inner_steps += 1
+        for k in self.schedule.sends_at(self.inner_steps):
+            self._send(k, self.inner_steps + self.schedule.delay)
+        for k in sorted(self._pending, key=lambda k: self._pending[k].apply_at):
+            if self._pending[k].apply_at <= self.inner_steps:
+                self._apply(k)
+
+    def sync(self) -> None:
+        """An outer step of every fragment now (those in flight first): the replicas are then equal
+        (with ``fragment_update_alpha`` 0), e.g. before evaluating or saving the final model."""
+        self._check_open()
+        for k in sorted(self._pending, key=lambda k: self._pending[k].apply_at):
+            self._apply(k)
+        for k in range(len(self.fragments)):
+            self._send(k, self.inner_steps)
+            self._apply(k)
+
+    def close(self) -> None:
+        """Wait for syncs in flight (kept, applied at their step if training goes on elsewhere:
+        they are in ``state_dict``), stop the worker and remove the optimizer hook."""
+        if self._closed:
+            return
+        for k in list(self._pending):
+            self._resolve(k)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        if self._hook is not None:
+            self._hook.remove()
+        self._closed = True
+
+    def __enter__(self) -> "DiLoCo":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- statistics ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """This rank's counters: inner steps, outer steps, bytes, the share of time waiting."""
+        t, layout = self._traffic, self.layout
+        outer_steps = self.fragment_syncs / len(self.fragments)
+        numel = sum(f.numel for f in self.fragments)
+        world = layout.nodes * layout.local
+        # what exact DDP over all ranks would put on inter-node links per step (a flat ring
+        # all-reduce of float32 gradients, its share of peers on other nodes)
+        exact_ddp = ring_all_reduce_bytes(numel * 4, world) * (world - layout.local) \
+            / max(1, world - 1) if not self.sharded else float("nan")
+        per_step = t.inter_bytes / self.inner_steps if self.inner_steps else 0.0
+        plan = self._exchange.wire_plan()
+        return {
+            "method": "diloco", "codec": self.codec,
+            "wire_plan": plan.summary() if plan is not None else self.codec,
+            "topology": layout.describe(), "sync_every": self.sync_every,
+            "fragments": len(self.fragments), "fragment_sync_delay": self.schedule.delay,
+            "inner_steps": self.inner_steps, "outer_steps": outer_steps,
+            "fragment_syncs": self.fragment_syncs, "skipped_outer_steps": self.skipped,
+            "inter_node_bytes": t.inter_bytes, "intra_node_bytes": t.intra_bytes,
+            "inter_node_bytes_per_step": per_step,
+            "inter_node_bytes_per_outer_step": t.inter_bytes / outer_steps if outer_steps else 0.0,
+            "exact_outer_inter_node_bytes": t.exact_inter_bytes,
+            "exact_ddp_inter_node_bytes_per_step": exact_ddp,
+            "reduction_vs_exact_ddp": exact_ddp / per_step if per_step else None,
+            "network_wait_seconds": self._wait, "wall_seconds": self._wall,
+            "network_wait_share": self._wait / self._wall if self._wall else 0.0,
+        }
+
+    def reset_stats(self) -> None:
+        self._traffic, self._wait, self._wall = Traffic(), 0.0, 0.0
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs besides the model and the inner optimizer: step counter,
+        anchors, outer optimizers, error-feedback memories, syncs in flight (waited for, their
+        results kept). This rank's: memories differ between the ranks of a node."""
+        for k in list(self._pending):
+            self._resolve(k)
+        return {
+            "version": _STATE_VERSION, "config": self._config(),
+            "inner_steps": self.inner_steps, "fragment_syncs": self.fragment_syncs,
+            "skipped": self.skipped,
+            "anchors": [a.detach().clone() for a in self.anchors],
+            "outer": [o.state_dict() for o in self.outer],
+            "memory": self._exchange.state_dict(),
+            "pending": {k: {"apply_at": p.apply_at,
+                            "mean": None if p.mean is None else p.mean.clone()}
+                        for k, p in self._pending.items()},
+            "traffic": self._traffic.as_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unknown DiLoCo checkpoint version {state.get('version')!r}")
+        if state["config"] != self._config():
+            raise ValueError(f"checkpoint's DiLoCo config {state['config']} differs from this "
+                             f"one's {self._config()}")
+        for k in list(self._pending):
+            self._resolve(k)
+        self.inner_steps = int(state["inner_steps"])
+        self.fragment_syncs, self.skipped = int(state["fragment_syncs"]), int(state["skipped"])
+        with torch.no_grad():
+            for anchor, saved in zip(self.anchors, state["anchors"]):
+                anchor.copy_(saved)
+        for outer, saved in zip(self.outer, state["outer"]):
+            outer.load_state_dict(saved)
+        self._exchange.load_state_dict(state["memory"])
+        self._pending = {int(k): _Pending(p["apply_at"], mean=p["mean"], done=True)
+                         for k, p in state["pending"].items()}
+        self._traffic = Traffic(**state["traffic"])
+
+    # -- inside --------------------------------------------------------------------------------
+
+    def _config(self) -> dict:
+        return {"sync_every": self.sync_every, "fragments": [f.numel for f in self.fragments],
+                "delay": self.schedule.delay, "codec": self.codec,
+                "nodes": self.layout.nodes, "ranks_per_node": self.layout.local,
+                "sharded": self.sharded}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this DiLoCo is closed")
+
+    def _broadcast_initial(self, params) -> None:
+        """Every node starts from the same parameters: node 0's (each shard from its holder)."""
+        layout = self.layout
+        group = layout.peer_group if self.sharded else layout.world_group
+        source = min(layout.peers) if self.sharded else layout.members[0][0]
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(local_tensor(p).data, source, group=group)
+
+    def _send(self, k: int, apply_at: int) -> None:
+        delta = self.anchors[k].detach() - self.fragments[k].read()
+        outer_step = self.fragment_syncs + self.skipped + len(self._pending)
+        job = (lambda: self._exchange.run(k, delta, outer_step))
+        if self._executor is None:
+            future: Future = Future()
+            start = time.perf_counter()
+            future.set_result(job())
+            self._wait += time.perf_counter() - start
+        else:
+            future = self._executor.submit(job)
+        self._pending[k] = _Pending(apply_at, future)
+
+    def _resolve(self, k: int) -> None:
+        pending = self._pending[k]
+        if pending.done:
+            return
+        start = time.perf_counter()
+        pending.mean, traffic = pending.future.result()
+        self._wait += time.perf_counter() - start
+        self._traffic.merge(traffic)
+        pending.future, pending.done = None, True
+
+    def _apply(self, k: int) -> None:
+        self._resolve(k)
+        mean = self._pending.pop(k).mean
+        anchor, fragment = self.anchors[k], self.fragments[k]
+        if mean is None:  # some rank's pseudo-gradient is inf/NaN: every rank drops this round
+            self.skipped += 1
+            warnings.warn(f"ciuicflow.diloco: a non-finite pseudo-gradient in fragment {k} after "
+                          f"inner step {self.inner_steps}: its outer step is skipped on every "
+                          f"rank ({self.skipped} so far) and its parameters go back to the last "
+                          f"sync's; the inner optimizer's state is left as it is",
+                          RuntimeWarning, stacklevel=3)
+            fragment.write(anchor.detach())
+            return
+        anchor.grad = mean.view_as(anchor)
+        self.outer[k].step()
+        anchor.grad = None
+        self.fragment_syncs += 1
+        fragment.write(anchor.detach(), self.alpha)
+
+
+def _check_options(params, sync_every, fragments, delay, alpha, outer_optimizer) -> None:
+    def integer(name, value, low):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+    integer("sync_every", sync_every, 1)
+    integer("fragments", fragments, 1)
+    integer("fragment_sync_delay", delay, 0)
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    if fragments > len(params):
+        raise ValueError(f"fragments={fragments} is more than the model's {len(params)} "
+                         f"trainable parameters (a fragment is a run of whole parameters)")
+    if fragments > sync_every:
+        raise ValueError(f"fragments={fragments} must be <= sync_every={sync_every}: each "
+                         f"fragment syncs at its own inner step of the period")
+    if delay >= sync_every:
+        raise ValueError(f"fragment_sync_delay={delay} must be < sync_every={sync_every}: a "
+                         f"fragment's sync must land before its next one is sent")
+    if not 0.0 <= float(alpha) < 1.0:
+        raise ValueError(f"fragment_update_alpha must be in [0, 1), got {alpha!r}")
+    if outer_optimizer is not None and not callable(outer_optimizer):
+        raise ValueError("outer_optimizer must be a factory: params -> torch.optim.Optimizer")

@@ -1,0 +1,239 @@
+"""ciuicflow.diloco on real gloo processes: 2 simulated nodes x 2 ranks, DDP inside each node.
+
+Each node starts from its own random weights (DiLoCo must make them equal), and each rank draws
+its own batches, so the nodes' replicas drift apart between outer steps.
+"""
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+
+H = 4  # sync_every
+
+
+def _setup(rank, **options):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ciuicflow.diloco as diloco
+
+    node = rank // 2
+    torch.manual_seed(100 + node)  # the nodes start apart; the node's ranks alike
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    ddp = DDP(model, process_group=diloco.node_group())
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    options.setdefault("sync_every", H)
+    return model, ddp, optimizer, diloco.DiLoCo(ddp, **options)
+
+
+def _inner_step(ddp, optimizer, rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 6, generator=gen)
+    y = torch.randint(0, 3, (8,), generator=gen)
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    optimizer.step()
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _all_equal(tensor):
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+# -- replicas ------------------------------------------------------------------------------------
+
+
+def _replicas(rank, world, codec, fragments, delay):
+    model, ddp, optimizer, diloco = _setup(rank, codec=codec, fragments=fragments,
+                                           fragment_sync_delay=delay)
+    report = {"start_equal": _all_equal(_flat(model)), "after_apply": [], "between": []}
+    for step in range(1, 3 * H + 1):
+        _inner_step(ddp, optimizer, rank, step)
+        diloco.step()
+        applied = diloco.schedule.sends_at(step - delay) if step > delay else []
+        for k in applied:
+            report["after_apply"].append(
+                (step, k, _all_equal(diloco.fragments[k].read()), _all_equal(diloco.anchors[k])))
+        if not applied:
+            report["between"].append(_all_equal(_flat(model)))
+    diloco.sync()
+    report["after_sync"] = _all_equal(_flat(model))
+    report["stats"] = diloco.stats()
+    diloco.close()
+    return report
+
+
+@pytest.mark.parametrize("codec, fragments, delay", [("int8", 1, 0), ("int4", 2, 1)],
+                         ids=["int8-whole", "int4-streaming"])
+def test_replicas_bit_identical_after_each_outer_step(codec, fragments, delay):
+    report = run_distributed(_replicas, 4, nodes=2, args=(codec, fragments, delay))[0]
+    assert report["start_equal"]
+    from ciuicflow.diloco.layout import Schedule
+
+    schedule = Schedule(H, fragments, delay)  # those sent in the last `delay` steps land in sync()
+    assert len(report["after_apply"]) == sum(len(schedule.sends_at(s - delay))
+                                             for s in range(delay + 1, 3 * H + 1))
+    for step, k, params_equal, anchors_equal in report["after_apply"]:
+        assert params_equal and anchors_equal, (step, k)
+    assert not all(report["between"])  # the nodes did drift: equality above is DiLoCo's doing
+    assert report["after_sync"]
+    stats = report["stats"]
+    assert stats["fragment_syncs"] == 3 * fragments + fragments  # the schedule's and sync()'s
+    assert stats["outer_steps"] == 4 and stats["skipped_outer_steps"] == 0
+    assert stats["wire_plan"].startswith(codec)
+    assert stats["inter_node_bytes"] > 0
+    assert 0.0 <= stats["network_wait_share"] <= 1.0
+
+
+# -- the outer step's arithmetic --------------------------------------------------------------------
+
+
+def _outer_arithmetic(rank, world):
+    import ciuicflow.diloco as diloco_module
+
+    out = {}
+    for name, factory in (("average", diloco_module.nesterov(lr=1.0, momentum=0.0)),
+                          ("nesterov", None)):
+        model, ddp, optimizer, diloco = _setup(rank, codec="exact", outer_optimizer=factory)
+        anchor = _flat(model)
+        for step in range(1, H + 1):
+            _inner_step(ddp, optimizer, rank, step)
+            if step == H:
+                local = _flat(model)
+                gathered = [torch.empty_like(local) for _ in range(world)]
+                dist.all_gather(gathered, local)
+                mean = torch.stack(gathered).mean(0)
+            diloco.step()
+        delta = anchor - mean
+        # SGD: the first step's momentum buffer is the gradient; Nesterov adds it once more
+        want = mean if name == "average" else anchor - 0.7 * (delta + 0.9 * delta)
+        out[name] = (_flat(model) - want).abs().max().item()
+        diloco.close()
+    return out
+
+
+def test_outer_step_is_nesterov_on_the_mean_pseudo_gradient():
+    errors = run_distributed(_outer_arithmetic, 4, nodes=2)[0]
+    assert errors["average"] < 1e-6 and errors["nesterov"] < 1e-6, errors
+
+
+# -- resume ----------------------------------------------------------------------------------------
+
+
+def _resume(rank, world, path, phase):
+    options = dict(codec="int8", fragments=2, fragment_sync_delay=1)
+    model, ddp, optimizer, diloco = _setup(rank, **options)
+    first, total = 6, 14  # at step 6 fragment 0's sync (sent after step 6) is in flight
+    file = os.path.join(path, f"rank{rank}.pt")
+    if phase == "resume":
+        state = torch.load(file, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        diloco.load_state_dict(state["diloco"])
+        start = first
+    else:
+        start = 0
+    for step in range(start + 1, total + 1):
+        _inner_step(ddp, optimizer, rank, step)
+        diloco.step()
+        if phase == "straight" and step == first:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "diloco": diloco.state_dict()}, file)
+    diloco.close()
+    return _flat(model), diloco.stats()["inter_node_bytes"]
+
+
+def test_resume_from_checkpoint_is_bitwise_exact(tmp_path):
+    straight = run_distributed(_resume, 4, nodes=2, args=(str(tmp_path), "straight"))
+    resumed = run_distributed(_resume, 4, nodes=2, args=(str(tmp_path), "resume"))
+    for rank, ((a, bytes_a), (b, bytes_b)) in enumerate(zip(straight, resumed)):
+        assert torch.equal(a, b), (rank, (a - b).abs().max().item())
+        assert bytes_a == bytes_b
+
+
+# -- non-finite pseudo-gradients ------------------------------------------------------------------
+
+
+def _nonfinite(rank, world):
+    model, ddp, optimizer, diloco = _setup(rank, codec="int8")
+    caught = []
+    for step in range(1, 3 * H + 1):
+        _inner_step(ddp, optimizer, rank, step)
+        if step == H and rank == 3:  # one rank of one node goes bad just before an outer step
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("inf")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            diloco.step()
+        caught += [str(w.message) for w in seen if "non-finite" in str(w.message)]
+        if step == H:
+            back_to_anchor = torch.equal(_flat(model), diloco.anchors[0])
+            equal_after_skip = _all_equal(_flat(model))
+    stats = diloco.stats()
+    diloco.close()
+    return {"warned": len(caught), "skipped": stats["skipped_outer_steps"],
+            "outer": stats["fragment_syncs"], "back_to_anchor": back_to_anchor,
+            "equal_after_skip": equal_after_skip, "finite": bool(_flat(model).isfinite().all()),
+            "equal_at_end": _all_equal(_flat(model))}
+
+
+def test_nonfinite_pseudo_gradient_skips_the_outer_step_on_every_rank():
+    reports = run_distributed(_nonfinite, 4, nodes=2)
+    for report in reports:
+        assert report["warned"] == 1 and report["skipped"] == 1 and report["outer"] == 2, report
+        assert report["back_to_anchor"] and report["equal_after_skip"], report
+        assert report["finite"] and report["equal_at_end"], report
+
+
+# -- bad options -------------------------------------------------------------------------------------
+
+
+BAD = [
+    (dict(sync_every=0), "sync_every"),
+    (dict(sync_every=2.5), "sync_every"),
+    (dict(fragments=5, sync_every=8), "more than the model's 4"),
+    (dict(fragments=3, sync_every=2), "fragments=3 must be <= sync_every"),
+    (dict(fragment_sync_delay=4), "fragment_sync_delay=4 must be < sync_every"),
+    (dict(fragment_update_alpha=1.0), "fragment_update_alpha"),
+    (dict(codec="zstd"), "codec must be one of"),
+    (dict(codec="powersgd"), "codec must be one of"),
+    (dict(codec="exact", codec_options={"chunk_size": 8}), "takes no options"),
+    (dict(outer_optimizer=0.7), "factory"),
+    (dict(ranks_per_node=2), "do not divide into nodes"),
+]
+
+
+def _bad_options(rank, world):
+    import ciuicflow.diloco as diloco
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    messages = []
+    for options, _ in BAD:
+        options = dict(options)
+        options.setdefault("sync_every", 4)
+        try:
+            diloco.DiLoCo(model, **options)
+            messages.append(None)
+        except ValueError as exc:
+            messages.append(str(exc))
+    try:  # the launch's nodes: 2 ranks and 1
+        diloco.DiLoCo(model, sync_every=4)
+        messages.append(None)
+    except ValueError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def test_bad_options_raise_clear_errors():
+    messages = run_distributed(_bad_options, 3, node_sizes=[2, 1])[0]
+    for (options, expected), message in zip(BAD, messages):
+        assert message is not None and expected in message, (options, message)
+    assert messages[-1] is not None and "uneven sizes" in messages[-1]
