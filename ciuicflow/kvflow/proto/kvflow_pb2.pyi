@@ -244,6 +244,24 @@ class StatsReply(_message.Message):
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
+class IdentifyRequest(_message.Message):
+    __slots__ = ("nonce", "caller")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    caller: str
+    def __init__(self, nonce: _Optional[bytes] = ..., caller: _Optional[str] = ...) -> None: ...
+
+class IdentifyReply(_message.Message):
+    __slots__ = ("name", "address", "proof")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    proof: bytes
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
 class DataPlaneRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -5,7 +5,7 @@ import warnings
 
 from . import kvflow_pb2 as kvflow__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -308,6 +308,11 @@ class KVFlowPeerStub:
                 request_serializer=kvflow__pb2.DataPlaneRequest.SerializeToString,
                 response_deserializer=kvflow__pb2.DataPlaneReply.FromString,
                 _registered_method=True)
+        self.Identify = channel.unary_unary(
+                '/ciuicflow.kvflow.v1.KVFlowPeer/Identify',
+                request_serializer=kvflow__pb2.IdentifyRequest.SerializeToString,
+                response_deserializer=kvflow__pb2.IdentifyReply.FromString,
+                _registered_method=True)
 
 
 class KVFlowPeerServicer:
@@ -333,6 +338,16 @@ class KVFlowPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Identify(self, request, context):
+        """Discovery: this sidecar proves its name to a sidecar that found it in the registry, before that one
+        sends to it (a registry entry grants no trust; ciuicflow/kvflow/discovery/identify.py). Asking needs no
+        credential; the proof is an HMAC keyed by the secret the two share, over the caller's nonce, both
+        names and this sidecar's advertised address. Under mutual TLS the handshake proves the name as well.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVFlowPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -345,6 +360,11 @@ def add_KVFlowPeerServicer_to_server(servicer, server):
                     servicer.DataPlane,
                     request_deserializer=kvflow__pb2.DataPlaneRequest.FromString,
                     response_serializer=kvflow__pb2.DataPlaneReply.SerializeToString,
+            ),
+            'Identify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Identify,
+                    request_deserializer=kvflow__pb2.IdentifyRequest.FromString,
+                    response_serializer=kvflow__pb2.IdentifyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -403,6 +423,33 @@ class KVFlowPeer:
             '/ciuicflow.kvflow.v1.KVFlowPeer/DataPlane',
             kvflow__pb2.DataPlaneRequest.SerializeToString,
             kvflow__pb2.DataPlaneReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Identify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ciuicflow.kvflow.v1.KVFlowPeer/Identify',
+            kvflow__pb2.IdentifyRequest.SerializeToString,
+            kvflow__pb2.IdentifyReply.FromString,
             options,
             channel_credentials,
             insecure,

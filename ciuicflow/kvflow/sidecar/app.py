@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import grpc
 
@@ -34,10 +34,8 @@ from ..proto import kvflow_pb2_grpc as pb_grpc
 from ..proto.codec import safe_deserializer
 from ..proto import runtime
 from ..proto import shm as shmlib
-from ..proto.messages import AUTH_METADATA, LOCAL_SERVICE, PEER_METADATA, PEER_SERVICE
+from ..proto.messages import LOCAL_SERVICE, PEER_SERVICE
 from ..transports.base import Transport
-from ..transports.grpc_stream import GrpcStreamTransport, PeerChannel
-from ..transports.tcp import TcpTransport
 from ..transports.tcp_server import DataPlaneServer
 from . import grpc_setup
 from .config import SidecarConfig, format_hostport, parse_hostport
@@ -46,8 +44,8 @@ from .fd_handoff import FdRegistry, HandoffServer
 from .ingest import Ingest
 from .local_api import LocalApi
 from .metrics import Metrics
-from .peer_sender import PeerSender
 from .peer_service import PeerService
+from .peers import Peers
 from .shm_access import ShmAccess
 from .store import Store
 
@@ -72,18 +70,24 @@ class Sidecar:
         self.budget = MemoryBudget(cfg.max_total_bytes, cfg.max_peer_bytes, on_change=self._budget_changed)
         self.labels = Labels(cfg.peers, cfg.max_unknown_peers)     # peer names in metrics and budget accounts
         self.store = Store(self.budget, self.metrics, cfg.lease_s, cfg.resume_timeout_s, self.labels)
-        self.policy = PeerPolicy(cfg.token, cfg.peer_secrets, bool(cfg.tls_ca), tuple(cfg.peers),
-                                 cfg.allow_unknown_peers)
+        known = set(cfg.peers)          # Peers adds and removes discovered names
+        # With discovery a peer may link here before this sidecar has read its entry: its credential, which
+        # binds its name (secret, certificate), is what admits it (docs/discovery.md, Trust).
+        self.policy = PeerPolicy(cfg.token, cfg.peer_secrets, bool(cfg.tls_ca), known,
+                                 cfg.allow_unknown_peers or bool(cfg.discovery))
         self.peer_service = PeerService(self.store, self.budget, self.metrics, policy=self.policy,
                                         shutting_down=self._is_shutting_down, throttle=inbound_throttle,
                                         labels=self.labels, max_open_transfers=cfg.max_open_transfers,
                                         max_lease_s=cfg.max_lease_s)
-        self.senders: Dict[str, PeerSender] = {}
+        self.peers = Peers(cfg, self.policy, self.budget, self.metrics, known, self.labels, wrap_transport)
+        self.senders = self.peers.senders
+        self.discovery = None           # discovery.service.Discovery, with --discovery
         # Shared memory: only the caller's own files (descriptors handed over, or named files with their
         # secret); the descriptor socket starts with the local API (start).
         # Every port's connections and the ring handles hold descriptors: their caps share out the
         # descriptor limit (core/descriptors.py), so no flood reaches it.
-        self.caps = descriptor_caps(descriptor_limit(), cfg.max_connections, len(cfg.peers))
+        self.caps = descriptor_caps(descriptor_limit(), cfg.max_connections,
+                                    len(cfg.peers) + (cfg.max_discovered_peers if cfg.discovery else 0))
         self.fd_registry = FdRegistry(self.caps.handles, self.caps.handles_per_client)
         self.shm_access = ShmAccess(shmlib.shm_dir(), self.fd_registry) if cfg.local_shm else None
         self.handoff: Optional[HandoffServer] = None
@@ -97,14 +101,14 @@ class Sidecar:
         self.api_token_path: Optional[str] = None
         self.local_api = LocalApi(self.senders, self.ingest, self.store, self.metrics, api_token=self.api_token,
                                   local_shm=cfg.local_shm, shutting_down=self._is_shutting_down, stats=self.stats,
-                                  max_lease_s=cfg.max_lease_s, access=self.shm_access)
+                                  max_lease_s=cfg.max_lease_s, access=self.shm_access,
+                                  refusal=self.peers.refusal)
         self.servers = grpc_setup.Servers(cfg.max_message_bytes)
         self.data_plane: Optional[DataPlaneServer] = None
         self.api_address = ""
         self.listen_address = ""
         self.metrics_address = ""
         self.metrics_server = None
-        self._channels: List[PeerChannel] = []
         self._tasks: List[asyncio.Task] = []
 
     def _is_shutting_down(self) -> bool:
@@ -116,20 +120,6 @@ class Sidecar:
 
     def _rejected(self, code: grpc.StatusCode) -> None:
         self.metrics.rejected.labels(code.name).inc()
-
-    def _transports(self, name: str, address: str) -> List[Transport]:
-        """How chunks go to peer ``name``: its TCP data plane when it offers one (not with TLS, which that
-        plane lacks, nor with --peer-transport grpc), else the gRPC stream."""
-        cfg = self.cfg
-        credential = self.policy.credential_for(name)
-        md = [(PEER_METADATA, cfg.name)] + ([(AUTH_METADATA, f"Bearer {credential}")] if credential else [])
-        channel = PeerChannel(grpc_setup.peer_channel(cfg, address), md)
-        self._channels.append(channel)
-        transports: List[Transport] = []
-        if cfg.peer_transport == "auto" and not cfg.tls_cert:
-            transports.append(TcpTransport(name, parse_hostport(address)[0], channel.data_plane))
-        transports.append(GrpcStreamTransport(channel))
-        return [self.wrap_transport(t) for t in transports] if self.wrap_transport else transports
 
     # ------------------------------------------------------------------ start / stop
     async def start(self) -> None:
@@ -188,12 +178,15 @@ class Sidecar:
                                                      idle_timeout_s=min(cfg.idle_timeout_s, METRICS_IDLE_S))
             self.metrics_address = format_hostport(cfg.metrics_host, cfg.metrics_port)
         self.metrics.insecure.set(1 if cfg.insecure else 0)
-        settings = cfg.sender_settings()
         for name, address in cfg.peers.items():
-            sender = PeerSender(name, address, settings, self.budget, self.metrics, self._transports(name, address))
-            self.senders[name] = sender
-            sender.start()
+            self.peers.add(name, address)
         self._tasks.append(asyncio.create_task(self._sweeper()))
+        if cfg.discovery:
+            from ..discovery.service import Discovery
+            self.discovery = Discovery(cfg, self.peers, self.listen_address, self.load,
+                                       lambda address, name: grpc_setup.peer_channel(cfg, address, name))
+            self.peer_service.identity = self.discovery.identity
+            self.discovery.start()
 
     def _publish_api_token(self, port: int) -> None:
         """Put the local API's token where this user's clients find it (and no other user can read it)."""
@@ -246,6 +239,8 @@ class Sidecar:
             return
         self.shutting_down = True
         log.info("shutting down: draining for up to %gs", self.cfg.drain_s)
+        if self.discovery is not None:
+            await self.discovery.stop()         # peers drop this sidecar now, not after the lease TTL
         await self.servers.not_serving()
         deadline = time.monotonic() + self.cfg.drain_s
         while time.monotonic() < deadline and any(s.outbox.transfers for s in self.senders.values()):
@@ -253,8 +248,7 @@ class Sidecar:
         for sender in self.senders.values():
             sender.outbox.fail_all(grpc.StatusCode.UNAVAILABLE, "sending sidecar is shutting down")
         # The aborts must reach the receivers, behind whatever data is still in the streams.
-        await asyncio.gather(*(s.close(flush_s=ABORT_FLUSH_S) for s in self.senders.values()))
-        await asyncio.gather(*(channel.close() for channel in self._channels))
+        await self.peers.close(ABORT_FLUSH_S)
         for entry in list(self.store.entries.values()):
             entry.notify()            # Recv streams see shutting_down
         for task in self._tasks:
@@ -284,7 +278,18 @@ class Sidecar:
             "shutting_down": self.shutting_down,
             "insecure": self.cfg.insecure,
             "caps": dataclasses.asdict(self.caps),
+            "load": self.load().as_dict(),
+            **({"discovery": self.discovery.snapshot()} if self.discovery is not None else {}),
         }
+
+    def load(self):
+        """The load this sidecar reports (Stats, and its registry entry for routers): bytes buffered in it,
+        transfers in flight both ways, and its fastest link's bandwidth estimate (bytes/s)."""
+        from ..discovery.entry import Load
+        incoming = sum(1 for e in self.store.entries.values() if not e.complete)
+        outgoing = sum(len(s.outbox.transfers) for s in self.senders.values())
+        link = max((s.cc.btl_bw for s in self.senders.values() if s.connected), default=0.0)
+        return Load(int(self.budget.used), incoming + outgoing, float(link))
 
 
 async def serve(cfg: SidecarConfig, ready=None, **faults) -> None:
@@ -300,11 +305,12 @@ async def serve(cfg: SidecarConfig, ready=None, **faults) -> None:
             pass
     peers = ",".join(f"{n}={a}" for n, a in cfg.peers.items()) or "-"
     log.info("sidecar %r ready: api=%s listen=%s metrics=%s peers=%s tls=%s token=%s data-plane=%s "
-             "peer-secrets=%s api-token=%s", cfg.name,
+             "peer-secrets=%s api-token=%s discovery=%s", cfg.name,
              sidecar.api_address, sidecar.listen_address, sidecar.metrics_address or "-", peers,
              "mutual" if cfg.tls_ca else ("on" if cfg.tls_cert else "off"), "on" if cfg.token else "off",
              f"tcp:{sidecar.data_plane.port}" if sidecar.data_plane else "off",
-             len(cfg.peer_secrets) or "off", sidecar.api_token_path or ("on" if sidecar.api_token else "OFF"))
+             len(cfg.peer_secrets) or "off", sidecar.api_token_path or ("on" if sidecar.api_token else "OFF"),
+             cfg.discovery or "off")
     if ready is not None:
         ready(sidecar)
     await stop.wait()

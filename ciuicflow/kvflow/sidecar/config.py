@@ -69,6 +69,14 @@ class SidecarConfig:
     tls_key: Optional[str] = None             # PEM private key
     tls_ca: Optional[str] = None              # PEM CA: peers must present a certificate it signed (mutual TLS)
     tls_server_name: Optional[str] = None     # override the name checked in peers' certificates
+    # discovery (docs/discovery.md): peers from etcd besides --peer
+    discovery: Optional[str] = None           # etcd://HOST:PORT[,HOST:PORT]/PREFIX
+    role: str = "both"                        # registered role: prefill, decode or both
+    advertise: Optional[str] = None           # HOST:PORT registered for peers (default: --listen once bound)
+    server_url: Optional[str] = None          # the inference server's URL, registered for routers
+    discovery_ttl_s: int = 10                 # lease: a dead sidecar leaves the registry within this
+    discovery_load_s: float = 1.0             # the registered load is sampled (and put if changed) this often
+    max_discovered_peers: int = 128           # entries beyond this are ignored (and logged)
     log_level: str = "INFO"
     # filled by validate(), not settings
     peer_secrets: Dict[str, str] = field(default_factory=dict, metadata={"internal": True})
@@ -116,6 +124,9 @@ class SidecarConfig:
             raise ValueError(f"--peer-transport must be 'auto' or 'grpc', got {self.peer_transport!r}")
         if not -1 <= self.data_port <= 65535:
             raise ValueError("--data-port must be a port, 0 (any free port) or -1 (no data plane)")
+        if self.discovery:
+            from ..discovery.settings import check_settings
+            self.warnings += check_settings(self, listen_host, is_loopback(listen_host))
         return self
 
     def sender_settings(self) -> "SenderSettings":
@@ -279,6 +290,21 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tls-key", default=S, metavar="PEM", help="private key for peer links")
     a("--tls-ca", default=S, metavar="PEM", help="CA that signs peers' certificates: turns on mutual TLS")
     a("--tls-server-name", default=S, help="name expected in peers' certificates (default: the peer's host)")
+    d = p.add_argument_group("discovery", "peers found through etcd besides --peer (docs/discovery.md)")
+    d.add_argument("--discovery", default=S, metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
+                   help="register here under a lease and watch the others: new peers are connected once they "
+                        "prove their name (pairwise secret or certificate), vanished ones dropped")
+    d.add_argument("--role", default=S, choices=("prefill", "decode", "both"), help="registered role (both)")
+    d.add_argument("--advertise", default=S, metavar="HOST:PORT",
+                   help="peer address to register (default: --listen as bound; needed with a wildcard --listen)")
+    d.add_argument("--server-url", default=S, metavar="URL",
+                   help="URL of the inference server beside this sidecar, registered for routers (the proxy)")
+    d.add_argument("--discovery-ttl-s", type=int, default=S,
+                   help="lease TTL: a dead sidecar leaves every peer within this (10; etcd's minimum ~2)")
+    d.add_argument("--discovery-load-s", type=float, default=S,
+                   help="how often the registered load is sampled, and put again if changed (1.0)")
+    d.add_argument("--max-discovered-peers", type=int, default=S,
+                   help="discovered peers at most; further entries are ignored and logged (128)")
     a("--log-level", default=S, help="DEBUG, INFO, WARNING (default INFO)")
     t = p.add_argument_group("testing and benchmarks", "faults and slow links, emulated (never in production)")
     t.add_argument("--link-rate", default=S, help="emulate a slow link: read incoming peer traffic at most this "

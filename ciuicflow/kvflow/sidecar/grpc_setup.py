@@ -44,12 +44,14 @@ FAST_RECONNECT: List[Tuple[str, int]] = [
 ]
 
 
-def peer_channel(cfg, address: str) -> grpc.aio.Channel:
-    """The channel to a peer's ``--listen`` address: TLS with this sidecar's certificate when configured."""
+def peer_channel(cfg, address: str, server_name: Optional[str] = None) -> grpc.aio.Channel:
+    """The channel to a peer's ``--listen`` address: TLS with this sidecar's certificate when configured,
+    checking the peer's certificate for ``server_name`` (a discovered peer: its name, since the registry's
+    address proves nothing), else ``--tls-server-name``, else the address's host."""
     opts = options(cfg.max_message_bytes) + FAST_RECONNECT
     if cfg.tls_cert:
-        if cfg.tls_server_name:
-            opts.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
+        if server_name or cfg.tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", server_name or cfg.tls_server_name))
         creds = grpc.ssl_channel_credentials(root_certificates=_read(cfg.tls_ca), private_key=_read(cfg.tls_key),
                                              certificate_chain=_read(cfg.tls_cert))
         return grpc.aio.secure_channel(address, creds, options=opts)

@@ -39,7 +39,7 @@ class LocalApi(pb_grpc.KVFlowServicer):
 
     def __init__(self, senders, ingest, store, metrics, *, api_token: Optional[str], local_shm: bool,
                  shutting_down: Callable[[], bool], stats: Callable[[], dict], token_hint: str = "",
-                 max_lease_s: float = 600.0, access=None):
+                 max_lease_s: float = 600.0, access=None, refusal=None):
         self.senders = senders
         self.ingest = ingest
         self.store = store
@@ -51,6 +51,7 @@ class LocalApi(pb_grpc.KVFlowServicer):
         self.local_shm = local_shm
         self.shutting_down = shutting_down
         self.stats = stats
+        self.refusal = refusal          # dest -> (status, why) for a send to no current peer (sidecar/peers.py)
 
     async def _reject(self, context, code: grpc.StatusCode, message: str):
         self.metrics.rejected.labels(code.name).inc()
@@ -99,6 +100,8 @@ class LocalApi(pb_grpc.KVFlowServicer):
         uuid = f"idem:{h.idempotency_key}" if h.idempotency_key else None
         sender = self.senders.get(h.dest)
         if sender is None:
+            if self.refusal is not None:
+                await self._reject(context, *self.refusal(h.dest))
             known = ", ".join(sorted(self.senders)) or "none"
             await self._reject(context, grpc.StatusCode.NOT_FOUND, f"unknown peer {h.dest!r} (known: {known})")
         outbox = sender.outbox

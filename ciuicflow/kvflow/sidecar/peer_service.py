@@ -97,6 +97,7 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         self.shutting_down = shutting_down
         self.throttle = throttle
         self.data_plane = None
+        self.identity = None        # discovery: IdentifyRequest -> IdentifyReply (discovery/service.py)
 
     async def _check_auth(self, context) -> str:
         """The authenticated name of the peer on this call (its credential binds it: core.identity)."""
@@ -121,6 +122,13 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         if plane is None:
             return pb.DataPlaneReply()
         return pb.DataPlaneReply(port=plane.port, ticket=plane.tickets.issue(source))
+
+    async def Identify(self, request: pb.IdentifyRequest, context) -> pb.IdentifyReply:
+        """Discovery: prove this sidecar's name to a sidecar that found it in the registry (needs no
+        credential: the answer proves, it grants nothing; discovery/identify.py)."""
+        if self.identity is None or request is MALFORMED:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this sidecar is not in a registry")
+        return self.identity(request)
 
     async def serve(self, source: str, request_iterator, context):
         """One sender's stream of frames (from any transport's receiving half); yields the replies."""
