@@ -12,6 +12,8 @@ Methods:
   onebit_adam, zero_one_adam   ciuicflow's 1-bit optimizers with their defaults, no DDP (Adam tasks)
   fsdp_hsdp        FSDP2's own HSDP (each child module with parameters, and the root,
                    fully_shard-ed over the 2-D mesh "replicate" x "shard")
+  diloco_<codec>_h<H>[_f<F>][_d<D>]   DDP inside each node, ciuicflow.diloco across nodes
+                   (bench/convergence_diloco.py)
   fsdp:<method>    a hierarchical method of the registry: FSDP2 inside the node and
                    ``ciuicflow.fsdp.register(model, method)`` across nodes (HSDP's replicas, a
                    2-D mesh); a flat one ("onebit", "int8", "int4"): FSDP2 over every rank (a
@@ -38,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+import convergence_diloco  # noqa: E402
 import convergence_tasks as tasks  # noqa: E402
 from comm_worker import waiting  # noqa: E402  (PyTorch's PowerSGD hook made to work on gloo)
 
@@ -151,6 +154,10 @@ def setup(task, method):
             dist.broadcast(p.data, 0)
         model, state = fsdp_setup(model, name, options)
         return model, model, make_optimizer(task, model.parameters()), state
+    if convergence_diloco.is_diloco(name):  # DDP inside the node, ciuicflow.diloco across
+        ddp, optimizer, state = convergence_diloco.setup(task, model, name, options,
+                                                         make_optimizer)
+        return model, ddp, optimizer, state
     ddp = DDP(model, bucket_cap_mb=task.bucket_cap_mb)
     state = None
     if method == "exact":

@@ -171,6 +171,8 @@ class DiLoCo:
             "inter_node_bytes_per_step": per_step,
             "inter_node_bytes_per_outer_step": t.inter_bytes / outer_steps if outer_steps else 0.0,
             "exact_outer_inter_node_bytes": t.exact_inter_bytes,
+            # the codec's share alone, as the hooks' stats() give it: exact outer exchange / sent
+            "compression_ratio": t.exact_inter_bytes / t.inter_bytes if t.inter_bytes else None,
             "exact_ddp_inter_node_bytes_per_step": exact_ddp,
             "reduction_vs_exact_ddp": exact_ddp / per_step if per_step else None,
             "network_wait_seconds": self._wait, "wall_seconds": self._wall,

@@ -1,0 +1,58 @@
+"""DiLoCo rows of bench/convergence.py: exact DDP inside each node, ``ciuicflow.diloco`` across.
+
+    diloco_<codec>_h<H>[_f<F>][_d<D>][@outer_lr=..;outer_momentum=..;alpha=..]
+
+``codec``: "exact" or a quantising family of the registry ("int8", "int4", "onebit"); ``H``: inner
+steps between two syncs of a fragment; ``F`` fragments (default 1), ``D`` inner steps of delay
+(default 0). The last inner step is followed by ``DiLoCo.sync()`` (every fragment's outer step,
+its bytes counted), so the final evaluation and the replica check see the global model.
+"""
+from __future__ import annotations
+
+import re
+
+_NAME = re.compile(r"^diloco_(?P<codec>[a-z0-9]+)_h(?P<h>\d+)(?:_f(?P<f>\d+))?(?:_d(?P<d>\d+))?$")
+
+
+def is_diloco(name: str) -> bool:
+    return name.startswith("diloco_")
+
+
+def parse(name: str, options: dict) -> dict:
+    """The DiLoCo keyword arguments of a method name and its ``@`` options."""
+    match = _NAME.match(name)
+    if match is None:
+        raise ValueError(f"a DiLoCo method is diloco_<codec>_h<H>[_f<F>][_d<D>], got {name!r}")
+    import ciuicflow.diloco as diloco
+
+    options = dict(options)
+    outer = diloco.nesterov(float(options.pop("outer_lr", diloco.DEFAULT_OUTER_LR)),
+                            float(options.pop("outer_momentum", diloco.DEFAULT_OUTER_MOMENTUM)))
+    kwargs = dict(sync_every=int(match["h"]), fragments=int(match["f"] or 1),
+                  fragment_sync_delay=int(match["d"] or 0), codec=match["codec"],
+                  outer_optimizer=outer,
+                  fragment_update_alpha=float(options.pop("alpha", 0.0)))
+    if options:
+        kwargs["codec_options"] = options
+    return kwargs
+
+
+def setup(task, model, name: str, options: dict, make_optimizer):
+    """(the DDP module inside the node, the inner optimizer, the DiLoCo object)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ciuicflow.diloco as diloco
+
+    kwargs = parse(name, options)
+    ddp = DDP(model, process_group=diloco.node_group(), bucket_cap_mb=task.bucket_cap_mb)
+    optimizer = make_optimizer(task, ddp.parameters())
+    outer = diloco.DiLoCo(ddp, optimizer, **kwargs)
+    steps = [0]
+
+    def last_step_syncs(*_):  # after DiLoCo's own hook (registered first)
+        steps[0] += 1
+        if steps[0] == task.steps:
+            outer.sync()
+
+    optimizer.register_step_post_hook(last_step_syncs)
+    return ddp, optimizer, outer
