@@ -25,6 +25,8 @@ _EXPORTS = {
     "optim": "ciuicflow.optim",
     "OneBitAdam": "ciuicflow.optim.onebit_adam",
     "ZeroOneAdam": "ciuicflow.optim.zero_one_adam",
+    "diloco": "ciuicflow.diloco",
+    "DiLoCo": "ciuicflow.diloco.diloco",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
