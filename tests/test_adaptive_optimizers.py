@@ -184,10 +184,9 @@ def test_auto_starts_adaptive_tensors_on_int4_and_asked_codecs_are_kept():
         FAMILIES["int8"].compressor_class()(adaptive_optimizer="int4")
 
 
-# "default": adaptive_optimizer not given (auto: the ladder, int4 then int8; the flat state's
-# route="auto" takes the hierarchical route on whole nodes, for SGD's 1 bit too: the flat hook's
-# default is the hierarchical hook's, bit for bit; route="flat" keeps all four ranks in the
-# exchange)
+# "default": adaptive_optimizer not given (auto: the ladder, int4 then int8); the flat hook is
+# flat by default (all four ranks exchange); route="auto" opts in to the hierarchical route on
+# whole nodes, where it is the hierarchical hook, bit for bit)
 POLICIES = ("default", "topmark", "int4", "int8", "twobit", "same")
 
 
@@ -229,8 +228,8 @@ def _runs(rank, world):
                     "replicas_equal": _replicas_equal(params),
                     "gap": (params - exact).norm().item() / (exact - start).norm().item(),
                     "warned": any("adaptive optimizer" in str(w.message) for w in caught)}
-        params, state = _train("onebit", optimizer, route="flat")
-        out[(optimizer, "onebit", "route=flat")] = {
+        params, state = _train("onebit", optimizer, route="auto")
+        out[(optimizer, "onebit", "route=auto")] = {
             "stats": state.stats(), "replicas_equal": _replicas_equal(params),
             "gap": (params - exact).norm().item() / (exact - start).norm().item()}
     return out
@@ -270,8 +269,11 @@ def test_adaptive_optimizer_tensors_go_as_int4_by_default():
             # the buckets of the 10 compressed steps went with that codec (several per step), said once
             assert adam["stats"]["adaptive_codec_reductions"] > 2 * 10, (hook, policy)
             assert adam["warned"] and not same["warned"], (hook, policy)
+            # (the flat hook's 1 bit goes in one phase over four ranks, the others in two: their
+            # ratios to it are not payload ratios)
             ratio = adam["stats"]["compression_ratio"] / same["stats"]["compression_ratio"]
-            assert payload_ratio[0] < ratio < payload_ratio[1], (hook, policy, ratio)
+            assert hook == "onebit" or payload_ratio[0] < ratio < payload_ratio[1], \
+                (hook, policy, ratio)
             # and stays closer to exact training (measured: int8 0.024 of exact training's movement
             # away from it, int4 0.17-0.22, against 0.40-0.50 for 1-bit; the suite's runs decide
             # accuracy: docs/convergence.md; twobit 0.27-0.35, 0.68-0.70 of 1-bit's; topmark
@@ -288,18 +290,18 @@ def test_adaptive_optimizer_tensors_go_as_int4_by_default():
         assert all(r["stats"]["adaptive_codec_reductions"] == 0 for r in sgd), hook
         assert len({r["gap"] for r in sgd}) == 1, hook
         assert len({r["stats"]["inter_node_bytes"] for r in sgd}) == 1, hook
-    # the flat hook's default route on whole nodes is the hierarchical hook's, for SGD's 1 bit
-    # too (past warm-up: the flat hook's exact warm-up sends more); route="flat" exchanges over
-    # all four ranks in two phases (each value quantised twice) and sends more inter-node bytes
+    # the flat hook is flat: all four ranks exchange (more inter-node bytes than the node sum's
+    # two); route="auto" on whole nodes is the hierarchical hook's route, for SGD's 1 bit too
+    # (past warm-up: the flat hook's exact warm-up sends more)
     for optimizer in ("sgd", "adamw"):
         flat_default = results[0][(optimizer, "onebit", "default")]
         hierarchical = results[0][(optimizer, "hierarchical_1bit", "default")]
-        forced_flat = results[0][(optimizer, "onebit", "route=flat")]
-        assert all(rank[(optimizer, "onebit", "route=flat")]["replicas_equal"] for rank in results)
-        assert flat_default["gap"] == hierarchical["gap"], optimizer
-        assert _bytes_and_codecs(flat_default)[1:] == _bytes_and_codecs(hierarchical)[1:]
-        assert forced_flat["gap"] != hierarchical["gap"], optimizer
-        more = forced_flat["stats"]["inter_node_bytes"] / flat_default["stats"]["inter_node_bytes"]
+        opted_in = results[0][(optimizer, "onebit", "route=auto")]
+        assert all(rank[(optimizer, "onebit", "default")]["replicas_equal"] for rank in results)
+        assert opted_in["gap"] == hierarchical["gap"], optimizer
+        assert _bytes_and_codecs(opted_in)[1:] == _bytes_and_codecs(hierarchical)[1:]
+        assert flat_default["gap"] != hierarchical["gap"], optimizer
+        more = flat_default["stats"]["inter_node_bytes"] / opted_in["stats"]["inter_node_bytes"]
         # over the 12 steps, the 2 exact warm-up steps alike: measured 1.14 (SGD); AdamW: flat
         # int4 in two phases over four ranks against int4 in one phase between the nodes
         assert more > {"sgd": 1.08, "adamw": 1.08}[optimizer], (optimizer, more)

@@ -91,8 +91,8 @@ def test_one_bit_exchanges_in_one_phase_up_to_four_nodes():
     packed, served = 1e6 * (1 / 8 + (4 + 12) / 256), 1e6 * (4 / 8 + 4 / 256)
     for nodes, sent in ((2, packed), (3, 2 * packed), (4, 3 * packed),
                         (5, 4 / 5 * (packed + served)), (8, 7 / 8 * (packed + served))):
-        for method, gpus in (("hierarchical_1bit", 2), ("onebit", 2), ("onebit", 1),
-                             ("fsdp_hierarchical_1bit", 2)):
+        # (flat onebit with one rank per node: the same exchange among the nodes)
+        for method, gpus in (("hierarchical_1bit", 2), ("onebit", 1), ("fsdp_hierarchical_1bit", 2)):
             got = pl.estimate(method, _cluster(nodes=nodes, gpus=gpus), w)
             assert got.inter_node_bytes_per_node == pytest.approx(sent), (method, nodes, gpus)
             one_phase = 2 < nodes <= 4
@@ -155,13 +155,13 @@ def test_under_adam_the_one_bit_methods_cost_their_adaptive_codec():
     has run on a GPU), so they cost what hierarchical_int4 / int4 cost; the other methods do not change."""
     sgd, adam = pl.Workload(params=1e6), pl.Workload(params=1e6, optimizer="adam")
     for nodes in (2, 4):
-        # (flat onebit takes the hierarchical route on whole nodes: route="auto")
-        for ours, int4 in (("hierarchical_1bit", "hierarchical_int4"), ("onebit", "hierarchical_int4"),
+        for ours, int4 in (("hierarchical_1bit", "hierarchical_int4"), ("onebit", "int4"),
                            ("fsdp_hierarchical_1bit", "fsdp_hierarchical_int4"), ("fsdp_onebit", "fsdp_int4")):
             under_adam = pl.estimate(ours, _cluster(nodes=nodes), adam)
             assert under_adam.inter_node_bytes_per_node == pytest.approx(
                 pl.estimate(int4, _cluster(nodes=nodes), sgd).inter_node_bytes_per_node), (ours, nodes)
-            if not ours.startswith("fsdp"):  # (FSDP's parameter all-gathers do not change)
+            # (FSDP's parameter all-gathers do not change; flat onebit's phases differ by codec)
+            if ours == "hierarchical_1bit":
                 # int4: 4.125 bits per element; DDP's 1-bit at most 1.5 (4 values per chunk of a
                 # concentrated window, compression.outliers); 1.125 without them would give 3.7.
                 # SGD's 1 bit goes in one phase on four nodes: 3 copies against two phases' 1.5
@@ -183,26 +183,24 @@ def test_under_adam_the_one_bit_methods_cost_their_adaptive_codec():
         pl.Workload(params=1e6, optimizer="rmsprop")
 
 
-def test_flat_one_bit_costs_the_hierarchical_route_it_takes():
-    """The flat 1-bit state's route="auto" takes the hierarchical route on whole nodes of several
-    ranks (the planner's nodes are whole), so onebit costs what hierarchical_1bit costs; int8 and
-    int4 stay flat (route="flat") and send more inter-node bytes than their hierarchical hooks."""
+def test_flat_methods_cost_the_flat_route():
+    """A flat hook is flat: onebit, int8 and int4 exchange over every rank, so on whole nodes of
+    several ranks they send more inter-node bytes than their hierarchical hooks (whose exact node
+    sum leaves one exchanging rank per node's shard), under SGD and Adam alike (at least 1.3x:
+    eight flat ranks in two phases against four nodes' one phase of 1 bit)."""
     for workload in (pl.Workload(params=1e6), pl.Workload(params=1e6, optimizer="adam")):
         for nodes in (2, 4):
-            flat = pl.estimate("onebit", _cluster(nodes=nodes), workload).as_dict()
-            hier = pl.estimate("hierarchical_1bit", _cluster(nodes=nodes), workload).as_dict()
-            assert {k: v for k, v in flat.items() if k not in ("strategy", "name")} == \
-                {k: v for k, v in hier.items() if k not in ("strategy", "name")}, (nodes, flat, hier)
-    # one node, or one rank per node: flat, as the state runs it (the hierarchical hook is the
-    # exact ring on one node and its own flat algorithm with one rank per node)
+            for method in ("onebit", "int8", "int4"):
+                flat = pl.estimate(method, _cluster(nodes=nodes), workload)
+                hier = pl.estimate(f"hierarchical_{method.replace('onebit', '1bit')}",
+                                   _cluster(nodes=nodes), workload)
+                assert flat.inter_node_bytes_per_node > 1.25 * hier.inter_node_bytes_per_node, \
+                    (method, nodes, workload.optimizer)
+    # one node: the flat exchange is compressed, the hierarchical hook's is the exact ring
     one_node = pl.estimate("onebit", _cluster(nodes=1, gpus=4), pl.Workload(params=1e6))
     assert one_node.as_dict()["intra_node_bytes_per_gpu"] < pl.estimate(
         "hierarchical_1bit", _cluster(nodes=1, gpus=4),
         pl.Workload(params=1e6)).as_dict()["intra_node_bytes_per_gpu"] / 10
-    for method in ("int8", "int4"):
-        assert pl.estimate(method, _cluster(), pl.Workload(params=1e6)).inter_node_bytes_per_node > \
-            1.5 * pl.estimate(f"hierarchical_{method}", _cluster(),
-                              pl.Workload(params=1e6)).inter_node_bytes_per_node, method
 
 
 def test_the_adaptive_optimizer_option_costs_the_codec_it_names():

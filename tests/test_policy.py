@@ -22,9 +22,9 @@ def _key(plan):
      ("onebit", 2, "onebit", "hierarchical", 8, 4)),
     ("hierarchical_1bit", (3, 2), "cpu", "sgd", {"phases": 2},
      ("onebit", 2, "onebit", "hierarchical", 3, 4)),
-    # a flat state's route="auto" takes the node sum on whole nodes of several ranks
-    ("onebit", (2, 2), "cpu", "sgd", {}, ("onebit", 1, "", "hierarchical", 2, 4)),
-    ("onebit", (2, 2), "cpu", "sgd", {"route": "flat"}, ("onebit", 1, "", "flat", 4, 4)),
+    # a flat hook is flat; route="auto" opts in to the node sum on whole nodes of several ranks
+    ("onebit", (2, 2), "cpu", "sgd", {}, ("onebit", 1, "", "flat", 4, 4)),
+    ("onebit", (2, 2), "cpu", "sgd", {"route": "auto"}, ("onebit", 1, "", "hierarchical", 2, 4)),
     ("onebit", (4, 1), "cpu", "sgd", {}, ("onebit", 1, "", "flat", 4, 4)),
     # an adaptive optimizer's tensors start on the ladder's first rung, int4, on any device
     ("hierarchical_1bit", (2, 2), "cpu", "adam", {}, ("int4", 1, "", "hierarchical", 2, 0)),

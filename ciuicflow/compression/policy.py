@@ -9,8 +9,8 @@ compressors (and through them DDP, FSDP and the 1-bit optimizers) and ``ciuicflo
 ``ciuicflow.explain`` prints it. Why each default is what it is: docs/decisions.md.
 
 The rule, in its options' defaults ("auto"):
-1. Route: a hierarchical method is exact inside nodes and exchanges between them; a flat state
-   with ``route="auto"`` takes that route too where the nodes are whole and hold several ranks.
+1. Route: the method's. A hierarchical method is exact inside nodes and exchanges between them; a
+   flat one exchanges over every rank (``route="auto"`` opts in to the node sum on whole nodes).
 2. Codec: the family's own (1 bit with values for concentrated windows on the all-reduce
    routes). A tensor an adaptive optimizer steps climbs ``ADAPTIVE_LADDER`` instead (int4, then
    int8; int8's family starts there): it is raised one rung when its measured noise, the guard's

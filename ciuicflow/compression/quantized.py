@@ -84,6 +84,8 @@ class QuantizedCompressor(Compressor):
         if adaptive_optimizer not in allowed:
             raise ValueError(f"adaptive_optimizer must be one of {allowed}, "
                              f"got {adaptive_optimizer!r}")
+        # asked, not defaulted: a hierarchical hook refuses a route it would ignore
+        self.route_asked = route is not None
         if route is None:
             route = FAMILIES[self.name].cost.route
         if route not in ROUTE_POLICIES:

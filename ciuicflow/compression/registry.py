@@ -47,9 +47,9 @@ class Cost:
     values: int = 0  # values a chunk of a concentrated window also sends on the all-reduce
     #                   routes, 24 bits each (compression.outliers; only such chunks carry
     #                   them), in chunks of at most VALUES_MAX_CHUNK elements
-    # the flat state's route (its ``route`` option): "auto" takes the hierarchical route where
-    # the nodes are whole and hold several ranks (an exact node sum, then fewer ranks exchange:
-    # each value quantised once on two nodes, half the inter-node bytes), "flat" never
+    # the flat state's default route (its ``route`` option): "flat", because a method's name says
+    # its route; "auto" (an opt-in) takes the hierarchical route where the nodes are whole and
+    # hold several ranks (an exact node sum, then fewer ranks exchange)
     route: str = "flat"
 
 # a value's position within its chunk is one byte (compression.outliers)
@@ -137,7 +137,7 @@ ENTRIES = (
           {"hierarchical": "hierarchical_1bit", "flat": "onebit"},
           "1-bit signs with a scale per chunk and error feedback",
           Cost("quantized", payload_bits=1, adaptive_family="auto", chunk_size=formats.DEFAULT_CHUNK_SIZE,
-               guard_threshold=4.0, values=4, route="auto", one_phase_ranks=ONE_PHASE_RANKS,
+               guard_threshold=4.0, values=4, one_phase_ranks=ONE_PHASE_RANKS,
                server_family=SERVER_FAMILY),
           "the most compression with SGD (21-28x on two nodes, 11-19x on three and four, about 11x "
           "beyond); under Adam-family optimizers its buckets go as int4 (about 7.5x), raised to int8 "

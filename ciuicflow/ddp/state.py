@@ -15,7 +15,6 @@ from ciuicflow.collectives.routes import EXACT, ROUTES
 from ciuicflow.compression.base import Compressor, Context, ExactCompressor, exclude_mask
 from ciuicflow.compression.ledger import Ledger
 from ciuicflow.compression.optimizer_watch import second_moment, stepped_adaptively, watch
-from ciuicflow.compression.registry import FAMILIES
 from ciuicflow.ddp.bucket import BucketMemories, BucketView
 from ciuicflow.ddp.worker import completed, ordered_worker
 from ciuicflow.topology import Topology
@@ -151,11 +150,10 @@ class AllReduceState:
         return route
 
     def _hook(self, bucket: dist.GradBucket, route: str) -> torch.futures.Future:
-        if route == "hierarchical" and getattr(self.compressor, "route", None) == "flat" \
-                and FAMILIES[self.compressor.name].cost.route != "flat":
+        if route == "hierarchical" and getattr(self.compressor, "route_asked", False):
             # a route asked of a hierarchical hook would be ignored (register() refuses it too)
-            raise ValueError(f"this state asks route='flat', an option of the flat hook "
-                             f"({self.compressor.name!r}); a hierarchical hook always takes the "
+            raise ValueError(f"this state asks route={self.compressor.route!r}, an option of "
+                             f"the flat hook ({self.compressor.name!r}); a hierarchical hook always takes the "
                              f"hierarchical route")
         info = BucketView.read(bucket)
         step = self.iter

@@ -111,10 +111,6 @@ def _quantized(c: ClusterSpec, w: Workload, method_cost, hierarchical: bool, par
     """A quantising method (1-bit, int8): the exchange of compression.quantized (``wire_cost.quantized_exchange``)."""
     g, n, p = c.gpus_per_node, c.nodes, c.world
     elems = w.params
-    # a flat state with route="auto" (1-bit's default) takes the hierarchical route on whole
-    # nodes of several ranks (QuantizedCompressor.route_for; the planner's nodes are whole); on
-    # one node, or one rank per node, it stays flat
-    hierarchical = hierarchical or (method_cost.route == "auto" and n > 1 and g > 1)
     per_elem = packed_bytes_per_element(method_cost, w, values=True,
                                          exchange_ranks=n if hierarchical and g > 1 else p)
     if hierarchical and n > 1 and g > 1:
