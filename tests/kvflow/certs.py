@@ -13,9 +13,12 @@ def make_ca(d, name):
     return f"{name}.pem", f"{name}.key"
 
 
-def make_leaf(d, ca, name):
+def make_leaf(d, ca, name, dns_name=None):
+    """A leaf certificate for ``name``; ``dns_name``: also a DNS subject alternative name (discovery checks
+    a peer's certificate against its name)."""
     ca_pem, ca_key = ca
-    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+    extra = f",DNS:{dns_name}" if dns_name else ""
+    (d / "ext.cnf").write_text(f"subjectAltName=DNS:localhost,IP:127.0.0.1{extra}\n"
                                "extendedKeyUsage=serverAuth,clientAuth\n")
     openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)

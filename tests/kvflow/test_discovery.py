@@ -160,3 +160,28 @@ def test_etcd_restart_keeps_peers_transferring(sidecars, tmp_path, etcd):
     for i in range(n):
         assert cb.recv(f"during-{i}", timeout_s=5, source="a") == b"1" * 1000
     print(f"\n{n} transfers each way while etcd was down")
+
+
+def test_mutual_tls_peers_prove_names_with_their_certificates(sidecars, tmp_path, etcd):
+    """Under mutual TLS the certificate is the proof: a's channel to a discovered peer checks the peer's
+    certificate against the registered name. 'c' holds a certificate of the right CA, but for 'x'."""
+    import shutil
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make test certificates")
+    from tests.kvflow.certs import make_ca, make_leaf
+    ca = make_ca(tmp_path, "ca")
+
+    def make(name, cert_name):
+        cert, key = make_leaf(tmp_path, ca, cert_name, dns_name=cert_name)
+        return sidecars.make(name, args=["--discovery", etcd.url(PREFIX), "--discovery-ttl-s", str(TTL),
+                                         "--tls-cert", cert, "--tls-key", key, "--tls-ca", str(tmp_path / "ca.pem")])
+    a, b, c = make("a", "a"), make("b", "b"), make("c", "x")
+    sidecars.start_all(a, b, c)
+    _send_when_found(a.client(), "b", "over-tls", b"tls" * 100, timeout=10)
+    assert b.client().recv("over-tls", timeout_s=10, source="a") == b"tls" * 100
+    wait_until(lambda: "c" in a.stats()["discovery"]["ignored"], 10, "c ignored")
+    assert set(_discovered(a)) == {"b"}
+    assert "TLS with its peer" in a.stats()["discovery"]["ignored"]["c"]
+    with pytest.raises(KVFlowError) as err:
+        a.client().send("c", "to-c", b"kv").wait(5)
+    assert err.value.code == grpc.StatusCode.NOT_FOUND

@@ -113,7 +113,14 @@ class Membership:
                     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                         self._ignore(name, f"its peer at {entry.peer} cannot prove its name (no Identify)")
                         return
-                    log.debug("discovery: %s at %s not answering yet: %s", name, entry.peer, exc.code().name)
+                    details = (exc.details() or "").lower()
+                    if any(word in details for word in ("handshake", "certificate", "ssl", "verification")):
+                        # mutual TLS refused the peer (its certificate does not carry the name, or the CA's
+                        # signature): ignored, and asked again slowly in case its certificate is renewed
+                        self._ignore(name, f"TLS with its peer at {entry.peer} fails: {exc.details()[:200]}")
+                        delay = RETRY_MAX_S
+                    log.debug("discovery: %s at %s not answering yet: %s %s", name, entry.peer, exc.code().name,
+                              exc.details())
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
         finally:
