@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import convergence_heldout_models as heldout_models
+
 
 @dataclass(frozen=True)
 class Task:
@@ -264,6 +266,24 @@ TASKS = {
         "cosine lr, bf16 autocast",
         extra={"data": ("text", 64), "d": 256, "layers": 1, "experts": 8, "hidden": 512,
                "top_k": 2}),
+    # held out since 2026-12-07 (issue 49's kinds the suite lacked): batch norm under AdamW and
+    # bf16, a recurrent model, a wider regression (whose Adam also runs the 1-bit optimizers)
+    "bncnn_adamw_bf16": Task(
+        "bncnn_adamw_bf16", "classification", "accuracy", steps=300, batch=16,
+        optimizer="adamw", lr=3e-3, schedule="warmup_linear", weight_decay=0.05, bf16=True,
+        heldout=True, note="convnet with batch norm (4 conv, width 24, 74K) on other templates, "
+        "AdamW 3e-3, warm-up + linear decay, bf16 autocast",
+        extra={"data": ("shapes", 11), "model": "bn_cnn"}),
+    "gru_lm_adam_step": Task(
+        "gru_lm_adam_step", "lm", "val_loss", steps=300, batch=8, optimizer="adam", lr=4e-3,
+        schedule="step", heldout=True, note="char GRU LM (embedding 64, 1 layer of 256, 290K), "
+        "Adam 4e-3, step lr, fp32", extra={"data": ("text", 48), "model": "gru", "d": 64,
+                                            "hidden": 256, "layers": 1}),
+    "regression_adamw_wide_cosine": Task(
+        "regression_adamw_wide_cosine", "regression", "test_mse", steps=600, batch=32,
+        optimizer="adamw", lr=1e-3, schedule="cosine", weight_decay=0.01, heldout=True,
+        note="MLP 48-768-768-8 regression (640K) on another teacher, AdamW 1e-3, cosine lr, fp32",
+        extra={"data": ("regression", 17, 48, 8), "sizes": (48, 768, 768, 8)}),
 }
 
 
@@ -286,6 +306,11 @@ def load_data(task: Task):
 
 def build_model(task: Task, seed: int | None = None) -> nn.Module:
     torch.manual_seed(task.seed if seed is None else seed)
+    if task.extra.get("model") == "bn_cnn":
+        return heldout_models.bn_cnn()
+    if task.extra.get("model") == "gru":
+        e = task.extra
+        return heldout_models.GRULanguageModel(128, e["d"], e["hidden"], e["layers"])
     if "sizes" in task.extra:
         return _mlp(task.extra["sizes"])
     if task.name.startswith("cnn"):
