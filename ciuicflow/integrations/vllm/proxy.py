@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import itertools
 import logging
-import math
 import re
 import sys
 import threading
@@ -36,6 +34,7 @@ from dataclasses import asdict
 from typing import List, Optional, Tuple
 
 from .proxy_io import Limits
+from .proxy_router import Router, upstream_url  # noqa: F401 - upstream_url: part of this module's API
 from .proxy_params import (BadRequest, client_body, json_bytes, prefill_params, prefill_request,
                            transfer_headers, with_transfer_params)
 from .proxy_server import BoundedHandler, ProxyServer
@@ -43,44 +42,6 @@ from .proxy_server import BoundedHandler, ProxyServer
 log = logging.getLogger("ciuicflow.vllm.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]*")        # an upstream header value passed on: printable ASCII
-
-
-def upstream_url(url: str) -> str:
-    """``url``, if the proxy can reach it: plain ``http://HOST[:PORT]`` (an ``https`` URL would be spoken
-    to in cleartext, on port 80)."""
-    u = urllib.parse.urlsplit(url)
-    try:
-        u.port
-    except ValueError:
-        raise ValueError(f"upstream URL {url!r}: invalid port") from None
-    if u.scheme != "http" or not u.hostname:
-        raise ValueError(f"upstream URL {url!r}: want http://HOST[:PORT] (the proxy speaks plain HTTP)")
-    return url
-
-
-class Router:
-    """Round robin over prefill instances and over (decode URL, decode sidecar peer)."""
-
-    def __init__(self, prefill: List[str], decode: List[Tuple[str, str]], timeout: float = 600.0):
-        if not prefill or not decode:
-            raise ValueError("need at least one --prefill and one --decode")
-        for url in [*prefill, *(u for u, _ in decode)]:
-            upstream_url(url)
-        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"upstream timeout must be a positive number of seconds, not {timeout!r}")
-        self.prefill, self.decode, self.timeout = prefill, decode, timeout
-        self._p, self._d = itertools.cycle(prefill), itertools.cycle(decode)
-        self._lock = threading.Lock()
-        self.stats = {"requests": 0, "prefill_failed": 0}
-
-    def pick(self) -> Tuple[str, str, str]:
-        with self._lock:
-            self.stats["requests"] += 1
-            return next(self._p), *next(self._d)
-
-    def count(self, what: str) -> None:
-        with self._lock:
-            self.stats[what] = self.stats.get(what, 0) + 1
 
 
 class Handler(BoundedHandler):
@@ -103,7 +64,11 @@ class Handler(BoundedHandler):
         if self._has_body():
             self._refuse(400, "GET with a body")
         elif self.path in ("/health", "/v1/models"):
-            self._relay(self.router.decode[0][0], "GET", self.path, None, {})
+            decode = self.router.any_decode()
+            if decode is None:
+                self._refuse(503, "no decode server registered", {"Retry-After": "1"})
+            else:
+                self._relay(decode, "GET", self.path, None, {})
         else:
             self._refuse(404, "not found")
 
@@ -140,8 +105,16 @@ class Handler(BoundedHandler):
         try:
             body, brace = client_body(raw)
             empty = not body
-            prefill, decode, peer = router.pick()
-            pre = json_bytes(prefill_request(body, asked, peer, key))
+            try:
+                prefill, decode, peer = router.pick()
+            except RuntimeError as exc:
+                self._refuse(503, str(exc), {"Retry-After": "1"}, body_read=True)
+                return
+            try:
+                pre = json_bytes(prefill_request(body, asked, peer, key))
+            except BaseException:
+                router.done(peer)
+                raise
             del body
         except BadRequest as exc:
             self._refuse(exc.status, exc.message, body_read=True)
@@ -162,7 +135,12 @@ class Handler(BoundedHandler):
         del pre
         extra["x-ciuic-prefill-s"] = f"{time.monotonic() - t0:.4f}"
         extra["x-ciuic-key"] = key          # names this request's transfer in the servers' logs (phases.py)
-        self._relay(decode, "POST", path, with_transfer_params(raw, brace, empty, params) if params else raw, extra)
+        extra["x-ciuic-decode"] = peer
+        try:
+            self._relay(decode, "POST", path, with_transfer_params(raw, brace, empty, params) if params else raw,
+                        extra)
+        finally:
+            router.done(peer)
 
     def _prefill(self, base: str, path: str, body: bytes, key: str) -> bytes:
         """The prefill call; its answer is read up to ``max_prefill_answer_bytes`` (counted in the prefill
@@ -257,14 +235,16 @@ def serve(prefill: List[str], decode: List[Tuple[str, str]], host: str = "127.0.
           max_prefill_answer_bytes: int = _DEFAULTS.max_prefill_answer_bytes,
           header_timeout_s: float = _DEFAULTS.header_timeout_s, body_timeout_s: float = _DEFAULTS.body_timeout_s,
           idle_timeout_s: float = _DEFAULTS.idle_timeout_s,
-          send_timeout_s: float = _DEFAULTS.send_timeout_s) -> ProxyServer:
+          send_timeout_s: float = _DEFAULTS.send_timeout_s, registry=None, routing: str = "load") -> ProxyServer:
     """Start the proxy in a background thread; ``server.server_address`` has the bound port. ``timeout``:
-    each upstream socket operation; the rest: ``Limits`` (the same defaults as the command line)."""
+    each upstream socket operation; ``registry``/``routing``: servers from the registry (Router); the rest:
+    ``Limits`` (the same defaults as the command line)."""
     limits = Limits(max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes,
                     max_connections=max_connections, max_inflight_bytes=max_inflight_bytes,
                     max_prefill_answer_bytes=max_prefill_answer_bytes, header_timeout_s=header_timeout_s,
                     body_timeout_s=body_timeout_s, idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s)
-    handler = type("BoundHandler", (Handler,), {"router": Router(prefill, decode, timeout), "limits": limits})
+    handler = type("BoundHandler", (Handler,), {"router": Router(prefill, decode, timeout, registry, routing),
+                                                 "limits": limits})
     server = ProxyServer((host, port), handler, limits)
     threading.Thread(target=server.serve_forever, name="ciuicflow-vllm-proxy", daemon=True).start()
     return server
@@ -293,8 +273,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", action="append", required=True, metavar="URL")
-    p.add_argument("--decode", action="append", required=True, type=parse_decode, metavar="URL=PEER")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL")
+    p.add_argument("--decode", action="append", default=[], type=parse_decode, metavar="URL=PEER")
+    p.add_argument("--discovery", metavar="etcd://HOST:PORT/PREFIX",
+                   help="take prefill and decode servers from the sidecars' registry (their --server-url and "
+                        "--role) instead of --prefill/--decode (docs/discovery.md)")
+    p.add_argument("--routing", choices=("load", "round-robin"), default="load",
+                   help="with --discovery: decode server by the load its sidecar reports (default), or in turn")
     p.add_argument("--timeout", type=float, default=600.0, help="each upstream socket operation, seconds")
     d = _DEFAULTS
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
@@ -318,13 +303,23 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _fixed_mmap_threshold()
+    registry = None
+    if args.discovery:
+        from ...kvflow.discovery.etcd import parse_target
+        from .proxy_registry import RegistryView
+        try:
+            target = parse_target(args.discovery)
+        except ValueError as exc:
+            p.error(str(exc))
+        registry = RegistryView(target.endpoints[0], target.prefix).start()
     try:
         server = serve(args.prefill, args.decode, args.host, args.port, args.timeout,
                        max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
                        max_connections=args.max_connections, max_inflight_bytes=args.max_inflight_bytes,
                        max_prefill_answer_bytes=args.max_prefill_answer_bytes,
                        header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-                       idle_timeout_s=args.idle_timeout_s, send_timeout_s=args.send_timeout_s)
+                       idle_timeout_s=args.idle_timeout_s, send_timeout_s=args.send_timeout_s,
+                       registry=registry, routing=args.routing)
     except ValueError as exc:
         p.error(str(exc))
     log.info("limits: %s, connections %d", asdict(server.limits), server.max_connections)

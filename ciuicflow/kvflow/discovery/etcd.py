@@ -14,7 +14,7 @@ import asyncio
 import logging
 import re
 from dataclasses import dataclass
-from typing import AsyncIterator, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, List, Sequence, Tuple
 from urllib.parse import urlsplit
 
 import grpc

@@ -1,0 +1,63 @@
+"""The vLLM proxy's servers from the registry (a real etcd on loopback, its JSON gateway), and the choice of a
+decode server by the load its sidecar reports."""
+import json
+import time
+
+from ciuicflow.integrations.vllm.proxy_registry import RegistryView
+from ciuicflow.integrations.vllm.proxy_router import Router
+from tests.kvflow.conftest import wait_until
+from tests.kvflow.etcd import etcd  # noqa: F401 - fixture
+from tests.kvflow.test_discovery import PREFIX, _etcd_put, _make
+
+
+def _entry(name, role, port, transfers=0, queued=0, link=0):
+    return json.dumps({"v": 1, "name": name, "role": role, "addresses": {
+        "peer": f"127.0.0.1:{port}", "server": f"http://127.0.0.1:{port + 1}"},
+        "load": {"queued_bytes": queued, "transfers": transfers, "link_bps": link}}).encode()
+
+
+def test_proxy_takes_servers_registered_by_sidecars(sidecars, tmp_path, etcd):
+    """Sidecars started with --server-url and --role appear in the proxy's view with their load; one that
+    stops leaves it."""
+    view = RegistryView(etcd.endpoint, PREFIX).start()
+    p = _make(sidecars, tmp_path, etcd, "a", role="prefill", extra=["--server-url", "http://127.0.0.1:8100"])
+    d = _make(sidecars, tmp_path, etcd, "d", role="decode", extra=["--server-url", "http://127.0.0.1:8200"])
+    sidecars.start_all(p, d)
+    wait_until(lambda: [len(x) for x in view.servers()] == [1, 1], 5, "both servers seen")
+    prefills, decodes = view.servers()
+    assert (prefills[0].name, prefills[0].server) == ("a", "http://127.0.0.1:8100")
+    assert (decodes[0].name, decodes[0].server, decodes[0].role) == ("d", "http://127.0.0.1:8200", "decode")
+    assert d.stats()["load"].keys() == {"queued_bytes", "transfers", "link_bps"}
+    router = Router([], [], registry=view)
+    assert router.pick() == ("http://127.0.0.1:8100", "http://127.0.0.1:8200", "d")
+    d.terminate()           # a graceful stop revokes the lease: gone at once
+    wait_until(lambda: not view.servers()[1], 3, "d gone from the view")
+    view.stop()
+
+
+def test_decode_chosen_by_reported_load(etcd):
+    """The decode server whose sidecar reports fewer transfers (then less queued time) is chosen; the
+    proxy's own requests in flight count at once; round robin ignores load."""
+    _etcd_put(etcd.endpoint, f"{PREFIX}/p", _entry("p", "prefill", 9000))
+    _etcd_put(etcd.endpoint, f"{PREFIX}/d1", _entry("d1", "decode", 9010, transfers=4))
+    _etcd_put(etcd.endpoint, f"{PREFIX}/d2", _entry("d2", "decode", 9020, transfers=0, queued=8 << 20, link=1 << 30))
+    _etcd_put(etcd.endpoint, f"{PREFIX}/d3", _entry("d3", "decode", 9030, transfers=0, queued=64 << 20, link=1 << 30))
+    view = RegistryView(etcd.endpoint, PREFIX).start()
+    wait_until(lambda: len(view.servers()[1]) == 3, 5, "three decode servers seen")
+    router = Router([], [], registry=view, routing="load")
+    picks = [router.pick()[2] for _ in range(6)]          # none finished: the proxy's count grows
+    assert picks[0] == "d2", picks                       # fewest transfers, least queued time
+    assert picks.count("d1") <= 1, picks                 # the busiest is chosen last
+    for peer in picks:
+        router.done(peer)
+    # the load changes: d2 now the busiest
+    _etcd_put(etcd.endpoint, f"{PREFIX}/d2", _entry("d2", "decode", 9020, transfers=9))
+    wait_until(lambda: {e.name: e.load.transfers for e in view.servers()[1]}["d2"] == 9, 5, "d2's new load")
+    assert router.pick()[2] == "d3"
+    rr = Router([], [], registry=view, routing="round-robin")
+    assert sorted(rr.pick()[2] for _ in range(3)) == ["d1", "d2", "d3"]
+    # a hostile entry is ignored, the others stay
+    _etcd_put(etcd.endpoint, f"{PREFIX}/d4", b'{"v": 1, "name": "d4", "role": "decode", "load": {"transfers": -1}}')
+    time.sleep(0.5)
+    assert {e.name for e in view.servers()[1]} == {"d1", "d2", "d3"}
+    view.stop()
