@@ -237,3 +237,30 @@ def test_bad_options_raise_clear_errors():
     for (options, expected), message in zip(BAD, messages):
         assert message is not None and expected in message, (options, message)
     assert messages[-1] is not None and "uneven sizes" in messages[-1]
+
+
+# -- ciuicflow plan's model ----------------------------------------------------------------------------
+
+
+def test_plan_models_bytes_per_step_from_the_policy_and_formats():
+    from ciuicflow import formats
+    from ciuicflow.plan.diloco_model import diloco
+    from ciuicflow.plan.inputs import ClusterSpec, Workload
+
+    cluster = ClusterSpec(2, 4, 100e9, 1.25e9)
+    work = Workload(1_024_000, compute_seconds=0.1)
+    int8 = diloco(cluster, work, 16, codec="int8")
+    # two nodes: one phase, each rank sends its shard (1/4) once; the node's 4 ranks share the link
+    shard = 1_024_000 / 4
+    assert int8.inter_bytes_per_sync == pytest.approx(4 * shard * formats.bytes_per_element("int8", 256))
+    assert int8.inter_bytes_per_step == pytest.approx(int8.inter_bytes_per_sync / 16)
+    exact = diloco(cluster, work, 16, codec="exact")
+    assert exact.inter_bytes_per_sync == pytest.approx(4 * shard * 4)  # a 2-rank ring: once
+    # fragments split the bytes, not add to them; a delay hides the sync behind inner steps
+    streamed = diloco(cluster, work, 16, fragments=4, delay=3, codec="int8")
+    assert streamed.inter_bytes_per_step == pytest.approx(int8.inter_bytes_per_step)
+    assert streamed.exposed_seconds_per_step < int8.exposed_seconds_per_step
+    with pytest.raises(ValueError):
+        diloco(cluster, work, 4, fragments=5)
+    with pytest.raises(ValueError):
+        diloco(cluster, work, 4, codec="powersgd")

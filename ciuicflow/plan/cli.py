@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 from ciuicflow.compression.policy import ADAPTIVE_OPTIMIZER_POLICIES, explain
 from ciuicflow.plan.cost_model import plan, recommend
+from ciuicflow.plan.diloco_model import diloco
 from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, SERVER_CODECS, ClusterSpec, Workload, \
     compute_seconds_from_flops
 from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATEGIES, POWERSGD_RANK, STRATEGIES, \
@@ -89,6 +90,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--explain", action="store_true",
                         help="also print what each quantising DDP method sends and why "
                              "(ciuicflow.explain: the rule the compressors take)")
+    parser.add_argument("--diloco", metavar="H[,H...]",
+                        help="also model ciuicflow.diloco syncing every H inner steps (docs/diloco.md)")
+    parser.add_argument("--diloco-codec", default="int8", help="its outer exchange's codec (default int8)")
+    parser.add_argument("--fragments", type=int, default=1, help="its fragments (default 1)")
+    parser.add_argument("--fragment-sync-delay", type=int, default=0,
+                        help="inner steps a fragment's sync overlaps (default 0)")
     parser.add_argument("--json", metavar="PATH", help="also write the estimates as JSON")
 
 
@@ -144,6 +151,19 @@ def table(estimates, baseline) -> str:
     return "\n".join(rows)
 
 
+def diloco_table(estimates, baseline) -> str:
+    """One row per ``--diloco`` H: inter-node bytes per node and exposed seconds per inner step."""
+    rows = ["| ciuicflow.diloco | outer exchange | inter-node per node / step | exposed sync / step | "
+            f"step time | vs {baseline.strategy if baseline else 'flat_ring'} |",
+            "|---|---|---:|---:|---:|---:|"]
+    for e in estimates:
+        speed = f"{baseline.step_seconds / e.step_seconds:.2f}x" if baseline and e.step_seconds else "n/a"
+        rows.append(f"| {e.name} | {e.wire} | {format_bytes(e.inter_bytes_per_step)} | "
+                    f"{format_seconds(e.exposed_seconds_per_step)} | {format_seconds(e.step_seconds)} | "
+                    f"{speed} |")
+    return "\n".join(rows)
+
+
 def run(args) -> int:
     try:
         cluster, workload, ranks, strategies, source = _build(args)
@@ -183,6 +203,14 @@ def run(args) -> int:
                              ranks_per_node=cluster.gpus_per_node, optimizer="adam").codec
         print(f"(modelled with SGD; under Adam/AdamW {best.strategy} sends {under_adam} values, raised "
               f"to int8 where measured noise says so: pass --optimizer adam)")
+    try:
+        localsgd = [diloco(cluster, workload, int(h), args.fragments, args.fragment_sync_delay,
+                           args.diloco_codec) for h in args.diloco.split(",")] if args.diloco else []
+    except ValueError as exc:
+        print(f"ciuicflow plan: error: {exc}", file=sys.stderr)
+        return 2
+    if localsgd:
+        print("\n" + diloco_table(localsgd, baseline))
     plans = wire_plans(estimates, cluster, workload) if args.explain else []
     if plans:
         print("\nWhat each quantising method sends (ciuicflow.explain):")
@@ -193,7 +221,8 @@ def run(args) -> int:
             json.dump({"cluster": asdict(cluster), "workload": asdict(workload),
                        "compute_source": source, "estimates": [e.as_dict() for e in estimates],
                        "recommended": best.name, "reason": why,
-                       "wire_plans": [wire.as_dict() for wire in plans]}, f, indent=1)
+                       "wire_plans": [wire.as_dict() for wire in plans],
+                       "diloco": [e.as_dict() for e in localsgd]}, f, indent=1)
     return 0
 
 
