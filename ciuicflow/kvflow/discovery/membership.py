@@ -39,6 +39,7 @@ class Membership:
         self.entries: Dict[str, Entry] = {}
         self.adopted: Dict[str, Entry] = {}
         self.ignored: Dict[str, str] = {}           # name -> why (for Stats; bounded by max_peers)
+        self.refused: Dict[str, Entry] = {}         # entries whose peer did not prove the name
         self._checks: Dict[str, asyncio.Task] = {}
         self.changed = asyncio.Event()              # set on every adoption or removal (tests, routers)
 
@@ -68,10 +69,14 @@ class Membership:
             return
         if previous is not None and previous.same_endpoint(entry) and name in self._checks:
             return                              # being checked already
+        refused = self.refused.get(name)
+        if refused is not None and refused.same_endpoint(entry):
+            return      # refused already: a new load figure does not make it ask again (nor anyone else)
         self._start_check(entry)
 
     async def on_delete(self, name: str) -> None:
         self.entries.pop(name, None)
+        self.refused.pop(name, None)
         self.ignored.pop(name, None)
         task = self._checks.pop(name, None)
         if task is not None:
@@ -104,6 +109,7 @@ class Membership:
                     break
                 except Mismatch as exc:
                     self._ignore(name, f"its peer at {entry.peer} does not prove the name: {exc}")
+                    self.refused[name] = entry
                     if name in self.adopted:        # it moved to an address that cannot prove it
                         del self.adopted[name]
                         await self.peers.remove(name, "its new registration does not prove its name")
@@ -112,6 +118,7 @@ class Membership:
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                         self._ignore(name, f"its peer at {entry.peer} cannot prove its name (no Identify)")
+                        self.refused[name] = entry
                         return
                     details = (exc.details() or "").lower()
                     if any(word in details for word in ("handshake", "certificate", "ssl", "verification")):
@@ -128,6 +135,7 @@ class Membership:
             if self._checks.get(name) is asyncio.current_task():
                 del self._checks[name]
         self.ignored.pop(name, None)
+        self.refused.pop(name, None)
         if name in self.adopted:
             await self.peers.remove(name, f"it moved to {entry.peer}")
         self.adopted[name] = entry
