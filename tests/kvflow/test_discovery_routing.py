@@ -2,12 +2,13 @@
 decode server by the load its sidecar reports."""
 import json
 import time
+import urllib.request
 
 from ciuicflow.integrations.vllm.proxy_registry import RegistryView
 from ciuicflow.integrations.vllm.proxy_router import Router
 from tests.kvflow.conftest import wait_until
 from tests.kvflow.etcd import etcd  # noqa: F401 - fixture
-from tests.kvflow.test_discovery import PREFIX, _etcd_put, _make
+from tests.kvflow.test_discovery import PREFIX, _etcd_put, _make, _send_when_found
 
 
 def _entry(name, role, port, transfers=0, queued=0, link=0):
@@ -21,15 +22,24 @@ def test_proxy_takes_servers_registered_by_sidecars(sidecars, tmp_path, etcd):
     stops leaves it."""
     view = RegistryView(etcd.endpoint, PREFIX).start()
     p = _make(sidecars, tmp_path, etcd, "a", role="prefill", extra=["--server-url", "http://127.0.0.1:8100"])
-    d = _make(sidecars, tmp_path, etcd, "d", role="decode", extra=["--server-url", "http://127.0.0.1:8200"])
+    metrics_port = sidecars.free_port()
+    d = _make(sidecars, tmp_path, etcd, "d", role="decode", extra=["--server-url", "http://127.0.0.1:8200",
+                                                                   "--metrics-port", str(metrics_port)])
     sidecars.start_all(p, d)
     wait_until(lambda: [len(x) for x in view.servers()] == [1, 1], 5, "both servers seen")
     prefills, decodes = view.servers()
     assert (prefills[0].name, prefills[0].server) == ("a", "http://127.0.0.1:8100")
     assert (decodes[0].name, decodes[0].server, decodes[0].role) == ("d", "http://127.0.0.1:8200", "decode")
     assert d.stats()["load"].keys() == {"queued_bytes", "transfers", "link_bps"}
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    for field in ("transfers", "queued_bytes", "link_bps"):
+        assert f"ciuicflow_kvflow_load_{field} " in metrics, field
     router = Router([], [], registry=view)
     assert router.pick() == ("http://127.0.0.1:8100", "http://127.0.0.1:8200", "d")
+    # a transfer held at d, not collected: its bytes are d's load, in Stats and (sampled) in the registry
+    _send_when_found(p.client(), "d", "held", b"k" * (1 << 20), timeout=10)
+    assert d.stats()["load"]["queued_bytes"] >= 1 << 20
+    wait_until(lambda: view.servers()[1][0].load.queued_bytes >= 1 << 20, 5, "d's load in the registry")
     d.terminate()           # a graceful stop revokes the lease: gone at once
     wait_until(lambda: not view.servers()[1], 3, "d gone from the view")
     view.stop()

@@ -178,6 +178,7 @@ class Sidecar:
                                                      idle_timeout_s=min(cfg.idle_timeout_s, METRICS_IDLE_S))
             self.metrics_address = format_hostport(cfg.metrics_host, cfg.metrics_port)
         self.metrics.insecure.set(1 if cfg.insecure else 0)
+        self.metrics.export_load(self.load)
         for name, address in cfg.peers.items():
             self.peers.add(name, address)
         self._tasks.append(asyncio.create_task(self._sweeper()))

@@ -26,7 +26,7 @@ def _memoize_labels(metric) -> None:
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
-        p = "ciuicflow_kvflow_"
+        p = self.prefix = "ciuicflow_kvflow_"
         self.bytes = Counter(p + "bytes", "Payload bytes moved, per peer, class and direction",
                              ["peer", "priority", "direction"], registry=r)
         self.chunks = Counter(p + "chunks", "Chunks moved, per peer, class and direction",
@@ -61,6 +61,16 @@ class Metrics:
         for metric in vars(self).values():
             if getattr(metric, "_labelnames", None):
                 _memoize_labels(metric)
+
+    def export_load(self, load) -> None:
+        """The load a router reads (``load()``: discovery.entry.Load, also in Stats and the registry entry),
+        computed when scraped: on the event loop, which serves the metrics port too."""
+        p, r = self.prefix, self.registry
+        for field, doc in (("transfers", "Transfers in flight, sending and receiving"),
+                           ("queued_bytes", "Bytes buffered, outgoing and received not yet collected"),
+                           ("link_bps", "Bandwidth estimate of the fastest connected link, bytes/s")):
+            Gauge(p + "load_" + field, doc + " (the load routers read)", registry=r).set_function(
+                lambda field=field: getattr(load(), field))
 
     def sender_state(self, peer: str, cc, queue_depth) -> None:
         """The gauges of one peer's sender: its congestion controller ``cc`` and ready transfers per class."""
