@@ -14,7 +14,7 @@ links' counters. Writes JSON (a list of records), a markdown table and a PNG cha
 Methods: allreduce, fp16_compress_hook, powerSGD_hook:R, every method of ciuicflow's compression registry
 (ciuicflow/compression/registry.py; PowerSGD's as name:R), no_comm (":R" = rank, default 1). A ciuicflow hook that cannot be
 imported is skipped with a message; a method that crashes is recorded as failed and the rest still run.
-The model trains with Adam, under which a 1-bit state's default sends topmark or int4 (docs/hooks.md,
+The model trains with Adam, under which a 1-bit state's default sends int4 (int8 where measured noise says so) (docs/hooks.md,
 "Adaptive optimizers"): the 1-bit methods run with adaptive_optimizer='same', so each row measures its own
 codec (the int4 rows measure what the 1-bit methods' defaults send under Adam beyond three nodes).
 Needs root for namespaces; otherwise everything runs on loopback and every output says NOT SHAPED.

@@ -182,8 +182,8 @@ def register(ddp, name, rank, clock):
 
 def as_named(method: str) -> dict:
     """Options that make a method send what its name says under this bench's Adam: a 1-bit
-    state's default sends an adaptive optimizer's buckets with another codec (topmark or int4;
-    flat, along the hierarchical route: docs/hooks.md); this bench measures each codec's
+    state's default sends an adaptive optimizer's buckets with another codec (int4, or int8:
+    docs/hooks.md); this bench measures each codec's
     communication."""
     compressor = registry.method(method).entry.compressor_class()
     return {"adaptive_optimizer": "same"} if getattr(compressor, "adaptive_codecs", None) else {}

@@ -30,16 +30,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ciuicflow.ops as ops  # noqa: E402
-from ciuicflow.compression.topmark import CHUNK as TOPMARK_CHUNK  # noqa: E402
-from ciuicflow.compression.topmark import TopMarkCodec  # noqa: E402
-from ciuicflow.compression.twobit import TwoBitCodec  # noqa: E402
 
 CHUNK = ops.DEFAULT_CHUNK_SIZE  # the 1-bit hooks' default
 INT8_CHUNK = 256
 WORLD = 4  # vectors averaged by the unpack_mean ops
 RANK = 4  # columns orthogonalised
-TWOBIT = TwoBitCodec()  # its pack in torch ops is the codec's own, on devices without the kernel
-TOPMARK = TopMarkCodec()  # no torch-ops form (its rank is a 251-bit integer): against twobit's pack
 
 
 # --- the same ops in plain torch (float32, as fast as plain torch gets) -------------------------
@@ -175,20 +170,6 @@ def cases(numel, dtype, device):
         lambda: ops.int8_pack(x, error, INT8_CHUNK),
         {"torch": lambda: torch_int8_pack(x, error, INT8_CHUNK)},
     )
-    yield (
-        "twobit_pack",
-        numel * itemsize + 8 * numel + TWOBIT.payload_bytes(numel, CHUNK) + 4 * nchunks,
-        lambda: ops.twobit_pack(x, error, CHUNK),
-        {"torch": lambda: TWOBIT.pack_torch(x, error, CHUNK)},
-    )
-    if device.type == "cpu":  # (a CPU kernel only)
-        yield (
-            "topmark_pack",
-            numel * itemsize + 8 * numel + TOPMARK.payload_bytes(numel, TOPMARK_CHUNK)
-            + 4 * -(-numel // TOPMARK_CHUNK),
-            lambda: ops.topmark_pack(x, error, TOPMARK_CHUNK),
-            {"twobit_pack": lambda: ops.twobit_pack(x, error, CHUNK)},
-        )
     if dtype != torch.float32:
         return  # the other ops take or produce float32 only; measured once
     yield (
@@ -251,7 +232,7 @@ def table(records):
         qr_cells = (f"{also[0][0]} | {also[0][1]['seconds'] * 1e3:.2f} | "
                     f"{also[0][1]['seconds'] / ours['seconds']:.2f}x" if also else "- | - | -")
         ref_ms, vs_ref = (f"{ref['seconds'] * 1e3:.2f}", f"{ref['seconds'] / ours['seconds']:.1f}x") \
-            if ref else ("-", "-")  # (topmark has no torch-ops form)
+            if ref else ("-", "-")
         lines.append(
             f"| {op} | {dtype} | {ours['seconds'] * 1e3:.2f} | {ref_ms} | "
             f"{copy['GB/s']:.2f} | {ours['GB/s']:.2f} | {ours['GB/s'] / copy['GB/s']:.0%} | "

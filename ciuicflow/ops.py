@@ -224,43 +224,7 @@ def int4_unpack_mean(values: torch.Tensor, scales: torch.Tensor, numel: int, chu
     return out
 
 
-def twobit_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """2 bits per element with error feedback (``compression.twobit``: sign and level bit, per
-    chunk the mean |y| of the large elements as its scale and of the small ones as a byte, 255ths
-    of the scale). CPU and CUDA (the CUDA kernel sums in another order: a scale may differ in its
-    last bit); the codec does the same in torch ops on other devices. ``chunk_size`` a multiple
-    of 4; ``error`` (float32, contiguous, on x's device) becomes ``y - sent``.
-
-    Returns ``(payload, scales)``: uint8, per chunk [lo byte | ceil(len / 4) bytes of codes], and
-    float32 ``[ceil(n/chunk_size)]``.
-    """
-    return torch.ops.ciuicflow.twobit_pack(x, error, chunk_size)
-
-
-def topmark_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """1.6 bits per element with error feedback (``compression.topmark``: every sign, the largest
-    55/512 of each chunk marked by the rank of their positions, per chunk the marked elements' mean
-    |y| as its scale and the others' as a byte, 255ths of the scale). CPU and CUDA (the same
-    arithmetic, one thread per chunk: the same bytes). ``chunk_size`` a multiple of 8 in [8, 512];
-    ``error`` (float32, contiguous, on x's device) becomes ``y - sent``.
-
-    Returns ``(payload, scales)``: uint8, per chunk [signs | lo byte | rank], and float32
-    ``[ceil(n/chunk_size)]``.
-    """
-    return torch.ops.ciuicflow.topmark_pack(x, error, chunk_size)
-
-
-def topmark_unpack_mean(payload: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int,
-                        *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean of ``W`` topmark vectors: ``payload [W, >= payload bytes]``, ``scales [W,
-    ceil(numel/chunk_size)]``, summed in row order, float32 ``[numel]``. Raises on a rank that is
-    no set of marked positions (a corrupt payload)."""
-    out = scales.new_empty(numel) if out is None else out
-    torch.ops.ciuicflow.topmark_unpack_mean_into(payload, scales, numel, chunk_size, out)
-    return out
-
-
-@functools.cache  # fixed once the library is loaded (above); the twobit codec asks at every pack
+@functools.cache  # fixed once the library is loaded (above)
 def has_cuda_kernels() -> bool:
     """Whether this build of the extension has the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("ciuicflow::onebit_pack", "CUDA")
@@ -351,23 +315,4 @@ def _int4_unpack_into_fake(values, scales, numel, chunk_size, out):
 
 @torch.library.register_fake("ciuicflow::int4_unpack_mean_into")
 def _int4_unpack_mean_into_fake(values, scales, numel, chunk_size, out):
-    return None
-
-
-@torch.library.register_fake("ciuicflow::twobit_pack")
-def _twobit_pack_fake(x, error, chunk_size):
-    n = x.numel()
-    return (x.new_empty((formats.twobit_payload_bytes(n, chunk_size),), dtype=torch.uint8),
-            x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))
-
-
-@torch.library.register_fake("ciuicflow::topmark_pack")
-def _topmark_pack_fake(x, error, chunk_size):
-    n = x.numel()
-    return (x.new_empty((formats.topmark_payload_bytes(n, chunk_size),), dtype=torch.uint8),
-            x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))
-
-
-@torch.library.register_fake("ciuicflow::topmark_unpack_mean_into")
-def _topmark_unpack_mean_into_fake(payload, scales, numel, chunk_size, out):
     return None

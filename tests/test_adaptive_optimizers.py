@@ -1,7 +1,7 @@
 """Tensors that an adaptive optimizer steps go with another codec under the 1-bit hooks
 (``compression.optimizer_watch``; docs/hooks.md, "Adaptive optimizers"): by default the policy's
-ladder (int4, raised to int8 where its noise in the optimizer's units stays high); topmark, int8,
-twobit or 1-bit if asked. On real gloo processes."""
+ladder (int4, raised to int8 where its noise in the optimizer's units stays high); int4, int8
+or 1-bit if asked. On real gloo processes."""
 import gc
 import warnings
 
@@ -67,25 +67,23 @@ def test_the_first_reduction_with_the_adaptive_codec_says_so_once(caplog):
 
     one_phase = SimpleNamespace(exchange_ranks=2)  # a route where two ranks exchange
     with caplog.at_level(logging.INFO, logger="ciuicflow.compression"):
-        default, int4, twobit, same = (
+        default, int4, int8, same = (
             OneBitCompressor(), OneBitCompressor(adaptive_optimizer="int4"),
-            OneBitCompressor(adaptive_optimizer="twobit"), OneBitCompressor(adaptive_optimizer="same"))
-        small = OneBitCompressor(adaptive_optimizer="twobit", chunk_size=64)
-        small_topmark = OneBitCompressor(adaptive_optimizer="topmark", chunk_size=64)
+            OneBitCompressor(adaptive_optimizer="int8"), OneBitCompressor(adaptive_optimizer="same"))
+        small = OneBitCompressor(adaptive_optimizer="int4", chunk_size=64)
         default._pick(default.wire_plan(one_phase, False), None)
         assert not caplog.records
-        for compressor in (default, int4, twobit, same, small, small_topmark):
+        for compressor in (default, int4, int8, same, small):
             for _ in range(3):
                 compressor._pick(compressor.wire_plan(one_phase, True), None)
     messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 5, messages
+    assert len(messages) == 4, messages
     # "auto": the ladder's first rung, int4, and where 1-bit Adam sends 1 bit instead
     assert "go as int4" in messages[0] and "'auto'" in messages[0] and "7.8x" in messages[0]
     assert "OneBitAdam" in messages[0]
     assert "go as int4" in messages[1] and "7.8x" in messages[1]
-    assert "go as twobit" in messages[2] and "14.8x" in messages[2]
-    assert "12.2x" in messages[3]  # 64-element chunks: 2 bits and 5 bytes per 64 elements
-    assert "20.5x" in messages[4]  # topmark's chunks are its own
+    assert "go as int8" in messages[2] and "3.9x" in messages[2]
+    assert "7.1x" in messages[3]  # 64-element chunks: 4 bits and a 4-byte scale per 64 elements
     assert not any("OneBitAdam" in m for m in messages[1:])  # a codec asked for
 
 
@@ -116,7 +114,7 @@ def test_auto_starts_adaptive_tensors_on_int4_and_asked_codecs_are_kept():
         plan = compressor.wire_plan(Route(ranks), adaptive)
         return plan.server_codec if plan.phases == 2 and plan.server_codec != plan.codec else None
 
-    auto, pinned = OneBitCompressor(), OneBitCompressor(adaptive_optimizer="twobit")
+    auto, pinned = OneBitCompressor(), OneBitCompressor(adaptive_optimizer="int8")
     assert auto.adaptive_optimizer == "auto"
     # the ladder's first rung on every route and device; one phase up to two ranks, two beyond
     for route in (Route(2), None, Route(3), Route(8)):
@@ -168,14 +166,16 @@ def test_auto_starts_adaptive_tensors_on_int4_and_asked_codecs_are_kept():
     exchange = OneBitAdam([torch.nn.Parameter(torch.zeros(3))])._compressor
     assert exchange.two_phases(Route(8)) and not exchange.two_phases(Route(4))
     assert served(exchange, 8) is None
-    assert OneBitCompressor(adaptive_optimizer="topmark").two_phases(Route(4), True)
+    assert OneBitCompressor(adaptive_optimizer="int8").two_phases(Route(4), True)
     assert OneBitCompressor(phases=1).codec_for(True, Route(8)).name == "int4"
     assert auto.codec_for(False, Route(2)) is auto.own_codec(Route(2))
-    assert pinned.codec_for(True, Route(2)).name == pinned.codec_for(True, Route(8)).name == "twobit"
+    assert pinned.codec_for(True, Route(2)).name == pinned.codec_for(True, Route(8)).name == "int8"
     cuda = torch.device("cuda", 0)
-    assert OneBitCompressor(adaptive_optimizer="topmark").codec_for(True, Route(2), cuda).name == "topmark"
-    with pytest.raises(ValueError, match="adaptive_optimizer"):
-        OneBitCompressor(adaptive_optimizer="top")
+    assert pinned.codec_for(True, Route(2), cuda).name == "int8"
+    # the codecs that did not earn their place are gone (docs/decisions.md)
+    for gone in ("top", "topmark", "twobit"):
+        with pytest.raises(ValueError, match="adaptive_optimizer"):
+            OneBitCompressor(adaptive_optimizer=gone)
     # int4's ladder climbs to int8; int8 has no rung above (it refuses a codec it cannot send)
     int4 = FAMILIES["int4"].compressor_class()()
     assert int4.wire_plan(Route(2), True).codec == "int4"
@@ -187,7 +187,7 @@ def test_auto_starts_adaptive_tensors_on_int4_and_asked_codecs_are_kept():
 # "default": adaptive_optimizer not given (auto: the ladder, int4 then int8); the flat hook is
 # flat by default (all four ranks exchange); route="auto" opts in to the hierarchical route on
 # whole nodes, where it is the hierarchical hook, bit for bit)
-POLICIES = ("default", "topmark", "int4", "int8", "twobit", "same")
+POLICIES = ("default", "int4", "int8", "same")
 
 
 def _bytes_and_codecs(run):
@@ -259,11 +259,7 @@ def test_adaptive_optimizer_tensors_go_as_int4_by_default():
         # Measured: values only where concentrated (now) int8 0.21 hierarchical; every chunk
         # reserving them (before) int4 0.49 hierarchical, 0.57 flat (int8 0.31 flat); with the
         # values left out 0.35 / 0.19 and 0.36 / 0.20.
-        # twobit (2 bits and a byte per chunk) about 2x: measured 0.70 hierarchical, 0.71 flat.
-        # topmark (1 bit, a byte and the rank per chunk): measured 0.89 and 0.88 (this model's
-        # buckets are small: its chunks are too, and each costs its scale, byte and rank).
-        bounds = (("int4", (0.3, 0.7)), ("int8", (0.15, 0.4)), ("twobit", (0.55, 0.85)),
-                  ("topmark", (0.8, 0.97)))
+        bounds = (("int4", (0.3, 0.7)), ("int8", (0.15, 0.4)))
         for policy, payload_ratio in bounds:
             adam = by[policy]
             # the buckets of the 10 compressed steps went with that codec (several per step), said once
@@ -276,13 +272,10 @@ def test_adaptive_optimizer_tensors_go_as_int4_by_default():
                 (hook, policy, ratio)
             # and stays closer to exact training (measured: int8 0.024 of exact training's movement
             # away from it, int4 0.17-0.22, against 0.40-0.50 for 1-bit; the suite's runs decide
-            # accuracy: docs/convergence.md; twobit 0.27-0.35, 0.68-0.70 of 1-bit's; topmark
-            # 0.32-0.40, 0.79-0.81 of 1-bit's)
-            closer = {"twobit": 0.8, "topmark": 0.9}.get(policy, 0.6)
-            assert adam["gap"] < closer * same["gap"], (hook, policy, adam["gap"], same["gap"])
+            # accuracy: docs/convergence.md)
+            assert adam["gap"] < 0.6 * same["gap"], (hook, policy, adam["gap"], same["gap"])
         # more bits, closer
-        assert by["int8"]["gap"] < by["int4"]["gap"] < by["twobit"]["gap"] < by["topmark"]["gap"] \
-            < same["gap"], hook
+        assert by["int8"]["gap"] < by["int4"]["gap"] < same["gap"], hook
         assert same["stats"]["adaptive_codec_reductions"] == 0, hook
         # SGD: the policy changes nothing
         sgd = [results[0][("sgd", hook, policy)] for policy in POLICIES]
@@ -361,36 +354,30 @@ def test_fsdp_paths_send_adaptive_optimizer_tensors_with_auto_by_default():
     (FSDP measures no noise in the optimizer's units: its tensors stay there)."""
     stats = run_distributed(_fsdp_defaults, 4, nodes=2, timeout=300)[0]
     for name, default_is in (("hierarchical_1bit", "int4"), ("onebit", "int4")):
-        auto, topmark, int4, int8, twobit, same = (stats[(name, p)] for p in ("auto", *POLICIES[1:]))
+        auto, int4, int8, same = (stats[(name, p)] for p in ("auto", *POLICIES[1:]))
         sent = stats[(name, default_is)]
         assert (auto["inter_node_bytes"], auto["compression_ratio"]) == \
             (sent["inter_node_bytes"], sent["compression_ratio"]), name
-        assert min(c["adaptive_codec_reductions"] for c in (topmark, int4, int8, twobit)) >= 4 * 3
+        assert min(c["adaptive_codec_reductions"] for c in (int4, int8)) >= 4 * 3
         assert same["adaptive_codec_reductions"] == 0
         # a codec change after a compressed step keeps the memory and trains on
         assert all(stats[(name, p, "finite")] for p in ("auto", "auto0")), name
-        # int8: about 1/3.9 of the float32 bytes; int4 about 1/7.5; twobit about 1/14.8 (measured
-        # 14.4 and 14.2 here); 1 bit: over 20x (measured 27 and 26 here)
+        # int8: about 1/3.9 of the float32 bytes; int4 about 1/7.5; 1 bit: over 20x (measured 27
+        # and 26 here)
         assert 3 < int8["compression_ratio"] < 4.5 < 6 < int4["compression_ratio"] < 8.5 < 20 \
             < same["compression_ratio"], (name, stats)
-        assert 12 < twobit["compression_ratio"] < 17, (name, twobit)
-        # topmark about 1/20.5 (measured 19.6 and 19.1 here: this model's shards are small, and a
-        # trimmed chunk costs a whole chunk's byte, rank and scale)
-        assert 17 < topmark["compression_ratio"] < 21, (name, topmark)
 
 
 def test_a_tensor_whose_codec_changes_keeps_its_memory():
-    """1-bit's chunks are 256 elements, topmark's 512: the same tensor laid out again (its optimizer
-    learnt after a compressed step) keeps the worker memory of its elements; the server's, whose
+    """The same tensor laid out again in other chunks (256 elements, then 512) keeps the worker memory of its elements; the server's, whose
     segments moved, restarts; another tensor in the same memory is still refused."""
     from ciuicflow.compression.onebit import OneBitCodec
     from ciuicflow.compression.quantized_exchange import QuantizedErrors, _Layout
     from ciuicflow.compression.quantized_scatter import ScatterErrors
-    from ciuicflow.compression.topmark import TopMarkCodec
 
     numel = 12000  # segments of 3000: 12 chunks of 256 (3072) or 6 of 504 (3024)
     first = _Layout.plan(OneBitCodec(), numel, 0, 4, 256, True)
-    then = _Layout.plan(TopMarkCodec(), numel, 0, 4, 512, True)
+    then = _Layout.plan(OneBitCodec(), numel, 0, 4, 512, True)
     assert first.parts * first.segment != then.parts * then.segment
     errors = QuantizedErrors()
     errors.ensure(first, "cpu")

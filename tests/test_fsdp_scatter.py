@@ -29,7 +29,7 @@ def _build(method, mesh, mp=None, **options):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
-    if method == "onebit":  # the 1-bit path: under AdamW the default sends topmark
+    if method == "onebit":  # the 1-bit path: under AdamW the default sends int4
         options.setdefault("adaptive_optimizer", "same")  # (tests/test_adaptive_optimizers.py)
     state = ciuicflow.fsdp.register(model, method, mesh=mesh, **options) if method else None
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3), state

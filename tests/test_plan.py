@@ -150,9 +150,9 @@ def test_phases_are_costed_as_the_states_take_them(capsys):
 
 def test_under_adam_the_one_bit_methods_cost_their_adaptive_codec():
     """--optimizer adam: the 1-bit methods send an adaptive optimizer's gradients with their
-    default policy, auto (docs/hooks.md, "Adaptive optimizers"): on GPUs, which the planner models,
-    that is int4 on every route (topmark, where each value is quantised once, until its CUDA kernel
-    has run on a GPU), so they cost what hierarchical_int4 / int4 cost; the other methods do not change."""
+    default policy, auto (docs/hooks.md, "Adaptive optimizers"): the ladder's first rung, int4, on
+    every route and device, so they cost what hierarchical_int4 / int4 cost; the other methods do
+    not change."""
     sgd, adam = pl.Workload(params=1e6), pl.Workload(params=1e6, optimizer="adam")
     for nodes in (2, 4):
         for ours, int4 in (("hierarchical_1bit", "hierarchical_int4"), ("onebit", "int4"),
@@ -204,23 +204,18 @@ def test_flat_methods_cost_the_flat_route():
 
 
 def test_the_adaptive_optimizer_option_costs_the_codec_it_names():
-    """--adaptive-optimizer: the 1-bit states' adaptive_optimizer; twobit sends 2 bits and 5 bytes
-    per 256-element chunk, int8 8 bits and a scale, "same" 1-bit's own bytes (its values counted,
-    as under SGD); the default is auto's."""
+    """--adaptive-optimizer: the 1-bit states' adaptive_optimizer; int8 sends 8 bits and a scale,
+    int4 4 bits and a scale, "same" 1-bit's own bytes (its values counted, as under SGD); the
+    default is auto's."""
     def inter(method, **kw):
         return pl.estimate(method, _cluster(), pl.Workload(params=1e6, **kw)).inter_node_bytes_per_node
 
     for method in ("hierarchical_1bit", "fsdp_hierarchical_1bit"):
-        assert inter(method, optimizer="adam", adaptive_optimizer="twobit") == pytest.approx(
-            1e6 * (2 / 8 + 5 / 256)), method
-        # topmark: its own 512-element chunks, whatever the state's (and only if asked: on GPUs
-        # auto sends int4)
-        for chunk in (0, 64):
-            assert inter(method, optimizer="adam", adaptive_optimizer="topmark",
-                         chunk_size=chunk) == pytest.approx(1e6 * (1 / 8 + 36 / 512)), method
+        assert inter(method, optimizer="adam", adaptive_optimizer="int4") == pytest.approx(
+            1e6 * (4 / 8 + 4 / 256)), method
         assert inter(method, optimizer="adam", adaptive_optimizer="int8") == pytest.approx(
             inter(method.replace("1bit", "int8"))), method
-        # the default, auto, is int4 on GPUs
+        # the default, auto, is costed at its first rung, int4
         assert inter(method, optimizer="adam", adaptive_optimizer="int4") == pytest.approx(
             inter(method, optimizer="adam")) == pytest.approx(
             inter(method, optimizer="adam", adaptive_optimizer="auto")) == pytest.approx(
@@ -228,7 +223,8 @@ def test_the_adaptive_optimizer_option_costs_the_codec_it_names():
         assert inter(method, optimizer="adam", adaptive_optimizer="same") == pytest.approx(
             inter(method)), method
     # only the methods that have an adaptive codec change
-    assert inter("hierarchical_int4", optimizer="adam", adaptive_optimizer="twobit") == inter("hierarchical_int4")
+    assert inter("hierarchical_powersgd", optimizer="adam", adaptive_optimizer="int8") == \
+        inter("hierarchical_powersgd", optimizer="adam")
     with pytest.raises(ValueError, match="adaptive_optimizer"):
         pl.Workload(params=1e6, optimizer="adam", adaptive_optimizer="onebit")
 
@@ -460,7 +456,7 @@ def test_cli(tmp_path, capsys):
     assert json.loads(out.read_text())["workload"]["adaptive_optimizer"] == "same"
     rc = pl.run(parser.parse_args(adam))
     assert rc == 0 and "their default, auto: int4, a bucket raised to int8" in capsys.readouterr().out
-    rc = pl.run(parser.parse_args(adam[:-2] + ["--adaptive-optimizer", "twobit"]))
+    rc = pl.run(parser.parse_args(adam[:-2] + ["--adaptive-optimizer", "int8"]))
     assert rc == 2 and "--optimizer adam" in capsys.readouterr().err
 
 

@@ -31,8 +31,6 @@ def _key(plan):
     ("hierarchical_1bit", (3, 2), "cpu", "adamw", {}, ("int4", 2, "int4", "hierarchical", 3, 0)),
     ("hierarchical_1bit", (4, 2), "cpu", "adam", {}, ("int4", 2, "int4", "hierarchical", 4, 0)),
     ("hierarchical_1bit", (2, 2), "cuda", "adam", {}, ("int4", 1, "", "hierarchical", 2, 0)),
-    ("hierarchical_1bit", (2, 2), "cpu", "adam", {"adaptive_optimizer": "topmark"},
-     ("topmark", 1, "", "hierarchical", 2, 0)),
     ("hierarchical_1bit", (2, 2), "cpu", "adam", {"adaptive_optimizer": "int8"},
      ("int8", 1, "", "hierarchical", 2, 0)),
     ("hierarchical_1bit", (2, 2), "cpu", "adam", {"adaptive_optimizer": "same"},

@@ -18,8 +18,6 @@ from ciuicflow.compression.quantized import Codec, QuantizedCompressor, Quantize
     native_ops, quantized_all_reduce
 from ciuicflow.compression.refined import RefinedOneBitCodec
 from ciuicflow.compression.registry import FAMILIES
-from ciuicflow.compression.topmark import TopMarkCodec
-from ciuicflow.compression.twobit import TwoBitCodec
 
 _COST = FAMILIES["onebit"].cost
 DEFAULT_CHUNK_SIZE = _COST.chunk_size  # also the native ops' default (ciuicflow.ops)
@@ -66,9 +64,7 @@ class OneBitCompressor(QuantizedCompressor):
 
     name = "onebit"
     codec = OneBitCodec()
-    adaptive_codecs = {"topmark": TopMarkCodec(), "int4": Int4InOneBitLayout(),
-                       "int8": Int8InOneBitLayout(), "twobit": TwoBitCodec()}
-    adaptive_error_decays = {"twobit": 0.5, "topmark": 0.5}
+    adaptive_codecs = {"int4": Int4InOneBitLayout(), "int8": Int8InOneBitLayout()}
     # what the servers of two phases may send (``server_codec``; registry.SERVER_FAMILY): int4 in
     # 1 bit's layout, or 1 bit with int4 in the tenth of the chunks where 1 bit errs most
     server_codecs = {"int4": adaptive_codecs["int4"], "onebit_int4": RefinedOneBitCodec()}

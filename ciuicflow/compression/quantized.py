@@ -173,8 +173,7 @@ class QuantizedCompressor(Compressor):
         return codec, self.adaptive_error_decays.get(codec.name, 1.0)
 
     def chunk_for(self, codec: Codec) -> int:
-        """Elements per chunk with ``codec``: its own where it has one (topmark's 512), else
-        ``chunk_size``."""
+        """Elements per chunk with ``codec``: its own where it has one, else ``chunk_size``."""
         return codec.chunk_size or self.chunk_size
 
     def _server_codec(self, plan: policy.WirePlan, route) -> Codec | None:

@@ -72,8 +72,8 @@ class QuantizedErrors(GuardedMemory):
         elif (self.worker.numel(), self.server.numel()) != shapes \
                 and (self._numel == layout.numel or self._loaded):
             # The same tensor, chunked otherwise: its codec changed (an adaptive optimizer's
-            # parameters learnt after a compressed step, or not yet known in a resumed process;
-            # topmark's chunks are its own). The worker memory is the tensor's elements in
+            # parameters learnt after a compressed step, or not yet known in a resumed
+            # process). The worker memory is the tensor's elements in
             # order, padding after: it carries over. The server's is its segment's, and segments
             # moved: it restarts.
             device = self.worker.device if device is None else device

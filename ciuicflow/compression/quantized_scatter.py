@@ -48,8 +48,8 @@ class ScatterErrors(GuardedMemory):
 
     def ensure(self, rows: int, padded: int, device, numel: int | None = None) -> None:
         """Buffers for ``rows`` rows of ``padded`` elements, ``numel`` of them compressed (the
-        rest padding). The same rows chunked otherwise (the codec changed: compression.topmark
-        has its own chunks) keep their memory."""
+        rest padding). The same rows chunked otherwise (the codec changed, as a codec with
+        chunks of its own would) keep their memory."""
         if self.error is None:
             self.error = torch.zeros(rows, padded, device=device)
         elif tuple(self.error.shape) != (rows, padded) and numel is not None \

@@ -58,7 +58,7 @@ VALUES_MAX_CHUNK = 256
 # What a compressor with an ``adaptive_family`` (1-bit) can send an adaptive optimizer's tensors
 # as, its ``adaptive_optimizer`` option (their layouts: ``ciuicflow.formats``, which ``plan`` costs
 # them by; tests check the codecs agree); "same": the compressor's own codec.
-ADAPTIVE_CODECS = ("topmark", "int4", "int8", "twobit")
+ADAPTIVE_CODECS = ("int4", "int8")
 
 
 def adaptive_bytes_per_element(policy: str, chunk: int) -> float:

@@ -16,11 +16,6 @@ from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, 
 
 # what the opt-in codecs cost in training under Adam, as measured (docs/convergence.md)
 _ADAPTIVE_COSTS = {
-    "topmark": "+1.0% to +1.4% above exact loss on bench/convergence.py's language model where two nodes "
-               "exchange (each value quantised once), +2.1% to +2.4% where more do, 3 points on a held-out "
-               "CNN: docs/decisions.md",
-    "twobit": "about half a percentage point more loss than int4 on bench/convergence.py's "
-              "language models (+0.2% to +1.2% against exact on the hierarchical route)",
     "same": "1-bit gradients under Adam ended 2.7-8.1% above exact loss on bench/convergence.py's language "
             "models: for 1 bit with Adam use ciuicflow.OneBitAdam",
 }
@@ -73,7 +68,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--adaptive-optimizer", choices=ADAPTIVE_OPTIMIZER_POLICIES, default="",
                         help="with --optimizer adam: the 1-bit states' adaptive_optimizer, what they send "
                              "those buckets as (default auto, theirs: int4, then int8 where measured noise "
-                             "says so; topmark: 1.6 bits; twobit: 2 bits; same: 1 bit)")
+                             "says so; int4, int8: that codec on every bucket; same: 1 bit)")
     parser.add_argument("--values-share", type=float, default=1.0,
                         help="share of the 1-bit all-reduces' chunks that also send values (concentrated "
                              "windows, 0 to 1; default 1, the upper bound: which windows are depends on "

@@ -69,8 +69,8 @@ class Workload:
     # "sgd" or "adam" (any adaptive optimizer): under "adam" the 1-bit methods send another codec
     # (registry Cost.adaptive_family; docs/hooks.md, "Adaptive optimizers")
     optimizer: str = "sgd"
-    # under "adam": the 1-bit states' ``adaptive_optimizer`` (auto, topmark, int4, int8, twobit or
-    # same: what they send those buckets as); "" is their default, auto (compression.policy's
+    # under "adam": the 1-bit states' ``adaptive_optimizer`` (auto, int4, int8 or same: what they
+    # send those buckets as); "" is their default, auto (compression.policy's
     # ladder, costed at its first rung, int4)
     adaptive_optimizer: str = ""
     # the share of a 1-bit method's chunks that also send values (concentrated windows,
