@@ -146,10 +146,29 @@ def test_entry_whose_name_its_peer_cannot_prove_is_ignored(sidecars, tmp_path, e
     assert "to-c" not in impostor.stats()["store"]["keys"]
 
 
+def test_keep_alive_reports_etcd_gone(etcd):
+    """etcd killed under a keep-alive stream: the keep-alive raises EtcdError (then the registration
+    starts again), whichever point of its cycle it was at, and never dies with another exception."""
+    from ciuicflow.kvflow.discovery.etcd import EtcdError
+
+    async def run():
+        client = EtcdClient([etcd.endpoint])
+        try:
+            lease = await client.grant(5)
+            task = asyncio.create_task(client.keep_alive(lease, 0.3))
+            await asyncio.sleep(0.5)
+            etcd.stop(signal.SIGKILL)
+            done, _ = await asyncio.wait({task}, timeout=10)
+            assert done, "keep-alive still running 10 s after etcd died"
+            return task.exception()
+        finally:
+            await client.close()
+    assert isinstance(asyncio.run(run()), EtcdError)
+
+
 def test_etcd_restart_keeps_peers_transferring(sidecars, tmp_path, etcd):
     """etcd killed and started again (same data): transfers go on meanwhile, and no peer is dropped."""
-    ttl = 6         # etcd extends leases by their TTL on restart: the keep-alive must be back by then (4 s
-    #                 was too short once at a load average of 20 on this 2-core host)
+    ttl = 4         # etcd extends leases by their TTL (and ~1 s) on restart: the keep-alive must be back by then
     a, b = _make(sidecars, tmp_path, etcd, "a", ttl=ttl), _make(sidecars, tmp_path, etcd, "b", ttl=ttl)
     sidecars.start_all(a, b)
     ca, cb = a.client(), b.client()
@@ -166,9 +185,13 @@ def test_etcd_restart_keeps_peers_transferring(sidecars, tmp_path, etcd):
     etcd.start()
     wait_until(lambda: a.stats()["discovery"]["watch_starts"] >= 2 and b.stats()["discovery"]["watch_starts"] >= 2,
                15, "watches open again")
-    time.sleep(ttl + 1)                                # the leases are kept alive again after the restart
+    # long enough for a lease that nobody keeps alive to expire (a keep-alive that died with etcd's stream)
+    time.sleep(2 * ttl + 1)
     ca.send("b", "after", b"3").wait(5)
     assert _discovered(a).keys() == {"b"} and _discovered(b).keys() == {"a"}
+    for sc in (a, b):
+        info = sc.stats()["discovery"]
+        assert info["registered"] and info["registrations"] >= 2, info      # put again after the reconnect
     for i in range(n):
         assert cb.recv(f"during-{i}", timeout_s=5, source="a") == b"1" * 1000
     print(f"\n{n} transfers each way while etcd was down")

@@ -146,6 +146,8 @@ class EtcdClient:
                 await asyncio.sleep(every_s)
         except grpc.aio.AioRpcError as exc:
             raise EtcdError(f"etcd lease keep-alive: {exc.code().name} {exc.details()}") from None
+        except asyncio.InvalidStateError:       # a write after etcd ended the stream (etcd killed)
+            raise EtcdError("etcd lease keep-alive: stream ended") from None
         finally:
             call.cancel()
 
@@ -164,6 +166,8 @@ class EtcdClient:
                 yield reply
         except grpc.aio.AioRpcError as exc:
             raise EtcdError(f"etcd watch: {exc.code().name} {exc.details()}") from None
+        except asyncio.InvalidStateError:
+            raise EtcdError("etcd watch: stream ended") from None
         finally:
             call.cancel()
 

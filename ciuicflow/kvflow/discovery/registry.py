@@ -73,7 +73,8 @@ class EtcdRegistry:
 
     def _error(self, what: str, exc: Exception) -> None:
         self.stats["etcd_errors"] += 1
-        log.warning("discovery: %s: %s (peers are kept; retrying)", what, exc)
+        log.warning("discovery: %s: %s (peers are kept; retrying)", what,
+                    exc if isinstance(exc, EtcdError) else f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ registration
     async def _register_loop(self) -> None:
@@ -99,7 +100,9 @@ class EtcdRegistry:
                     task.result()       # raises the EtcdError that ended it
                 log.warning("discovery: etcd no longer knows lease %x; registering again", self.lease)
                 self.lease = None
-            except EtcdError as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:    # noqa: BLE001 - EtcdError, or anything else: never stop registering
                 self.registered.clear()
                 self._error("registration", exc)
                 if "lease not found" in str(exc):
@@ -168,7 +171,9 @@ class EtcdRegistry:
                                 name = key_name(self.prefix, event.kv.key)
                                 if name is not None:
                                     await self.on_delete(name)
-            except EtcdError as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:    # noqa: BLE001 - EtcdError, or anything else: never stop watching
                 self.watching.clear()
                 self._error("watch", exc)
                 await asyncio.sleep(backoff)
