@@ -351,7 +351,7 @@ def _fsdp_defaults(rank, world):
 
 def test_fsdp_paths_send_adaptive_optimizer_tensors_with_auto_by_default():
     """HSDP's replicas and the compressed reduce-scatter: auto sends the ladder's first rung, int4
-    (FSDP measures no noise in the optimizer's units: its tensors stay there)."""
+    (six steps: too few for a group to climb; tests/test_policy.py climbs them)."""
     stats = run_distributed(_fsdp_defaults, 4, nodes=2, timeout=300)[0]
     for name, default_is in (("hierarchical_1bit", "int4"), ("onebit", "int4")):
         auto, int4, int8, same = (stats[(name, p)] for p in ("auto", *POLICIES[1:]))

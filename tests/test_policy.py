@@ -164,3 +164,33 @@ def test_plan_explain_prints_the_plans_the_compressors_take(tmp_path, capsys):
         assert got == want.as_dict(), method
         assert want.describe().splitlines()[0] in printed, method
     assert plans["hierarchical_1bit"]["codec"] == "int4" and plans["hierarchical_1bit"]["rungs_left"] == 1
+
+
+def _fsdp_ladder_runs(rank, world):
+    from ciuicflow.compression import policy
+    from tests import test_fsdp
+
+    out = {}
+    mesh = test_fsdp._mesh()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for tolerance in (0.0, float("inf")):
+            policy.TOLERANCE = tolerance  # the rule's constant, set for this process's run
+            model, optimizer, state = test_fsdp._build("hierarchical_1bit", mesh, warmup_steps=2,
+                                                       adaptive_optimizer="auto")
+            for step in range(2 + policy.PATIENCE + 2):
+                test_fsdp._step(model, optimizer, step)
+            out[tolerance] = {key: (w["codec"], w["changes"])
+                              for key, w in state.stats()["wire"].items()}
+    return out
+
+
+def test_an_hsdp_group_climbs_its_ladder_as_a_ddp_bucket_does():
+    """HSDP's replicas (``ciuicflow.fsdp``, hierarchical_1bit under AdamW) measure each parameter
+    group's noise in the optimizer's units on its local shard: with no tolerance every group is
+    raised from int4 to int8 after PATIENCE compressed steps, once, on every rank; with an
+    infinite one none is."""
+    results = run_distributed(_fsdp_ladder_runs, 4, nodes=2, timeout=300)
+    for rank, result in enumerate(results):
+        assert result[0.0] and set(result[0.0].values()) == {("int8", 1)}, (rank, result[0.0])
+        assert set(result[float("inf")].values()) == {("int4", 0)}, (rank, result)

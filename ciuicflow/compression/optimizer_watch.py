@@ -91,3 +91,22 @@ def watch() -> None:
 def stepped_adaptively(params) -> bool:
     """Whether an adaptive optimizer has stepped any of ``params`` (so far in this process)."""
     return any(id(p) in _adaptive for p in params)
+
+
+def units(params, segments, numel: int, device) -> torch.Tensor | None:
+    """What the adaptive optimizer divides each coordinate of a flat tensor by, in its layout: the
+    root of the running mean square (plus Adam's default epsilon) of each of ``params`` at its
+    ``(offset, shape)`` of ``segments``, 1 elsewhere (padding); None where a parameter has none
+    yet (before the optimizer's first step). A sharded parameter's (a DTensor's) local shard is
+    the one its segment holds."""
+    moments = [second_moment(p) for p in params]
+    if not moments or any(m is None for m in moments):
+        return None
+    out = torch.ones(numel, dtype=torch.float32, device=device)
+    for (offset, _), moment in zip(segments, moments):
+        local = moment.to_local() if hasattr(moment, "to_local") else moment
+        view = out[offset:offset + local.numel()]
+        torch.sqrt(local.detach().reshape(-1).to(view.device, torch.float32), out=view)
+        view.add_(1e-8)
+    return out
+

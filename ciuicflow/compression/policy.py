@@ -112,6 +112,12 @@ def climb(plan: WirePlan, rung: int, over: int, noise: float | None) -> tuple[in
     return rung, over + 1
 
 
+def climbing(plan: WirePlan | None) -> bool:
+    """Whether a tensor that last sent ``plan`` (None: not yet known) may still climb: only then is
+    its noise measured in the optimizer's units, a pass over it every step."""
+    return plan is None or plan.rungs_left > 0
+
+
 def two_phases(phases, ranks: int, cost: Cost, own_codec: bool = True) -> bool:
     """Whether a quantising exchange with option ``phases`` ("auto", 1 or 2) over ``ranks`` ranks
     has two phases: "auto" takes one up to two ranks (the same bytes, no second quantisation), and

@@ -14,7 +14,8 @@ from ciuicflow.collectives.primitives import Traffic
 from ciuicflow.collectives.routes import EXACT, ROUTES
 from ciuicflow.compression.base import Compressor, Context, ExactCompressor, exclude_mask
 from ciuicflow.compression.ledger import Ledger
-from ciuicflow.compression.optimizer_watch import second_moment, stepped_adaptively, watch
+from ciuicflow.compression.optimizer_watch import stepped_adaptively, units, watch
+from ciuicflow.compression.policy import climbing
 from ciuicflow.ddp.bucket import BucketMemories, BucketView
 from ciuicflow.ddp.worker import completed, ordered_worker
 from ciuicflow.topology import Topology
@@ -249,7 +250,9 @@ class AllReduceState:
         adaptive = self._adaptive(info.parameters)
         context = Context(tuple(info.segments), self._exact_mask(info, route.name == "hierarchical"),
                           step, info.index, self.seed, adaptive, keep,
-                          units=optimizer_units(info) if adaptive and _may_climb(memory) else None)
+                          units=units(info.parameters, info.segments, info.buffer.numel(),
+                                      info.buffer.device)
+                          if adaptive and climbing(getattr(memory, "wire_plan", None)) else None)
         self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, route,
                                    info.buffer.device)
         route.add_exact(traffic, info.buffer)
@@ -280,28 +283,6 @@ class AllReduceState:
 
     def _warn_once(self, tag: str, message: str) -> None:
         self._ledger.warn_once(tag, message)
-
-
-def _may_climb(memory) -> bool:
-    """Whether the bucket's plan has a rung left (its first step: not known yet, so yes): only then
-    is its noise measured in the optimizer's units, a pass over the bucket every step."""
-    plan = getattr(memory, "wire_plan", None)
-    return plan is None or plan.rungs_left > 0
-
-
-def optimizer_units(info: BucketView) -> torch.Tensor | None:
-    """What the adaptive optimizer divides each coordinate of the bucket by, in the bucket's layout:
-    the root of its running mean square (plus Adam's default epsilon), 1 outside the parameters;
-    None where a parameter has none yet (before the optimizer's first step)."""
-    moments = [second_moment(p) for p in info.parameters]
-    if not moments or any(m is None for m in moments):
-        return None
-    units = torch.ones(info.buffer.numel(), dtype=torch.float32, device=info.buffer.device)
-    for (offset, _), moment in zip(info.segments, moments):
-        view = units[offset:offset + moment.numel()]
-        torch.sqrt(moment.detach().reshape(-1).to(view.device, torch.float32), out=view)
-        view.add_(1e-8)
-    return units
 
 
 class CompressingState(AllReduceState):

@@ -32,7 +32,8 @@ from ciuicflow.collectives.routes import EXACT, FlatRoute
 from ciuicflow.compression import registry
 from ciuicflow.compression.base import Context, exclude_mask
 from ciuicflow.compression.ledger import Ledger
-from ciuicflow.compression.optimizer_watch import stepped_adaptively, watch
+from ciuicflow.compression.optimizer_watch import stepped_adaptively, units, watch
+from ciuicflow.compression.policy import climbing
 from ciuicflow.ddp.state import DEFAULT_WARMUP_STEPS
 from ciuicflow.topology import Topology
 
@@ -176,7 +177,11 @@ class FSDPState:
         if compressed and flat.numel():
             memory = self._memory(group, flat)
             adaptive = group.stepped_adaptively()
-            context = Context(group.segments, group.mask, step, group.index, self.seed, adaptive)
+            # measured in the optimizer's units while the group's ladder has a rung left (policy)
+            scale = units(group.parameters(), group.segments, flat.numel(), flat.device) \
+                if adaptive and climbing(getattr(memory, "wire_plan", None)) else None
+            context = Context(group.segments, group.mask, step, group.index, self.seed, adaptive,
+                              units=scale)
             self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, self.route,
                                        flat.device)
             self.compressor.exchange(flat, memory, self.route, context, traffic)
