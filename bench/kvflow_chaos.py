@@ -1,7 +1,8 @@
 """Chaos at scale on one machine: N sidecars on loopback ports that find each other through a real etcd,
 while nodes join and leave, a share of them is SIGKILLed every minute (and started again), and etcd itself
 is restarted once. Every transfer's outcome goes to a ledger; the verdict: no send hangs past its
-timeout, nothing acknowledged is lost, duplicated or corrupted, and every failure has a terminal status.
+timeout, nothing acknowledged is lost, duplicated or corrupted, every failure has a terminal status, and at
+the end every node has every other as a peer again.
 
     python bench/kvflow_chaos.py --nodes 8 --seconds 120 --json out/kvflow_chaos.json
     python bench/kvflow_chaos.py --smoke          # 4 nodes, 30 s, one kill, one leave, one join, etcd restart
@@ -232,6 +233,7 @@ class Chaos:
                     node.start()
                 except RuntimeError:
                     pass
+        self.views = self._views(settle_s=a.ttl + 5)
         self.stop_sending.set()
         time.sleep(SEND_DEADLINE_S + 2)
         self.stop_consuming.set()
@@ -239,6 +241,23 @@ class Chaos:
         for t in threads:
             t.join(max(0.1, deadline - time.monotonic()))
         return self.report()
+
+    def _views(self, settle_s: float) -> dict:
+        """Once every node is back: which peers each one lacks (none, within ``settle_s``: a node that some
+        peer never takes back is lost to the fleet)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            missing = {}
+            for node in self.nodes.values():
+                client = node.get_client()
+                peers = set(client.stats()["discovery"]["peers"]) if client is not None else set()
+                lacks = sorted(set(self.nodes) - peers - {node.name})
+                if lacks:
+                    missing[node.name] = lacks
+            if not missing or time.monotonic() > deadline:
+                self.note("views", missing=missing)
+                return missing
+            time.sleep(0.5)
 
     def _restart(self, node: Node) -> None:
         if not node.up.is_set() and not self.stop_sending.is_set():
@@ -256,8 +275,9 @@ class Chaos:
         fail_s = sorted(e["seconds"] for e in events if e["ev"] == "failed")
         v.update(outcomes=dict(outcomes), hung=hung, unresolved=sorted(intents - terminal),
                  failure_seconds_max=fail_s[-1] if fail_s else 0.0, schedule=self.events,
+                 peers_missing_at_end=self.views,
                  nodes=self.a.nodes, seconds=self.a.seconds, ttl=self.a.ttl, workdir=self.workdir)
-        v["passed"] = passed(v) and not hung and not v["unresolved"]
+        v["passed"] = passed(v) and not hung and not v["unresolved"] and not self.views
         return v
 
     def close(self) -> None:
@@ -288,7 +308,8 @@ def main(argv=None) -> int:
     finally:
         chaos.close()
     print(json.dumps({k: v[k] for k in ("passed", "outcomes", "acknowledged", "delivered", "lost", "duplicates",
-                                        "corrupted", "hung", "unresolved", "kills", "failure_seconds_max")},
+                                        "corrupted", "hung", "unresolved", "kills", "failure_seconds_max",
+                                        "peers_missing_at_end")},
                      indent=1))
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
