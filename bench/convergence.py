@@ -17,7 +17,7 @@ accuracy, within 2% of exact loss/MSE. With ``--seeds`` every seed's run is judg
 exact run of the same seed (a miss on any seed is a miss; the comparison with PyTorch's
 ``powerSGD_hook`` is judged on the means over the seeds), and the table of means over the seeds
 (``seeds.json``, and in the markdown) says how a method does beyond one run's noise: on some
-tasks two exact runs that differ only in summation order end 2 points apart (docs/convergence.md).
+tasks two exact runs that differ only in summation order end 2 points apart (docs/history/convergence-notebook.md).
 """
 from __future__ import annotations
 

@@ -147,7 +147,7 @@ def check_targets(records: list[dict]) -> list[str]:
     With one seed each run is judged. With several, a run's chaos is not its method's: on
     ``mlp_sgd_constant`` two *exact* runs that differ only in summation order end 2.1 points
     apart, and ``powersgd`` at torch's rank and bytes (the same algorithm) ends above torch's on
-    some seeds and below on others (docs/convergence.md). So the accuracy target is judged on
+    some seeds and below on others (docs/history/convergence-notebook.md). So the accuracy target is judged on
     the mean gap over the seeds, and the comparison with PyTorch's hook by a one-sided paired
     t-test at 95% over the seeds: worse by the mean *and* beyond the seeds' spread (flat
     ``onebit``'s 0.8-point shortfall on ``wide_mlp_bf16_step``, worse on 4 seeds of 4, is a miss;

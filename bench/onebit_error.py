@@ -6,7 +6,7 @@ chosen steps, compresses rank 0's gradient of each layer (and of all parameters 
 "(all)") with the native 1-bit codec (scale x sign,
 one scale per ``--chunk`` elements, no error memory) and reports the share of its energy lost,
 ||x - C(x)||^2 / ||x||^2; also the share of the energy in the largest 1% of elements and the share
-of exact zeros. This is the measurement behind docs/convergence.md ("Where the CNN's 1-bit error
+of exact zeros. This is the measurement behind docs/history/convergence-notebook.md ("Where the CNN's 1-bit error
 comes from").
 
     python bench/onebit_error.py --task cnn_sgd_cosine --at 10,60,150

@@ -109,7 +109,7 @@ def _four_seeds(task, method, values, nbytes, metric="accuracy"):
 
 
 def test_pytorchs_hook_is_judged_by_a_paired_test_over_the_seeds(tmp_path):
-    """Measured runs (docs/convergence.md, 2026-12-05 fourth; 2 nodes x 2 ranks, seeds 0-3): flat
+    """Measured runs (docs/history/convergence-notebook.md, 2026-12-05 fourth; 2 nodes x 2 ranks, seeds 0-3): flat
     onebit on wide_mlp_bf16_step was below PyTorch's hook on every seed while sending more bytes
     (a real gap, fixed by the hierarchical route): a miss. int8 on regression_adam, at exact's
     mean, is above torch's loss on 2 seeds and below on 2: within the spread, a note."""

@@ -6,7 +6,7 @@ adaptive optimizer divides every element by a running RMS of its own gradient, a
 per-step noise enters that RMS while the late part of the signal arrives diluted: measured on
 ``bench/convergence.py``'s language models, Adam on 1-bit gradients moved 0.8 of the way exact
 Adam did (the update direction's projection), which cost as much as training at 0.65x the
-learning rate (docs/convergence.md). This is the reason 1-bit Adam compresses the momentum after a
+learning rate (docs/history/convergence-notebook.md). This is the reason 1-bit Adam compresses the momentum after a
 frozen variance instead (``ciuicflow.OneBitAdam``).
 
 A DDP hook sees gradients, not the optimizer, so the glue asks this watch: it registers torch's

@@ -81,7 +81,7 @@ class PowerSGDCompressor(Compressor):
     learning rate matched exact accuracy and lower ranks lost it; under an adaptive optimizer
     rank 32, as Adam divides each element by the RMS of what it receives, which error feedback's
     late release of the dropped part inflates: at rank 16 Adam-trained language models ended up
-    to 1.9% above exact loss, at 32 within 0.8% (docs/convergence.md); the guard's threshold 200, as
+    to 1.9% above exact loss, at 32 within 0.8% (docs/history/convergence-notebook.md); the guard's threshold 200, as
     PowerSGD's memory holds the gradient noise no low rank captures and its measure does not tell
     a good rank from a bad one: it only catches a memory that runs away.
     """

@@ -14,7 +14,7 @@ from ciuicflow.plan.methods import ALL_STRATEGIES, EXACT_STRATEGIES, FSDP_STRATE
     cost, default_rank
 from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, parse_count, parse_seconds
 
-# what the opt-in codecs cost in training under Adam, as measured (docs/convergence.md)
+# what the opt-in codecs cost in training under Adam, as measured (docs/history/convergence-notebook.md)
 _ADAPTIVE_COSTS = {
     "same": "1-bit gradients under Adam ended 2.7-8.1% above exact loss on bench/convergence.py's language "
             "models: for 1 bit with Adam use ciuicflow.OneBitAdam",
@@ -191,7 +191,7 @@ def run(args) -> int:
     if workload.optimizer == "adam" and best.strategy not in EXACT_STRATEGIES \
             and cost(best.strategy).adaptive_family and workload.adaptive_optimizer in _ADAPTIVE_COSTS:
         print(f"({best.strategy} with adaptive_optimizer={workload.adaptive_optimizer}: "
-              f"{_ADAPTIVE_COSTS[workload.adaptive_optimizer]}; docs/convergence.md)")
+              f"{_ADAPTIVE_COSTS[workload.adaptive_optimizer]}; docs/history/convergence-notebook.md)")
     if workload.optimizer == "sgd" and best.strategy not in EXACT_STRATEGIES \
             and cost(best.strategy).adaptive_family and cost(best.strategy).payload_bits == 1:
         under_adam = explain(best.strategy.removeprefix("fsdp_"), nodes=cluster.nodes,

@@ -200,6 +200,6 @@ def recommend(estimates) -> tuple:
     if best.rank is not None and best.rank < POWERSGD_RANK:
         why += (f". Rank {best.rank} is below PowerSGD's default ({POWERSGD_RANK}): on "
                 f"bench/convergence.py's MLP with momentum SGD rank 1 reached 0.29-0.40 accuracy and "
-                f"rank 4 0.78 against exact 0.84 (docs/convergence.md)")
+                f"rank 4 0.78 against exact 0.84 (docs/history/convergence-notebook.md)")
     return best, why
 
