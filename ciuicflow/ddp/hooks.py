@@ -7,14 +7,14 @@
 
 A hook is ``hook(state, bucket) -> Future[Tensor]`` (the mean of the bucket over the group); its
 state class is the registry entry's (``OneBitState`` for ``hierarchical_1bit`` and ``onebit``).
-``HOOKS`` maps each method's name to ``(hook, state class)``.
+Every hook and state is defined below, one per method and family of the registry (checked at
+import). ``HOOKS`` maps each method's name to ``(hook, state class)``.
 
 Ordering: DDP calls the hook of each bucket in bucket order, the same on every rank, while
 backward is still running; every collective of a bucket is issued by one thread in that order
 (``ddp.worker``). The hook of the last bucket waits for the worker to finish, so DDP's own
 collectives at the end of backward come after ours on every rank.
 """
-import inspect
 import weakref
 from typing import Callable
 
@@ -22,6 +22,10 @@ import torch
 import torch.distributed as dist
 
 from ciuicflow.compression import registry
+from ciuicflow.compression.int4 import Int4Compressor
+from ciuicflow.compression.int8 import Int8Compressor
+from ciuicflow.compression.onebit import OneBitCompressor
+from ciuicflow.compression.powersgd import PowerSGDCompressor
 from ciuicflow.ddp.state import DEFAULT_WARMUP_STEPS, AllReduceState, CompressingState
 
 
@@ -103,46 +107,109 @@ def _state_for(state, cls, hook_name: str, bucket: dist.GradBucket):
     return state
 
 
-def _state_class(entry: registry.Entry) -> type:
-    compressor = entry.compressor_class()
-    if not compressor.compresses:
-        return AllReduceState
-    names = " and ".join(f"``{name}``" for name in entry.methods.values())
-    # the docs of the compressor and of its bases up to Compressor: what its options mean
-    compressor_docs = [_indent(c.__doc__) for c in compressor.__mro__
-                       if c.__doc__ and "compression.base" not in c.__module__
-                       and c is not object]
-    doc = "\n\n".join([f"State of {names}: {entry.summary}.",
-                        f"    The compressor: ``{compressor.__module__}.{compressor.__name__}``.",
-                        *compressor_docs, _indent(CompressingState.__doc__)])
-    return type(entry.state, (CompressingState,), {
-        "compressor_class": compressor, "__doc__": doc, "__module__": __name__})
+class OneBitState(CompressingState):
+    """State of ``hierarchical_1bit`` and ``onebit``: 1-bit signs with a scale per chunk and error
+    feedback (``compression.onebit.OneBitCompressor``: its options, and what the policy sends an
+    adaptive optimizer's buckets as). Besides ``CompressingState``'s arguments, the compressor's
+    options: ``chunk_size``, ``error_decay``, ``phases``, ``guard``, ``guard_threshold``,
+    ``adaptive_optimizer``, ``route`` (the flat hook's), ``server_codec``, ``outliers``."""
+
+    compressor_class = OneBitCompressor
 
 
-def _indent(text: str) -> str:
-    return "\n".join("    " + line for line in inspect.cleandoc(text).splitlines())
+class PowerSGDState(CompressingState):
+    """State of ``hierarchical_powersgd`` and ``powersgd``: rank-r PowerSGD factors with error
+    feedback and warm start, per expert for stacked expert weights
+    (``compression.powersgd.PowerSGDCompressor``: ``rank``, ``adaptive_rank``,
+    ``min_compression_rate``, ``guard``, ``guard_threshold``, ...)."""
+
+    compressor_class = PowerSGDCompressor
 
 
-def _hook(method: registry.Method, cls: type) -> Callable:
-    name, route = method.name, method.route
+class Int8State(CompressingState):
+    """State of ``hierarchical_int8`` and ``int8``: int8 values with a scale per chunk and error
+    feedback (``compression.int8.Int8Compressor``; options as ``OneBitState``'s but
+    ``outliers``)."""
 
-    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return _state_for(state, cls, name, bucket)._hook(bucket, route)
-
-    hook.__name__ = hook.__qualname__ = name
-    hook.__module__ = __name__
-    hook.__doc__ = f"{method.description[0].upper()}{method.description[1:]}."
-    return hook
+    compressor_class = Int8Compressor
 
 
-STATES: dict[str, type] = {entry.state: _state_class(entry) for entry in registry.ENTRIES}
-HOOKS: dict[str, tuple[Callable, type]] = {}
-for _method in registry.METHODS.values():
-    _cls = STATES[_method.entry.state]
-    HOOKS[_method.name] = (_hook(_method, _cls), _cls)
-globals().update(STATES)
-globals().update({name: hook for name, (hook, _) in HOOKS.items()})
-del _method, _cls
+class Int4State(CompressingState):
+    """State of ``hierarchical_int4`` and ``int4``: 4-bit values with a scale per chunk and error
+    feedback, raised to int8 per bucket under an adaptive optimizer where its measured noise says
+    so (``compression.int4.Int4Compressor``; options as ``Int8State``'s)."""
+
+    compressor_class = Int4Compressor
+
+
+def _reduce(state, bucket: dist.GradBucket, name: str) -> torch.futures.Future[torch.Tensor]:
+    cls = HOOKS[name][1]
+    return _state_for(state, cls, name, bucket)._hook(bucket, registry.METHODS[name].route)
+
+
+def hierarchical_allreduce(state, bucket):
+    """Exact mean: intra-node reduce-scatter, inter-node all-reduce, intra-node all-gather."""
+    return _reduce(state, bucket, "hierarchical_allreduce")
+
+
+def hierarchical_1bit(state, bucket):
+    """Exact inside nodes, 1-bit signs with a scale per chunk and error feedback between nodes."""
+    return _reduce(state, bucket, "hierarchical_1bit")
+
+
+def onebit(state, bucket):
+    """1-bit signs with a scale per chunk and error feedback, over the whole group."""
+    return _reduce(state, bucket, "onebit")
+
+
+def hierarchical_powersgd(state, bucket):
+    """Exact inside nodes, rank-r PowerSGD factors with error feedback between nodes."""
+    return _reduce(state, bucket, "hierarchical_powersgd")
+
+
+def powersgd(state, bucket):
+    """Rank-r PowerSGD factors with error feedback and warm start, over the whole group."""
+    return _reduce(state, bucket, "powersgd")
+
+
+def hierarchical_int8(state, bucket):
+    """Exact inside nodes, int8 values with a scale per chunk and error feedback between nodes."""
+    return _reduce(state, bucket, "hierarchical_int8")
+
+
+def int8(state, bucket):
+    """int8 values with a scale per chunk and error feedback, over the whole group."""
+    return _reduce(state, bucket, "int8")
+
+
+def hierarchical_int4(state, bucket):
+    """Exact inside nodes, 4-bit values with a scale per chunk and error feedback between nodes."""
+    return _reduce(state, bucket, "hierarchical_int4")
+
+
+def int4(state, bucket):
+    """4-bit values with a scale per chunk and error feedback, over the whole group."""
+    return _reduce(state, bucket, "int4")
+
+
+STATES: dict[str, type] = {cls.__name__: cls for cls in (
+    AllReduceState, OneBitState, PowerSGDState, Int8State, Int4State)}
+HOOKS: dict[str, tuple[Callable, type]] = {
+    name: (globals()[name], STATES[method.entry.state]) for name, method in registry.METHODS.items()}
+
+
+def _check_against_registry() -> None:
+    """The registry names every method once; this module defines each one's hook and state in
+    source (so a reader finds them): a method or compressor added there without them here fails
+    at import, not at a user's first bucket."""
+    for entry in registry.ENTRIES:
+        cls = STATES.get(entry.state)
+        if cls is None or cls.compressor_class is not entry.compressor_class():
+            raise ImportError(f"ciuicflow.ddp.hooks: registry entry {entry.family!r} needs its "
+                              f"state class {entry.state!r} defined here with its compressor")
+
+
+_check_against_registry()
 
 
 def register(model: torch.nn.parallel.DistributedDataParallel, hook: str = "hierarchical_1bit",
@@ -169,4 +236,6 @@ def register(model: torch.nn.parallel.DistributedDataParallel, hook: str = "hier
 
 
 __all__ = ["register", "default_state", "HOOKS", "STATES", "DEFAULT_WARMUP_STEPS",
-           *STATES, *HOOKS]
+           "AllReduceState", "OneBitState", "PowerSGDState", "Int8State", "Int4State",
+           "hierarchical_allreduce", "hierarchical_1bit", "onebit", "hierarchical_powersgd",
+           "powersgd", "hierarchical_int8", "int8", "hierarchical_int4", "int4"]
