@@ -22,8 +22,11 @@ tasks two exact runs that differ only in summation order end 2 points apart (doc
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -151,6 +154,22 @@ def select_tasks(spec: str | None, smoke: bool = False):
     return [tasks.TASKS[n] for n in spec.split(",")]
 
 
+def run_metadata(argv: list[str], config: dict, started: datetime.datetime) -> dict:
+    """What produced a run, beside its records (run.json): bench/convergence_appendix.py's header
+    names the command, date, machine and commit of every table it writes."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
+                                capture_output=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    import torch
+    return {"command": "python bench/convergence.py" + "".join(" " + shlex.quote(a) for a in argv),
+            "argv": list(argv), "started": started.isoformat(timespec="seconds"),
+            "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+            "python": platform.python_version(), "torch": torch.__version__, "commit": commit,
+            **config}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -177,6 +196,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    started = datetime.datetime.now(datetime.timezone.utc)
     steps = args.steps or (12 if args.smoke else None)
     os.makedirs(args.out_dir, exist_ok=True)
     raw = os.path.join(args.out_dir, "records.jsonl")
@@ -193,12 +213,16 @@ def main(argv=None):
             if len(seeds) > 1:
                 print(f"[convergence] {task.name}: seed {seed}", flush=True)
             run_task(task, methods, args.nodes, args.ranks_per_node, raw, steps=steps, seed=seed)
-    records = compare(_records(raw))
+    # each record names its shape, so runs of several shapes merge (bench/convergence_appendix.py)
+    records = [dict(r, nodes=args.nodes, ranks_per_node=args.ranks_per_node)
+               for r in compare(_records(raw))]
     json_path = args.json or os.path.join(args.out_dir, "convergence.json")
-    table = write_outputs(records, json_path, args.out_dir, png=not args.no_png,
-                          config={"nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
-                                  "smoke": args.smoke, "steps_override": steps, "seeds": seeds,
-                                  "seconds": round(time.monotonic() - start, 1)})
+    config = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "smoke": args.smoke,
+              "steps_override": steps, "seeds": seeds, "seconds": round(time.monotonic() - start, 1)}
+    table = write_outputs(records, json_path, args.out_dir, png=not args.no_png, config=config)
+    meta = run_metadata(sys.argv[1:] if argv is None else argv, dict(config, fsdp=args.fsdp), started)
+    with open(os.path.join(os.path.dirname(os.path.abspath(json_path)), "run.json"), "w") as f:
+        json.dump(meta, f, indent=1)
     print(table)
     failed = [r for r in records if r.get("failed")]
     if failed:
