@@ -9,6 +9,7 @@ inter-node bytes per step and the compression ratio after warm-up (modelled byte
 cost of compression on the CPU, not the savings on a network.
 """
 import argparse
+import sys
 
 from ciuicflow.compression import registry
 
@@ -98,8 +99,14 @@ def _launch(args, methods):
         processes.append(p)
 
     results, done, deadline = None, set(), time.monotonic() + args.timeout
-    bar = tqdm(total=len(methods) * args.steps, unit="step", disable=args.no_progress,
+    # a bar on a terminal; in a log, one line per method when it finishes (a bar's redraws would
+    # fill it with hundreds of lines)
+    on_terminal = sys.stderr.isatty()
+    bar = tqdm(total=len(methods) * args.steps, unit="step",
+               disable=args.no_progress or not on_terminal,
                desc=f"{args.nodes} nodes x {args.ranks_per_node} ranks")
+    steps_done: dict[str, int] = {}
+    started = time.monotonic()
     try:
         while len(done) < world:
             if time.monotonic() > deadline:
@@ -115,6 +122,12 @@ def _launch(args, methods):
             if kind == "progress":
                 bar.set_postfix_str(payload[0])
                 bar.update(payload[1])
+                steps_done[payload[0]] = steps_done.get(payload[0], 0) + payload[1]
+                if not on_terminal and not args.no_progress and payload[1] \
+                        and steps_done[payload[0]] == args.steps:
+                    print(f"[demo] {payload[0]}: {args.steps} steps "
+                          f"({time.monotonic() - started:.1f} s since start)", file=sys.stderr,
+                          flush=True)
             elif kind == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             elif kind == "done":

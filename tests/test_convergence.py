@@ -199,20 +199,24 @@ def test_resume_from_checkpoint_reproduces_uninterrupted_run():
 
 
 def test_demo_command_prints_the_table(tmp_path, capsys):
-    """`ciuicflow demo`, shortened: 2 simulated nodes x 2 ranks, three methods."""
+    """`ciuicflow demo`, shortened: 2 simulated nodes x 2 ranks, four methods. Its output is not a
+    terminal here: one progress line per method on stderr, no bar redraws."""
     import json
 
     from ciuicflow import cli
 
     out = tmp_path / "demo.json"
     assert cli.main(["demo", "--steps", "20", "--warmup-steps", "4", "--hidden", "64",
-                     "--no-progress",
-                     "--methods", "exact,hierarchical_1bit,hierarchical_powersgd",
+                     "--methods", "exact,hierarchical_1bit,onebit,hierarchical_powersgd",
                      "--json", str(out)]) == 0
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
     assert "hierarchical_1bit" in table and "inter-node B/step" in table
-    # what each row sent, as ciuicflow.explain states it
+    # what each row sent, as ciuicflow.explain states it: the flat hook is flat
     assert "onebit+values, hierarchical, 1 phase" in table and "exact, DDP's all-reduce" in table
+    assert "onebit+values, flat, 1 phase" in table
+    progress = [line for line in captured.err.splitlines() if line.startswith("[demo]")]
+    assert len(progress) == 4 and "\r" not in captured.err, captured.err
     results = {r["method"]: r for r in json.loads(out.read_text())["results"]}
     assert results["exact"]["accuracy"] > 30  # 20 steps learn something (chance: 10%)
     assert results["exact"]["compression_ratio"] is None
