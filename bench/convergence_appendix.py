@@ -156,6 +156,9 @@ def summarise(merged: dict) -> list[dict]:
             n = len(ok)
             row["value"] = sum(r["value"] for r in ok) / n
             row["bytes"] = sum(r["inter_node_bytes_per_step"] for r in ok) / n
+            ratios = [r.get("compression_ratio") for r in ok]
+            if None not in ratios:   # the state's own figure past warm-up, as the docs quote it
+                row["compression_ratio"] = sum(ratios) / n
         compared = [r for r in ok if "gap" in r]
         if ok and len(compared) == len(ok) and method != report.EXACT:
             n = len(compared)
@@ -203,10 +206,11 @@ def _row_line(row: dict, several_seeds: bool) -> str:
     ratio = "-"
     if row.get("exact_bytes") and row.get("bytes"):
         ratio = f"1/{row['exact_bytes'] / row['bytes']:.1f}"
+    past = "-" if "compression_ratio" not in row else f"{row['compression_ratio']:.1f}x"
     cells = [f"`{row['method']}`", _fmt_shape(row["shape"])]
     if several_seeds:
         cells.append(",".join(map(str, row["seeds"])))
-    cells += [value, exact, gap, _line_text(row), nbytes, ratio]
+    cells += [value, exact, gap, _line_text(row), nbytes, ratio, past]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -258,12 +262,13 @@ def render(runs: list[Run], command: str) -> str:
              "hand (docs/convergence.md says what the suite is and how to read this page).", ""]
     lines += [_run_line(run) for run in runs]
     lines += ["", "Each row: a method on one shape (nodes x ranks per node, gloo on 127.0.0.1), against "
-              "the exact run of the same run, shape, task and seed. Value, exact and gap are means over "
+              "the exact run of the same shape, task and seed. Value, exact and gap are means over "
               "the seeds run (per seed in brackets). Gap: accuracy in points, the method's minus exact's "
               "(below exact is negative); loss in % of exact's (above exact is positive). The line: "
               "within 1 point of exact accuracy, within 2% of exact loss, judged on the mean gap over "
               "the seeds. Bytes: modelled inter-node bytes per step and rank, warm-up included; "
-              "\"vs exact\" is the share of exact's. References (PyTorch's `powerSGD_hook`, "
+              "\"vs exact\" is the share of exact's; \"past warm-up\": the state's compression_ratio, x fewer "
+              "bytes than float32 after warm-up (none for exact and PyTorch's hook). References (PyTorch's `powerSGD_hook`, "
               "`hierarchical_allreduce`, FSDP2's HSDP) are shown against the line but not held to it.",
               ""]
     tasks = _task_order(sorted({r["task"] for r in rows}))
@@ -291,10 +296,10 @@ def render(runs: list[Run], command: str) -> str:
         lines += [f"{about}metric: {metric}.", ""]
         several = any(len(r["seeds"]) > 1 for r in task_rows)
         header = ["method", "shape"] + (["seeds"] if several else []) + \
-            ["value", "exact", "gap", "line", "bytes/step", "vs exact"]
+            ["value", "exact", "gap", "line", "bytes/step", "vs exact", "past warm-up"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join(["---", "---"] + (["---"] if several else []) +
-                                    ["---:", "---:", "---:", "---", "---:", "---:"]) + "|")
+                                    ["---:", "---:", "---:", "---", "---:", "---:", "---:"]) + "|")
         lines += [_row_line(r, several) for r in task_rows]
     return "\n".join(lines) + "\n"
 

@@ -64,7 +64,7 @@ def three_shapes(tmp_path):
                   "nodes": 2, "ranks_per_node": 2, "seeds": [0, 1]})
     b = _write_run(tmp_path / "n4r1", [
         _rec("mlp_sgd_constant", "exact", 0.80, 0, nbytes=6000),
-        _rec("mlp_sgd_constant", "hierarchical_1bit", 0.789, 0, nbytes=500),
+        _rec("mlp_sgd_constant", "hierarchical_1bit", 0.789, 0, nbytes=500, compression_ratio=11.5),
         _rec("charlm_adam_bf16", "exact", 2.0, 0, "val_loss", 4000),
         _rec("charlm_adam_bf16", "hierarchical_1bit", 1.95, 0, "val_loss", 500)],
         config_line={"nodes": 4, "ranks_per_node": 1, "seeds": [0]})
@@ -87,7 +87,7 @@ def test_runs_of_three_shapes_merge_into_one_table_per_task(three_shapes):
                          ("hierarchical_1bit", "3 x 2")}
     # each shape's gap against its own shape's exact run; bytes against its exact's
     assert rows[("hierarchical_1bit", "4 x 1")][3:] == \
-        ["0.7890", "0.8000", "-1.10 pt", "**MISS**", "500.0 B", "1/12.0"]
+        ["0.7890", "0.8000", "-1.10 pt", "**MISS**", "500.0 B", "1/12.0", "11.5x"]
     assert rows[("hierarchical_1bit", "3 x 2")][6] == "FAILED (seed 0)"
     # the header names every run's command and facts, or says they were not recorded
     assert "`python bench/convergence.py --seeds 0,1`" in text and "commit abc1234" in text
