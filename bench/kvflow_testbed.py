@@ -21,6 +21,7 @@ class Testbed:
 
     def __init__(self, name, workdir, launches, listens, sidecar_args=((), ()), link_bytes=None):
         from ciuicflow.kvflow.sidecar.process import SidecarProcess
+        from ciuicflow.testing.kvflow_faults import sidecar_module
         self.name = name
         self.dir = os.path.join(workdir, name)
         os.makedirs(self.dir, exist_ok=True)
@@ -28,9 +29,11 @@ class Testbed:
         self.link_bytes = link_bytes or (lambda: None)
         self.sidecars = [
             SidecarProcess("prefill0", listens[0], {"decode0": listens[1]},
-                           os.path.join(self.dir, "sidecar-prefill0.log"), args=sidecar_args[0], launch=launches[0]),
+                           os.path.join(self.dir, "sidecar-prefill0.log"), args=sidecar_args[0], launch=launches[0],
+                           module=sidecar_module(sidecar_args[0])),
             SidecarProcess("decode0", listens[1], {"prefill0": listens[0]},
-                           os.path.join(self.dir, "sidecar-decode0.log"), args=sidecar_args[1], launch=launches[1]),
+                           os.path.join(self.dir, "sidecar-decode0.log"), args=sidecar_args[1], launch=launches[1],
+                           module=sidecar_module(sidecar_args[1])),
         ]
         self.workers = []
         self.sync = os.path.join(self.dir, "sync")

@@ -35,6 +35,7 @@ from bench.vllm_serve_report import summarize, write_outputs  # noqa: E402
 from ciuicflow.integrations.vllm.demo import Deployment, build_model  # noqa: E402
 from ciuicflow.integrations.vllm.model import VOCAB  # noqa: E402
 from ciuicflow.integrations.vllm.servers import stream_complete  # noqa: E402
+from ciuicflow.testing.kvflow_faults import sidecar_module  # noqa: E402
 
 MODES = {"flow": "enabled", "fifo": "disabled"}
 # link-bound: the scenario flow control exists for. At 5 Mbit/s a long prompt's KV (640 tokens of the tiny
@@ -309,7 +310,8 @@ def main(argv=None) -> int:
             finally:
                 dep.stop()
     else:
-        dep = Deployment(args.python, model, args.model, "float32", work, sidecar_args=sidecar_args)
+        dep = Deployment(args.python, model, args.model, "float32", work, sidecar_args=sidecar_args,
+                         sidecar_module=sidecar_module(sidecar_args))
         try:
             dep.start(args.timeout)
             result.update(measure(dep.proxy_url, args))

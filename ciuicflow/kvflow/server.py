@@ -1,8 +1,8 @@
 """The sidecar's command line: ``ciuicflow-sidecar`` (pyproject's entry point), ``python -m
 ciuicflow.kvflow.server`` and ``python -m ciuicflow.kvflow.sidecar``; flags in sidecar/config.py.
 
-The fault flags (``--test-corrupt-every``, ``--link-rate``) are not settings of the sidecar: they are handed
-to ciuicflow.testing.kvflow_faults, which installs the faults through the Sidecar's seams.
+Faults (a corrupting link, a slow one) are no flags of the sidecar: tests and benchmarks run it through
+ciuicflow.testing.kvflow_faults, which parses its own flags and hands their seams to ``main``.
 """
 import sys
 
@@ -10,17 +10,14 @@ from .sidecar.app import run
 from .sidecar.config import parse_command_line
 
 
-def main(argv=None) -> int:
+def main(argv=None, **seams) -> int:
+    """Run the sidecar of command line ``argv``; ``seams``: app.Sidecar's fault seams (tests only)."""
     try:
-        cfg, fault_flags = parse_command_line(argv)
+        cfg = parse_command_line(argv)
     except (ValueError, OSError) as exc:
         print(f"ciuicflow-sidecar: {exc}", file=sys.stderr)
         return 2
-    faults = {}
-    if any(fault_flags.values()):
-        from ciuicflow.testing.kvflow_faults import Faults
-        faults = Faults(corrupt_every=fault_flags["test_corrupt_every"], link_rate=fault_flags["link_rate"]).seams()
-    return run(cfg, **faults)
+    return run(cfg, **seams)
 
 
 if __name__ == "__main__":

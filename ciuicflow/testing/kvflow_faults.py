@@ -6,18 +6,27 @@
   so the backlog builds up in the real transport buffers, as on a slow link.
 
 ``Faults(...).seams()`` are the keyword arguments of ``ciuicflow.kvflow.sidecar.app.Sidecar`` (and ``serve``)
-that install them. A sidecar process gets them from its ``--test-corrupt-every N`` and ``--link-rate RATE``
-flags; ``Faults(...).flags()`` writes those flags for a test or benchmark that starts one.
+that install them. A sidecar process gets them when it runs as this module (LAUNCHER): ``python -m
+ciuicflow.testing.kvflow_faults [sidecar flags] [--test-corrupt-every N] [--link-rate RATE]`` is the production
+command line (ciuicflow.kvflow.server) plus the fault flags, which it turns into seams. The production entry
+point knows no faults. ``Faults(...).flags()`` writes those flags for a test or benchmark that starts one, and
+``sidecar_module(args)`` says which module runs a sidecar with ``args``.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
+import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ciuicflow.kvflow.transports.base import Stream, Transport
+
+SIDECAR = "ciuicflow.kvflow.server"             # the production command line
+LAUNCHER = "ciuicflow.testing.kvflow_faults"    # it, with the fault flags (main below)
+FLAGS = ("--test-corrupt-every", "--link-rate")
 
 
 class CorruptingStream(Stream):
@@ -105,3 +114,34 @@ class Faults:
         if self.link_rate:
             out += ["--link-rate", str(int(self.link_rate))]
         return out
+
+
+def sidecar_module(args: Sequence[str]) -> str:
+    """The module a sidecar with command-line ``args`` runs as: LAUNCHER when they name a fault, else the
+    production entry point (so that tests without faults run exactly what production runs)."""
+    return LAUNCHER if any(str(a).split("=", 1)[0] in FLAGS for a in args) else SIDECAR
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The sidecar's command line with the fault flags: they become seams, the rest goes to production's."""
+    from ciuicflow.kvflow import server
+    from ciuicflow.kvflow.sidecar.config import parse_size
+    p = argparse.ArgumentParser(prog=LAUNCHER, add_help=False, allow_abbrev=False)
+    p.add_argument("--test-corrupt-every", type=int, default=0, metavar="N",
+                   help="corrupt 1 in N chunks sent (at random), to exercise checksum retransmits")
+    p.add_argument("--link-rate", default="0", help="emulate a slow link: read incoming peer traffic at most "
+                                                     "this fast, e.g. 100MB or 800Mbit")
+    known, rest = p.parse_known_args(argv)
+    try:
+        if known.test_corrupt_every < 0:
+            raise ValueError("--test-corrupt-every must be >= 0")
+        faults = Faults(corrupt_every=known.test_corrupt_every,
+                        link_rate=parse_size(known.link_rate, what="--link-rate"))
+    except ValueError as exc:
+        print(f"{LAUNCHER}: {exc}", file=sys.stderr)
+        return 2
+    return server.main(rest, **faults.seams())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

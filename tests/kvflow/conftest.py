@@ -9,6 +9,7 @@ import time
 import pytest
 
 from ciuicflow.kvflow.sidecar.process import READY_RE, free_port
+from ciuicflow.testing.kvflow_faults import sidecar_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -36,7 +37,8 @@ class FakeClock:
 
 
 class Sidecar:
-    """One ``python -m ciuicflow.kvflow.server`` process; ``restart()`` keeps its ports and flags."""
+    """One ``python -m ciuicflow.kvflow.server`` process (ciuicflow.testing.kvflow_faults with fault flags);
+    ``restart()`` keeps its ports and flags."""
 
     def __init__(self, name: str, logdir: pathlib.Path, peers=None, args=(), listen_port=None, env=None):
         self.name = name
@@ -62,7 +64,8 @@ class Sidecar:
 
     def start(self) -> "Sidecar":
         self.starts += 1
-        cmd = [sys.executable, "-m", "ciuicflow.kvflow.server", "--name", self.name,
+        # a sidecar with fault flags runs through the tests' launcher; production's entry knows no faults
+        cmd = [sys.executable, "-m", sidecar_module(self.args), "--name", self.name,
                "--api", f"127.0.0.1:{self.api_port}", "--listen", self.listen]
         for peer, addr in self.peers.items():
             cmd += ["--peer", f"{peer}={addr}"]

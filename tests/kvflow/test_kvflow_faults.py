@@ -152,3 +152,28 @@ def test_kvflow_packed_chunks_survive_a_spooled_receiver_restart(sidecars, tmp_p
     b.restart()
     assert "restored" in b.log()
     assert b.client().recv("packed-spool", timeout_s=10) == layers
+
+
+def test_kvflow_fault_flags_belong_to_the_tests_launcher():
+    """Production's command line knows no fault flag; the tests' launcher takes them and passes the rest on,
+    and a sidecar started with one runs as the launcher."""
+    import subprocess
+    import sys
+
+    from ciuicflow.kvflow.sidecar.config import load_config
+    from ciuicflow.testing.kvflow_faults import LAUNCHER, SIDECAR, sidecar_module
+    from tests.kvflow.conftest import REPO
+
+    for flag in (["--link-rate", "1MB"], ["--test-corrupt-every", "3"]):
+        with pytest.raises(SystemExit):
+            load_config(["--name", "x", *flag])
+        assert sidecar_module(["--chunk-size", "64KiB", *flag]) == LAUNCHER
+    assert sidecar_module(["--link-rate=1MB"]) == LAUNCHER
+    assert sidecar_module(["--chunk-size", "64KiB"]) == SIDECAR
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", LAUNCHER, "--test-corrupt-every", "-1", "--name", "x"],
+                          cwd=str(REPO), env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--test-corrupt-every must be >= 0" in done.stderr
+    done = subprocess.run([sys.executable, "-m", LAUNCHER, "--link-rate", "1MB", "--no-such-flag"],
+                          cwd=str(REPO), env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "ciuicflow-sidecar" in done.stderr and "--no-such-flag" in done.stderr

@@ -74,16 +74,17 @@ class Deployment:
 
     def __init__(self, python: str, model_dir: str, kind: str, dtype: str, workdir: str,
                  load_mode: str = "async", prefill_extra=None, decode_extra=None, sidecar_args=(),
-                 failure_policy: str = "recompute", load_timeout_s: float = 30.0):
+                 failure_policy: str = "recompute", load_timeout_s: float = 30.0,
+                 sidecar_module: str = "ciuicflow.kvflow.server"):
         self.workdir = workdir
         pl, dl = free_port(), free_port()
         # fixed API ports: a sidecar restarted (tests) is found again by its vLLM server's connector
         self.sc_p = SidecarProcess("prefill0", f"127.0.0.1:{pl}", {"decode0": f"127.0.0.1:{dl}"},
                                    os.path.join(workdir, "sidecar-prefill0.log"), args=sidecar_args,
-                                   api=f"127.0.0.1:{free_port()}")
+                                   api=f"127.0.0.1:{free_port()}", module=sidecar_module)
         self.sc_d = SidecarProcess("decode0", f"127.0.0.1:{dl}", {"prefill0": f"127.0.0.1:{pl}"},
                                    os.path.join(workdir, "sidecar-decode0.log"), args=sidecar_args,
-                                   api=f"127.0.0.1:{free_port()}")
+                                   api=f"127.0.0.1:{free_port()}", module=sidecar_module)
         self.args = (python, model_dir, kind, dtype, load_mode, dict(prefill_extra or {}), dict(decode_extra or {}),
                      failure_policy, load_timeout_s)
         self.prefill = self.decode = self.proxy = None

@@ -12,10 +12,6 @@ from ..core.transfer import Limits
 from . import credentials
 from .credentials import TOKEN_ENV
 
-# Flags (and config keys) for tests and benchmarks, not settings of the sidecar: they emulate faults and slow
-# links. ``parse_command_line`` returns them apart; ``app.main`` hands them to ciuicflow.testing.kvflow_faults.
-FAULT_FLAGS = {"test_corrupt_every": 0, "link_rate": 0}
-
 
 @dataclass
 class SidecarConfig:
@@ -162,9 +158,9 @@ class SenderSettings:
 
 
 _SIZE_FIELDS = {"chunk_size", "max_chunk_size", "ingest_readahead", "whole_part_bytes", "min_cwnd", "quantum_normal",
-                "quantum_low", "link_rate", "max_total_bytes", "max_peer_bytes", "max_message_bytes"}
+                "quantum_low", "max_total_bytes", "max_peer_bytes", "max_message_bytes"}
 _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig) if not f.metadata.get("internal")}
-_KEYS = set(_FIELDS) | set(FAULT_FLAGS)
+_KEYS = set(_FIELDS)
 
 
 def _coerce(name: str, value):
@@ -174,7 +170,7 @@ def _coerce(name: str, value):
         if isinstance(value, dict):
             return {str(k): str(v) for k, v in value.items()}
         return dict(parse_peer(v) for v in value)
-    default = FAULT_FLAGS[name] if name in FAULT_FLAGS else _FIELDS[name].default
+    default = _FIELDS[name].default
     if isinstance(default, bool):
         if isinstance(value, str):
             return value.lower() in ("1", "true", "yes", "on")
@@ -306,35 +302,27 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-discovered-peers", type=int, default=S,
                    help="discovered peers at most; further entries are ignored and logged (128)")
     a("--log-level", default=S, help="DEBUG, INFO, WARNING (default INFO)")
-    t = p.add_argument_group("testing and benchmarks", "faults and slow links, emulated (never in production)")
-    t.add_argument("--link-rate", default=S, help="emulate a slow link: read incoming peer traffic at most this "
-                                                   "fast, e.g. 100MB or 800Mbit (default: off)")
-    t.add_argument("--test-corrupt-every", type=int, default=S, metavar="N",
-                   help="TEST ONLY: corrupt 1 in N chunks sent (at random), to exercise checksum retransmits")
     return p
 
 
-def parse_command_line(argv: Optional[List[str]] = None) -> Tuple[SidecarConfig, Dict[str, int]]:
-    """The settings, and the fault flags apart (FAULT_FLAGS: name -> value, 0 when not given)."""
+def parse_command_line(argv: Optional[List[str]] = None) -> SidecarConfig:
+    """The settings of a command line (faults are no settings: ciuicflow.testing.kvflow_faults)."""
     args = vars(build_parser().parse_args(argv))
     config_file = args.pop("config", None)
     values = load_toml(config_file) if config_file else {}
     file_peers = _coerce("peers", values.pop("peers", {}))
     flag_peers = _coerce("peers", args.pop("peers", []))
     values.update(args)
-    faults = {name: _coerce(name, values.pop(name, default)) for name, default in FAULT_FLAGS.items()}
-    if faults["test_corrupt_every"] < 0:
-        raise ValueError("--test-corrupt-every must be >= 0")
     cfg = SidecarConfig()
     for key, value in values.items():
         setattr(cfg, key, _coerce(key, value))
     cfg.peers = {**file_peers, **flag_peers}
-    return cfg.validate(from_command_line=set(args)), faults
+    return cfg.validate(from_command_line=set(args))
 
 
 def load_config(argv: Optional[List[str]] = None) -> SidecarConfig:
-    """The settings of a command line (its fault flags are checked, then left out)."""
-    return parse_command_line(argv)[0]
+    """The settings of a command line."""
+    return parse_command_line(argv)
 
 
 # ---------------------------------------------------------------------- sizes and addresses

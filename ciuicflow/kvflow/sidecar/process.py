@@ -93,24 +93,27 @@ def new_token_file(directory: str) -> str:
 
 
 class SidecarProcess:
-    """One ``python -m ciuicflow.kvflow.server`` process. ``launch(argv, stdout=...)`` starts it (default:
+    """One ``python -m MODULE`` process, ``ciuicflow.kvflow.server`` unless told (tests and benchmarks run
+    one with faults as ``ciuicflow.testing.kvflow_faults``). ``launch(argv, stdout=...)`` starts it (default:
     subprocess.Popen here; the benchmark passes SimCluster.popen to start it inside a network namespace)."""
 
     def __init__(self, name: str, listen: str, peers: Dict[str, str], log_path: str, args=(),
-                 api: str = "127.0.0.1:0", launch: Optional[Callable] = None):
+                 api: str = "127.0.0.1:0", launch: Optional[Callable] = None,
+                 module: str = "ciuicflow.kvflow.server"):
         self.name = name
         self.listen = listen
         self.peers = dict(peers)
         self.log_path = log_path
         self.args = [str(a) for a in args]
         self.api_arg = api
+        self.module = module
         self.api: Optional[str] = None          # the bound address, from the ready line
         self._launch = launch
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
 
     def argv(self) -> List[str]:
-        cmd = [sys.executable, "-m", "ciuicflow.kvflow.server", "--name", self.name, "--api", self.api_arg,
+        cmd = [sys.executable, "-m", self.module, "--name", self.name, "--api", self.api_arg,
                "--listen", self.listen]
         for peer, addr in self.peers.items():
             cmd += ["--peer", f"{peer}={addr}"]
