@@ -248,6 +248,34 @@ class Transfer:
             self.lease_s = ack.lease_s or self.lease_s
             self._succeed()
 
+    # ------------------------------------------------------------------ the owner's bookkeeping
+    def reserved(self, n: int) -> None:
+        """``n`` more bytes of the owner's memory budget are held for this transfer."""
+        self.buffered += n
+
+    def drop_bytes(self) -> int:
+        """Let its chunks go: the bytes of the owner's budget they held (to release)."""
+        n, self.buffered, self.chunks = self.buffered, 0, []
+        return n
+
+    def retain(self, until: float) -> None:
+        """DONE, and kept (bytes and all) for the receiver's sake until ``until`` at most."""
+        self.retain_until = until
+
+    def end_busy(self) -> bool:
+        """The receiver's back-off (ACK_BUSY) is over, if one was running: True once (its chunk may go)."""
+        if not self.busy_until:
+            return False
+        self.busy_until = 0.0
+        return True
+
+    def stalled(self, now: float, after_s: float) -> bool:
+        """True once: outstanding and without progress for ``after_s`` seconds (worth a log line)."""
+        if self.stall_logged or not self.outstanding() or now - self.last_progress <= after_s:
+            return False
+        self.stall_logged = True
+        return True
+
     def revive(self) -> None:
         """A DONE transfer its receiver lost (restarted without spool before its consumer had it): NEW
         again, to be sent again (the receiver reports what it holds, as on a resume)."""

@@ -55,7 +55,7 @@ class Membership:
         name = entry.name
         if name == self.me:
             return
-        if name in self.peers.static:
+        if self.peers.is_static(name):
             self._ignore(name, "a static --peer has this name")
             return
         if name not in self.entries and len(self.entries) >= self.max_peers:

@@ -80,7 +80,6 @@ class Sidecar:
                                         labels=self.labels, max_open_transfers=cfg.max_open_transfers,
                                         max_lease_s=cfg.max_lease_s)
         self.peers = Peers(cfg, self.policy, self.budget, self.metrics, known, self.labels, wrap_transport)
-        self.senders = self.peers.senders
         self.discovery = None           # discovery.service.Discovery, with --discovery
         # Shared memory: only the caller's own files (descriptors handed over, or named files with their
         # secret); the descriptor socket starts with the local API (start).
@@ -99,7 +98,7 @@ class Sidecar:
         # published (start) where only this user's processes can read it (proto/runtime.py).
         self.api_token = None if cfg.no_api_token else (cfg.api_token or new_api_token())
         self.api_token_path: Optional[str] = None
-        self.local_api = LocalApi(self.senders, self.ingest, self.store, self.metrics, api_token=self.api_token,
+        self.local_api = LocalApi(self.peers.sender, self.ingest, self.store, self.metrics, api_token=self.api_token,
                                   local_shm=cfg.local_shm, shutting_down=self._is_shutting_down, stats=self.stats,
                                   max_lease_s=cfg.max_lease_s, access=self.shm_access,
                                   refusal=self.peers.refusal)
@@ -156,7 +155,7 @@ class Sidecar:
                                               max_unauthenticated=max(1, min(32, caps.data // 2)),
                                               hello_timeout_s=cfg.hello_timeout_s, idle_timeout_s=cfg.idle_timeout_s)
             await self.data_plane.start(host, cfg.data_port)
-            self.peer_service.data_plane = self.data_plane
+            self.peer_service.use_data_plane(self.data_plane)
 
         if cfg.spool_dir:
             from .spool import Spool
@@ -166,7 +165,7 @@ class Sidecar:
             except OSError as exc:
                 raise RuntimeError(f"cannot use --spool-dir: {exc}") from None
             restored = restore(spool, self.budget, self.store)
-            self.store.spool = spool
+            self.store.use_spool(spool)
             if restored:
                 log.info("restored %d transfer(s) from spool %s", restored, cfg.spool_dir)
 
@@ -186,7 +185,7 @@ class Sidecar:
             from ..discovery.service import Discovery
             self.discovery = Discovery(cfg, self.peers, self.listen_address, self.load,
                                        lambda address, name: grpc_setup.peer_channel(cfg, address, name))
-            self.peer_service.identity = self.discovery.identity
+            self.peer_service.use_identity(self.discovery.identity)
             self.discovery.start()
 
     def _publish_api_token(self, port: int) -> None:
@@ -200,11 +199,11 @@ class Sidecar:
                 # The token a sidecar on this port published before stays: clients that read it keep working
                 # across a restart (delete the file to change it).
                 try:
-                    self.api_token = self.local_api.api_token = runtime.read_secret(self.api_token_path, "token")
+                    self.api_token = runtime.read_secret(self.api_token_path, "token")
                 except (OSError, ValueError):
                     pass
             runtime.publish(self.api_token_path, self.api_token)
-            self.local_api.token_hint = f"; this sidecar's user finds it in {self.api_token_path}"
+            self.local_api.use_token(self.api_token, f"; this sidecar's user finds it in {self.api_token_path}")
         except OSError as exc:       # PermissionError too: a runtime directory that is not private
             self.api_token_path = None
             if not self.cfg.api_token:
@@ -243,15 +242,17 @@ class Sidecar:
         if self.discovery is not None:
             await self.discovery.stop()         # peers drop this sidecar now, not after the lease TTL
         await self.servers.not_serving()
-        deadline = time.monotonic() + self.cfg.drain_s
-        while time.monotonic() < deadline and any(s.outbox.transfers for s in self.senders.values()):
-            await asyncio.sleep(0.05)
-        for sender in self.senders.values():
-            sender.outbox.fail_all(grpc.StatusCode.UNAVAILABLE, "sending sidecar is shutting down")
+        senders = self.peers.all()
+        if self.cfg.drain_s > 0:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(s.drained() for s in senders)), self.cfg.drain_s)
+            except asyncio.TimeoutError:
+                pass
+        for sender in senders:
+            sender.fail_all(grpc.StatusCode.UNAVAILABLE, "sending sidecar is shutting down")
         # The aborts must reach the receivers, behind whatever data is still in the streams.
         await self.peers.close(ABORT_FLUSH_S)
-        for entry in list(self.store.entries.values()):
-            entry.notify()            # Recv streams see shutting_down
+        self.store.notify_all()       # Recv streams see shutting_down
         for task in self._tasks:
             task.cancel()
         if self.data_plane is not None:
@@ -274,7 +275,7 @@ class Sidecar:
             "data_port": self.data_plane.port if self.data_plane else None,
             "chunk_size": self.cfg.chunk_size,
             "memory": self.budget.snapshot(),
-            "peers": {name: sender.snapshot() for name, sender in self.senders.items()},
+            "peers": {sender.name: sender.snapshot() for sender in self.peers.all()},
             "store": self.store.snapshot(),
             "shutting_down": self.shutting_down,
             "insecure": self.cfg.insecure,
@@ -287,10 +288,10 @@ class Sidecar:
         """The load this sidecar reports (Stats, and its registry entry for routers): bytes buffered in it,
         transfers in flight both ways, and its fastest link's bandwidth estimate (bytes/s)."""
         from ..discovery.entry import Load
-        incoming = sum(1 for e in self.store.entries.values() if not e.complete)
-        outgoing = sum(len(s.outbox.transfers) for s in self.senders.values())
-        link = max((s.cc.btl_bw for s in self.senders.values() if s.connected), default=0.0)
-        return Load(int(self.budget.used), incoming + outgoing, float(link))
+        senders = self.peers.all()
+        outgoing = sum(s.in_progress() for s in senders)
+        link = max((s.link_bandwidth() for s in senders), default=0.0)
+        return Load(int(self.budget.used), self.store.incoming() + outgoing, float(link))
 
 
 async def serve(cfg: SidecarConfig, ready=None, **faults) -> None:

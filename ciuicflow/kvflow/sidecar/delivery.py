@@ -67,24 +67,20 @@ async def deliver(entry: InTransfer, store: Store, ring: Optional[RecvRing], dea
     call (``context.abort``) with the transfer's failure, at the deadline, or at shutdown. ``ring``: the
     client's shared-memory ring (None: in-band). The store's sweep ends a call that stops reading for the
     transfer's lease (Store.end_readers), and the client is told why at once."""
-    entry.readers += 1
-    entry.read_at = time.monotonic()
     task = asyncio.current_task()
-    entry.reader_tasks[task] = None
+    entry.start_reading(task)
     try:
         async for reply in _replies(entry, store, ring, deadline, timeout_s, shutting_down, context, manual_ack):
             yield reply
     except asyncio.CancelledError:
-        ended = entry.reader_tasks.get(task)
+        ended = entry.ended_with(task)
         if ended is None:
             raise               # the client went away, or the server stops
         await context.abort(*ended)
     finally:
-        entry.reader_tasks.pop(task, None)
         if ring is not None:
             os.close(ring.fd)
-        entry.readers -= 1
-        entry.last_activity = time.monotonic()
+        entry.stop_reading(task)
 
 
 async def _replies(entry: InTransfer, store: Store, ring: Optional[RecvRing], deadline: Optional[float],
@@ -115,7 +111,7 @@ async def _replies(entry: InTransfer, store: Store, ring: Optional[RecvRing], de
             if batch:
                 ring_wait = RING_POLL_S
                 yield pb.RecvReply(batch=pb.RecvBatch(data=batch))
-                entry.read_at = time.monotonic()
+                entry.read_progress()
                 continue
             ring_full = True
         while ring is None and pos < len(entry.chunks):
@@ -123,13 +119,13 @@ async def _replies(entry: InTransfer, store: Store, ring: Optional[RecvRing], de
             pos += 1
             for d in in_band(c):
                 yield pb.RecvReply(data=d)
-            entry.read_at = time.monotonic()
+            entry.read_progress()
         if entry.failed:
             code, message = entry.failed
             await context.abort(code, message)
         if entry.complete and pos >= len(entry.chunks):
             if manual_ack:
-                entry.delivered = True      # kept (and delivered again) until Acknowledge or its lease
+                entry.mark_delivered()      # kept (and delivered again) until Acknowledge or its lease
             else:
                 store.collect(entry)
             return

@@ -1,12 +1,10 @@
 """Ingest: a local ``Send``'s messages (bytes in-band, or handles to the client's shared-memory ring) cut
-into chunks of the peer's current chunk size and handed to the peer sender's outbox, each once memory for
+into chunks of the peer's current chunk size and handed to the peer sender, each once memory for
 it is admitted (the memory budget, waiting up to the admission timeout) and the transfer's read-ahead
 allows (a normal/low flow transfer waits while enough of it is unsent)."""
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 from typing import Dict, Optional
 
 import crc32c
@@ -147,15 +145,15 @@ class Ingest:
                 peer_chunk = sender.chunk_bytes(self.chunk_size, self.chunk_limit)   # also the packing limit
                 cutter.set_peer_chunk(peer_chunk)
                 for chunk in self._batch_chunks(cutter, datas, files, peer_chunk):
-                    await sender.outbox.wait_readahead(t, self.readahead)
+                    await sender.wait_readahead(t, self.readahead)
                     chunk.cost = chunk_cost(len(chunk.data), (chunk.info, *chunk.more))   # descriptions count
                     if t.finished or not await self._admit(sender, t, chunk.cost):
                         return
-                    sender.outbox.add_chunk(t, chunk)
+                    sender.add_chunk(t, chunk)
                 continue
             if kind == "end":
                 cutter.finish(req.end.num_parts)
-                sender.outbox.close_transfer(t, req.end.num_parts)
+                sender.close_transfer(t, req.end.num_parts)
                 return
             elif kind == "header":
                 raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, "a second SendHeader in one Send")
@@ -168,12 +166,9 @@ class Ingest:
         the transfer finished meanwhile); raises RESOURCE_EXHAUSTED when it cannot fit."""
         budget = self.budget
         too_big = t.buffered + n > min(budget.peer_cap, budget.total_cap)
-        if too_big and sender.durable is None:
-            # Whether the peer spools decides what fits: learn it from the handshake.
-            stop = time.monotonic() + self.admission_timeout_s
-            while sender.durable is None and not t.finished and time.monotonic() < stop:
-                await asyncio.sleep(0.01)
-        if too_big and not sender.durable:
+        # Whether the peer spools decides what fits: learnt from the handshake (the sender says when). If
+        # ``t`` fails meanwhile, the local API cancels this ingest.
+        if too_big and not await sender.peer_durable(self.admission_timeout_s):
             # Kept until the peer commits it (to resend after a restart of the peer), so it can never
             # fit: refuse now rather than after the admission timeout.
             raise TransferFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -186,5 +181,5 @@ class Ingest:
         if t.finished:
             budget.release(sender.name, n)
             return False
-        t.buffered += n
+        t.reserved(n)
         return True

@@ -31,16 +31,16 @@ PROBE_NONCE = 16                # ShmProbe: the nonce's length, exactly
 
 
 class LocalApi(pb_grpc.KVFlowServicer):
-    """``KVFlow`` for the inference server beside this sidecar: sends go to ``senders`` (peer name ->
-    PeerSender) through ``ingest``; receives come from ``store``. ``api_token``: required if set (None: the
+    """``KVFlow`` for the inference server beside this sidecar: sends go to ``sender(dest)`` (the PeerSender
+    to a peer, None for no peer now: sidecar/peers.py) through ``ingest``; receives come from ``store``. ``api_token``: required if set (None: the
     API is open to every local user, ``--no-api-token``); ``token_hint``: where clients find it;
     ``local_shm``: shared-memory handoff allowed; ``shutting_down()`` refuses new work; ``stats()`` is the
     document ``Stats`` returns."""
 
-    def __init__(self, senders, ingest, store, metrics, *, api_token: Optional[str], local_shm: bool,
+    def __init__(self, sender, ingest, store, metrics, *, api_token: Optional[str], local_shm: bool,
                  shutting_down: Callable[[], bool], stats: Callable[[], dict], token_hint: str = "",
                  max_lease_s: float = 600.0, access=None, refusal=None):
-        self.senders = senders
+        self.sender = sender
         self.ingest = ingest
         self.store = store
         self.metrics = metrics
@@ -52,6 +52,11 @@ class LocalApi(pb_grpc.KVFlowServicer):
         self.shutting_down = shutting_down
         self.stats = stats
         self.refusal = refusal          # dest -> (status, why) for a send to no current peer (sidecar/peers.py)
+
+    def use_token(self, api_token: Optional[str], hint: str) -> None:
+        """The token this API requires from now on, and where its clients find it (app: once published)."""
+        self.api_token = api_token
+        self.token_hint = hint
 
     async def _reject(self, context, code: grpc.StatusCode, message: str):
         self.metrics.rejected.labels(code.name).inc()
@@ -98,15 +103,11 @@ class LocalApi(pb_grpc.KVFlowServicer):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key: at most 256 characters")
         # the same key names the same transfer on every try (and after a restart of this sidecar)
         uuid = f"idem:{h.idempotency_key}" if h.idempotency_key else None
-        sender = self.senders.get(h.dest)
+        sender = self.sender(h.dest)
         if sender is None:
-            if self.refusal is not None:
-                await self._reject(context, *self.refusal(h.dest))
-            known = ", ".join(sorted(self.senders)) or "none"
-            await self._reject(context, grpc.StatusCode.NOT_FOUND, f"unknown peer {h.dest!r} (known: {known})")
-        outbox = sender.outbox
+            await self._reject(context, *self.refusal(h.dest))
         try:
-            t, done = outbox.create(h.key, priority, flow, deadline_s, h.payload_kind or "bytes", h.resume,
+            t, done = sender.create(h.key, priority, flow, deadline_s, h.payload_kind or "bytes", h.resume,
                                     lease_s, uuid)
         except TransferFailed as exc:
             await self._reject(context, exc.code, exc.message)
@@ -117,9 +118,9 @@ class LocalApi(pb_grpc.KVFlowServicer):
                 try:
                     ingest.result()
                 except TransferFailed as exc:
-                    outbox.fail(t, exc.code, exc.message)
+                    sender.fail(t, exc.code, exc.message)
                 except Exception as exc:    # noqa: BLE001
-                    outbox.fail(t, grpc.StatusCode.CANCELLED, f"local sender stream broke: {exc}")
+                    sender.fail(t, grpc.StatusCode.CANCELLED, f"local sender stream broke: {exc}")
             try:
                 return await done
             except TransferFailed as exc:
@@ -127,7 +128,7 @@ class LocalApi(pb_grpc.KVFlowServicer):
                     self.metrics.rejected.labels(exc.code.name).inc()
                 await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
-            outbox.fail(t, grpc.StatusCode.CANCELLED, "the local client cancelled the send")
+            sender.fail(t, grpc.StatusCode.CANCELLED, "the local client cancelled the send")
             raise
         finally:
             if not ingest.done():

@@ -5,6 +5,10 @@ what its ``Outbox`` has due: control frames, opens and commits, then chunks, FIF
 without ``x-ciuic-flow: enabled`` (as fast as the stream takes them: the baseline), else in the order of
 the outbox's scheduler, paced and capped by a ``CongestionController`` fed by the acknowledgements. Each
 transfer's protocol state is a ``core.transfer.Transfer``.
+
+The sender owns the link (stream, congestion control, what the peer said of itself) and its outbox; the
+local side (local API, ingest, peers, app) asks it through the methods under "the local side", never
+reaching into the outbox.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import grpc
 
 from ..core.chunking import chunk_bytes
 from ..core.congestion import CongestionController
-from ..core.transfer import NEW, OPEN, Transfer
+from ..core.transfer import NEW, OutChunk, Transfer
 from ..proto import kvflow_pb2 as pb
 from ..transports.base import Stream, Transport, TransportError, open_first
 from .outbox import Outbox
@@ -41,26 +45,28 @@ class PeerSender:
     def __init__(self, name: str, address: str, settings, budget, metrics, transports: Sequence[Transport]):
         self.name = name
         self.address = address
-        self.budget = budget
-        self.metrics = metrics
-        self.transports = list(transports)
-        self.outbox = Outbox(name, settings, budget, metrics)
-        self.cc = CongestionController(time.monotonic, chunk_bytes=settings.chunk_size,
-                                       min_cwnd_bytes=settings.min_cwnd, min_cwnd_s=settings.min_cwnd_s)
-        self.inflight: Dict[int, tuple] = {}    # sn -> (tid, seq)
-        self.connected = False
-        self.durable: Optional[bool] = None     # does the peer spool to disk (then acked chunks are freed)
-        self.down_since = time.monotonic()
-        self.connects = 0
-        self.retransmits = 0
-        self.sent_chunks = 0
-        self.kind = ""                          # the current stream's transport: "tcp" or "grpc"
+        self._budget = budget
+        self._metrics = metrics
+        self._transports = list(transports)
+        self._outbox = Outbox(name, settings, budget, metrics)
+        self._cc = CongestionController(time.monotonic, chunk_bytes=settings.chunk_size,
+                                        min_cwnd_bytes=settings.min_cwnd, min_cwnd_s=settings.min_cwnd_s)
+        self._inflight: Dict[int, tuple] = {}    # sn -> (tid, seq)
+        self._connected = False
+        self._durable: Optional[bool] = None     # does the peer spool to disk (then acked chunks are freed)
+        self._durable_known = asyncio.Event()    # ... learnt (its first TransferState): ingest waits for it
+        self._down_since = time.monotonic()
+        self._connects = 0
+        self._retransmits = 0
+        self._sent_chunks = 0
+        self._kind = ""                          # the current stream's transport: "tcp" or "grpc"
+        self._closed = False
         self._sn = 0
         self._next_query = 0.0
         self._flushing = False              # closing: send control frames only, then half-close
         self._flushed = asyncio.Event()     # ... and the receiver has ended the stream
         self._tasks: List[asyncio.Task] = []
-        self.metrics.link_up.labels(name).set(0)
+        self._metrics.link_up.labels(name).set(0)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -71,15 +77,16 @@ class PeerSender:
         """Stop. With ``flush_s``, first deliver the queued control frames (the aborts of a shutdown): they
         sit behind data already in the stream, and dropping the stream would lose them, so it is
         half-closed and the receiver's end awaited, for at most ``flush_s`` seconds."""
-        if flush_s > 0 and self.connected:
+        if flush_s > 0 and self._connected:
             self._flushing = True
-            self.outbox.wake()
+            self._outbox.wake()
             try:
                 await asyncio.wait_for(self._flushed.wait(), flush_s)
             except asyncio.TimeoutError:
                 log.warning("link to %s: the receiver did not confirm the last frames within %gs",
                             self.name, flush_s)
-        self.outbox.closed = True
+        self._closed = True
+        self._outbox.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -88,24 +95,65 @@ class PeerSender:
             except (asyncio.CancelledError, Exception):
                 pass
 
+    # ------------------------------------------------------------------ the local side
+    def create(self, key: str, priority: str, flow: bool, deadline_s: float, payload_kind: str, resume: bool,
+               lease_s: float, uuid: Optional[str] = None):
+        """A new transfer to this peer and its outcome future (Outbox.create)."""
+        return self._outbox.create(key, priority, flow, deadline_s, payload_kind, resume, lease_s, uuid)
+
+    def add_chunk(self, t: Transfer, chunk: OutChunk) -> None:
+        self._outbox.add_chunk(t, chunk)
+
+    def close_transfer(self, t: Transfer, num_parts: int) -> None:
+        self._outbox.close_transfer(t, num_parts)
+
+    async def wait_readahead(self, t: Transfer, limit: int) -> None:
+        await self._outbox.wait_readahead(t, limit)
+
+    def fail(self, t: Transfer, code: grpc.StatusCode, message: str) -> None:
+        self._outbox.fail(t, code, message)
+
+    def fail_all(self, code: grpc.StatusCode, message: str) -> None:
+        self._outbox.fail_all(code, message)
+
+    def in_progress(self) -> int:
+        """Transfers to this peer not yet settled."""
+        return self._outbox.count()
+
+    async def drained(self) -> None:
+        """Until no transfer to this peer is in progress."""
+        await self._outbox.drained()
+
+    def link_bandwidth(self) -> float:
+        """The link's bandwidth estimate in bytes/s (0 while it is down)."""
+        return self._cc.btl_bw if self._connected else 0.0
+
     def chunk_bytes(self, chunk_size: int, limit: int) -> int:
         """Chunk size to this peer now, from its measured bandwidth (core.chunking.chunk_bytes)."""
-        return chunk_bytes(self.cc.btl_bw, chunk_size, limit)
+        return chunk_bytes(self._cc.btl_bw, chunk_size, limit)
+
+    async def peer_durable(self, timeout: float) -> Optional[bool]:
+        """Whether the peer spools to disk, waiting up to ``timeout`` seconds to learn it from its first
+        TransferState (None: not learnt)."""
+        if self._durable is None:
+            try:
+                await asyncio.wait_for(self._durable_known.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self._durable
 
     # ------------------------------------------------------------------ connection loop
     async def _run(self) -> None:
-        box = self.outbox
+        box = self._outbox
         backoff = 0.05
-        while not box.closed:
+        while not self._closed:
             if not box.has_work():
-                box.changed.clear()
-                if not box.has_work():
-                    await box.changed.wait()
+                await box.wait_for_work()
                 continue
             stream, tasks = None, []
             try:
-                stream = await open_first(self.transports)
-                self.kind = stream.kind
+                stream = await open_first(self._transports)
+                self._kind = stream.kind
                 tasks = [asyncio.create_task(self._read(stream)), asyncio.create_task(self._pump(stream))]
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -122,7 +170,7 @@ class PeerSender:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 if stream is not None:
                     stream.abort()
-                was_connected = self.connected
+                was_connected = self._connected
                 self._disconnected()
             if self._flushing:
                 self._flushed.set()
@@ -133,65 +181,62 @@ class PeerSender:
     def _stream_error(self, code: grpc.StatusCode, details: str) -> None:
         if code in FATAL_CODES:
             log.warning("link to %s refused: %s %s", self.name, code.name, details)
-            self.metrics.rejected.labels(code.name).inc()
-            self.outbox.fail_all(code, f"peer {self.name!r} refused the link: {details}")
+            self._metrics.rejected.labels(code.name).inc()
+            self._outbox.fail_all(code, f"peer {self.name!r} refused the link: {details}")
         else:
             log.info("link to %s lost: %s %s", self.name, code.name, details)
 
     def _disconnected(self) -> None:
-        if self.connected:
-            self.down_since = time.monotonic()
-        self.connected = False
-        self.metrics.link_up.labels(self.name).set(0)
-        self.cc.reset()
-        self.inflight.clear()
-        self.outbox.disconnected()
+        if self._connected:
+            self._down_since = time.monotonic()
+        self._connected = False
+        self._metrics.link_up.labels(self.name).set(0)
+        self._cc.reset()
+        self._inflight.clear()
+        self._outbox.link_down()
 
     # ------------------------------------------------------------------ writing
     async def _pump(self, stream: Stream) -> None:
-        box = self.outbox
+        box = self._outbox
         while True:
             if self._flushing:
-                while box.control:
-                    await stream.send(box.control.popleft())
+                frame = box.next_control()
+                while frame is not None:
+                    await stream.send(frame)
+                    frame = box.next_control()
                 await stream.finish_sending()
                 await asyncio.Event().wait()    # the reader ends when the receiver closes its side
-            box.changed.clear()
+            box.arm()
             while await self._step(stream):
                 pass
+            # Woken by the outbox's next change, or by the first timer due: pacing, the next Query, a
+            # receiver's back-off ending.
             timeout = 0.05
             now = time.monotonic()
-            if box.sched.has_ready():
-                delay = self.cc.send_delay()
+            if box.flow_ready():
+                delay = self._cc.send_delay()
                 if delay > 0:
                     timeout = min(timeout, delay)
-            if box.retained:
+            if box.has_retained():
                 timeout = min(timeout, max(self._next_query - now, 0.0))
-            for t in list(box.transfers.values()):
-                if t.busy_until > now:
-                    timeout = min(timeout, t.busy_until - now)
-                elif t.busy_until:
-                    t.busy_until = 0.0
-                    box.refresh(t)
-            try:
-                await asyncio.wait_for(box.changed.wait(), max(timeout, 0.0005))
-            except asyncio.TimeoutError:
-                pass
+            timeout = box.busy_wait(now, timeout)
+            await box.wait_changed(max(timeout, 0.0005))
 
     async def _step(self, stream: Stream) -> bool:
         """Write the next frame that is due; False when nothing may go now."""
-        box = self.outbox
-        if box.control:
-            await stream.send(box.control.popleft())
+        box = self._outbox
+        frame = box.next_control()
+        if frame is not None:
+            await stream.send(frame)
             return True
         now = time.monotonic()
-        if box.retained and now >= self._next_query:
+        if box.has_retained() and now >= self._next_query:
             self._next_query = now + QUERY_S
             items = box.query(now)
             if items:
                 await stream.send(pb.PeerFrame(query=pb.Query(items=items)))
                 return True
-        for t in box.transfers.values():
+        for t in box.in_progress():
             if t.state == NEW:
                 frame = pb.PeerFrame(open=t.open())
                 box.refresh(t)
@@ -201,124 +246,121 @@ class PeerSender:
                 await stream.send(pb.PeerFrame(commit=t.commit()))
                 return True
         # FIFO (no flow control): the oldest unfinished transfer goes whole, as fast as the stream takes it.
-        for t in box.fifo:
-            if t.state != OPEN:
-                break
-            if t.head_ready(now):
-                await self._send_chunk(stream, t)
-                return True
-            if not t.closed or t.next_seq < len(t.chunks):
-                break
+        t = box.next_fifo(now)
+        if t is not None:
+            await self._send_chunk(stream, t)
+            return True
         # Flow-controlled transfers: scheduler picks, the congestion controller paces and caps.
-        if box.sched.has_ready():
-            if self.cc.inflight and self.cc.inflight >= self.cc.cwnd:
+        cc = self._cc
+        if box.flow_ready():
+            if cc.inflight and cc.inflight >= cc.cwnd:
                 return False
-            if self.cc.send_delay() > 0:
+            if cc.send_delay() > 0:
                 return False
-            t = box.transfers.get(box.sched.pick())
+            t = box.pick_flow()
             if t is None or not t.head_ready(now):
                 if t is not None:
                     box.refresh(t)
                 return True
             await self._send_chunk(stream, t)
             return True
-        if self.cc.inflight < self.cc.cwnd:
-            self.cc.on_app_limited()
+        if cc.inflight < cc.cwnd:
+            cc.on_app_limited()
         return False
 
     async def _send_chunk(self, stream: Stream, t: Transfer) -> None:
-        seq, chunk, first = t.take_chunk()
+        seq, chunk, _ = t.take_chunk()
         self._sn += 1
         sn = self._sn
-        self.inflight[sn] = (t.tid, seq)
-        if first:
-            self.outbox.sent_first(t)
-        self.cc.on_send(sn, len(chunk.data))
-        self.outbox.refresh(t)
-        self.sent_chunks += 1
-        self.metrics.bytes.labels(self.name, t.priority, "send").inc(len(chunk.data))
-        self.metrics.chunks.labels(self.name, t.priority, "send").inc()
+        self._inflight[sn] = (t.tid, seq)
+        self._cc.on_send(sn, len(chunk.data))
+        self._outbox.refresh(t)         # also lets its ingest read further (Outbox.wait_readahead)
+        self._sent_chunks += 1
+        self._metrics.bytes.labels(self.name, t.priority, "send").inc(len(chunk.data))
+        self._metrics.chunks.labels(self.name, t.priority, "send").inc()
         await stream.send_chunk(pb.Chunk(tid=t.tid, seq=seq, sn=sn, part=chunk.part, offset=chunk.offset,
                                          crc32c=chunk.crc, info=chunk.info, more=chunk.more), chunk.data)
 
     # ------------------------------------------------------------------ reading
     async def _read(self, stream: Stream) -> None:
         async for reply in stream.replies():
-            if not self.connected:
-                self.connected = self.outbox.connected = True
-                self.connects += 1
-                self.metrics.link_up.labels(self.name).set(1)
+            if not self._connected:
+                self._connected = True
+                self._outbox.link_up()
+                self._connects += 1
+                self._metrics.link_up.labels(self.name).set(1)
                 log.info("link to %s (%s) up over %s", self.name, self.address,
-                         "the TCP data plane" if self.kind == "tcp" else "gRPC")
+                         "the TCP data plane" if self._kind == "tcp" else "gRPC")
             kind = reply.WhichOneof("msg")
             if kind == "ack":
                 self._on_ack(reply.ack)
             elif kind == "state":
                 st = reply.state
-                t = self.outbox.transfers.get(st.tid)
+                t = self._outbox.get(st.tid)
                 if t is not None:
                     if not st.error_code and not st.complete:
-                        self.durable = st.durable
+                        self._durable = st.durable
+                        self._durable_known.set()
                     t.on_state(st)
-                    self.outbox.refresh(t)
+                    self._outbox.refresh(t)
             elif kind == "commit":
-                t = self.outbox.transfers.get(reply.commit.tid)
+                t = self._outbox.get(reply.commit.tid)
                 if t is not None:
                     t.on_commit(reply.commit)
-                    self.outbox.settle(t)
+                    self._outbox.settle(t)
             elif kind == "query":
-                self.outbox.on_query(reply.query)
+                self._outbox.on_query(reply.query)
 
     def _on_ack(self, ack: pb.Ack) -> None:
-        entry = self.inflight.pop(ack.sn, None)
-        sample = self.cc.on_ack(ack.sn)
+        entry = self._inflight.pop(ack.sn, None)
+        sample = self._cc.on_ack(ack.sn)
         if sample is not None:
-            self.metrics.rtt_hist.labels(self.name).observe(sample.rtt)
+            self._metrics.rtt_hist.labels(self.name).observe(sample.rtt)
         if entry is None:
             return
-        t = self.outbox.transfers.get(ack.tid)
+        t = self._outbox.get(ack.tid)
         if t is None or t.finished:
             return
         reason = {pb.ACK_CORRUPT: "checksum", pb.ACK_BUSY: "busy"}.get(ack.code)
         if reason is not None:
-            self.retransmits += 1
-            self.metrics.retransmits.labels(self.name, reason).inc()
-        freed = t.on_ack(ack, durable=bool(self.durable))
+            self._retransmits += 1
+            self._metrics.retransmits.labels(self.name, reason).inc()
+        freed = t.on_ack(ack, durable=bool(self._durable))
         if freed:
-            self.budget.release(self.name, freed)
-        self.outbox.refresh(t)
+            self._budget.release(self.name, freed)
+        self._outbox.refresh(t)
 
     # ------------------------------------------------------------------ timers and gauges
     async def _timers(self) -> None:
         while True:
             await asyncio.sleep(TIMER_S)
             now = time.monotonic()
-            down_since = None if self.connected else self.down_since
-            for t in list(self.outbox.transfers.values()):
+            down_since = None if self._connected else self._down_since
+            for t in list(self._outbox.in_progress()):
                 t.check_time(now, down_since, self.address)
-                if self.outbox.settle(t):
+                if self._outbox.settle(t):
                     continue
-                if t.outstanding() and now - t.last_progress > STALL_LOG_S and not t.stall_logged:
-                    t.stall_logged = True
+                if t.stalled(now, STALL_LOG_S):
                     log.warning("transfer %r: no progress for %gs: state=%s next=%d acked=%d chunks=%d closed=%s "
                                 "commit=%s busy=%s connected=%s inflight=%s cwnd=%s delay=%.4f ready=%s flow=%s",
                                 t.key, STALL_LOG_S, t.state, t.next_seq, t.acked, len(t.chunks), t.closed,
-                                t.commit_sent, t.busy_until, self.connected, self.cc.inflight, self.cc.cwnd,
-                                self.cc.send_delay(), self.outbox.sched.depth(), t.flow)
-            self.metrics.sender_state(self.name, self.cc, self.outbox.ready_depth(now))
+                                t.commit_sent, t.busy_until, self._connected, self._cc.inflight, self._cc.cwnd,
+                                self._cc.send_delay(), self._outbox.counts()["queue"], t.flow)
+            self._metrics.sender_state(self.name, self._cc, self._outbox.ready_depth(now))
 
     def snapshot(self) -> dict:
+        counts = self._outbox.counts()
         return {
             "address": self.address,
-            "connected": self.connected,
-            "connects": self.connects,
-            "transport": self.kind if self.connected else "",
-            "transfers": len(self.outbox.transfers),
-            "retained": len(self.outbox.retained),
-            "fifo": len(self.outbox.fifo),
-            "queue": self.outbox.sched.depth(),
-            "aged_picks": self.outbox.sched.stats.aged,
-            "sent_chunks": self.sent_chunks,
-            "retransmits": self.retransmits,
-            "cc": self.cc.snapshot(),
+            "connected": self._connected,
+            "connects": self._connects,
+            "transport": self._kind if self._connected else "",
+            "transfers": counts["transfers"],
+            "retained": counts["retained"],
+            "fifo": counts["fifo"],
+            "queue": counts["queue"],
+            "aged_picks": counts["aged_picks"],
+            "sent_chunks": self._sent_chunks,
+            "retransmits": self._retransmits,
+            "cc": self._cc.snapshot(),
         }

@@ -99,6 +99,14 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         self.data_plane = None
         self.identity = None        # discovery: IdentifyRequest -> IdentifyReply (discovery/service.py)
 
+    def use_data_plane(self, plane) -> None:
+        """The TCP data plane started beside this service: ``DataPlane`` hands out its port and tickets."""
+        self.data_plane = plane
+
+    def use_identity(self, identity) -> None:
+        """Discovery started: ``Identify`` answers with ``identity(request)``."""
+        self.identity = identity
+
     async def _check_auth(self, context) -> str:
         """The authenticated name of the peer on this call (its credential binds it: core.identity)."""
         md = dict(context.invocation_metadata())
@@ -181,11 +189,8 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             self.streams[account] -= 1
             if not self.streams[account]:
                 del self.streams[account]
-            now = time.monotonic()
             for entry in attached.values():
-                if entry.attached is stream_id:
-                    entry.attached = None
-                    entry.detached_at = now
+                entry.detach(stream_id)
 
     # ------------------------------------------------------------------ frames
     def _on_open(self, source: str, account: str, o: pb.TransferOpen, attached, stream_id) -> pb.PeerReply:
@@ -241,15 +246,10 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
             except SpoolError as exc:
                 return refuse(exc.code, exc.message)
         complete = entry.complete and entry.uuid == o.uuid
-        if not entry.complete:
-            entry.total = entry.num_parts = None    # its sender commits again on this open (commit_error)
         for tid, other in list(attached.items()):
             if other is entry and tid != o.tid:
                 del attached[tid]           # one tid per transfer on a stream: re-opens do not pile up
-        entry.uuid = o.uuid
-        entry.attached = stream_id
-        entry.detached_at = None
-        entry.last_activity = time.monotonic()
+        entry.attach(stream_id, o.uuid)     # not complete: its sender commits again on this open (commit_error)
         attached[o.tid] = entry
         return pb.PeerReply(state=pb.TransferState(
             tid=o.tid, held_chunks=len(entry.chunks), held_crc32c=[c.crc for c in entry.chunks],
@@ -315,7 +315,7 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         if not self.store.hold(entry, chunk):
             yield ack(pb.ACK_BUSY, message="receiver over its memory cap")
             return
-        entry.last_activity = time.monotonic()
+        entry.touch()
         if not self.store.persist(entry, chunk):
             yield ack(pb.ACK_FAILED, *entry.failed)
             return
@@ -369,8 +369,7 @@ class PeerService(pb_grpc.KVFlowPeerServicer):
         if error:
             self.store.fail(entry, grpc.StatusCode.INVALID_ARGUMENT, error)
             return self._commit_ack(commit.tid, None, grpc.StatusCode.INVALID_ARGUMENT, error)
-        entry.total = commit.total_chunks
-        entry.num_parts = commit.num_parts
+        entry.committed(commit.total_chunks, commit.num_parts)
         if len(entry.chunks) == entry.total:
             return self._finish(entry, commit.tid)
         return None

@@ -1,5 +1,5 @@
-"""Who this sidecar sends to: the owner of the peer senders (``senders``: name -> PeerSender), of their
-channels, and of the names a receiving stream may claim (``known``).
+"""Who this sidecar sends to: the owner of the peer senders (``sender(name)``, ``all()``), of their channels,
+and of the names a receiving stream may claim (``known``).
 
 Peers come from ``--peer`` (for the process's life) and from discovery (added once they proved their name,
 removed when their registration ends: ciuicflow/kvflow/discovery/). A removed peer's transfers fail at
@@ -43,10 +43,21 @@ class Peers:
         self.labels = labels
         self.wrap_transport = wrap_transport
         self.settings = cfg.sender_settings()
-        self.senders: Dict[str, PeerSender] = {}
-        self.static = set(cfg.peers)
-        self.channels: Dict[str, PeerChannel] = {}
-        self.vanished: "collections.OrderedDict[str, Tuple[float, str]]" = collections.OrderedDict()
+        self._senders: Dict[str, PeerSender] = {}
+        self._static = set(cfg.peers)
+        self._channels: Dict[str, PeerChannel] = {}
+        self._vanished: "collections.OrderedDict[str, Tuple[float, str]]" = collections.OrderedDict()
+
+    def sender(self, name: str) -> Optional[PeerSender]:
+        """The sender to peer ``name``; None when it is no peer now (``refusal`` says why)."""
+        return self._senders.get(name)
+
+    def all(self) -> List[PeerSender]:
+        return list(self._senders.values())
+
+    def is_static(self, name: str) -> bool:
+        """Named by --peer: kept for the process's life, whatever discovery says."""
+        return name in self._static
 
     def _transports(self, name: str, address: str, server_name: Optional[str]) -> List[Transport]:
         """How chunks go to peer ``name``: its TCP data plane when it offers one (not with TLS, which that
@@ -55,7 +66,7 @@ class Peers:
         credential = self.policy.credential_for(name)
         md = [(PEER_METADATA, cfg.name)] + ([(AUTH_METADATA, f"Bearer {credential}")] if credential else [])
         channel = PeerChannel(grpc_setup.peer_channel(cfg, address, server_name), md)
-        self.channels[name] = channel
+        self._channels[name] = channel
         transports: List[Transport] = []
         if cfg.peer_transport == "auto" and not cfg.tls_cert:
             transports.append(TcpTransport(name, parse_hostport(address)[0], channel.data_plane))
@@ -67,43 +78,43 @@ class Peers:
         not the address's host)."""
         sender = PeerSender(name, address, self.settings, self.budget, self.metrics,
                             self._transports(name, address, name if discovered else None))
-        self.senders[name] = sender
+        self._senders[name] = sender
         self.known.add(name)
         self.labels.known.add(name)
-        self.vanished.pop(name, None)
+        self._vanished.pop(name, None)
         sender.start()
         return sender
 
     async def remove(self, name: str, reason: str) -> None:
         """Stop sending to ``name``: its transfers fail with UNAVAILABLE (``reason``) and its links close.
         Static peers are never removed."""
-        if name in self.static:
+        if name in self._static:
             return
-        sender = self.senders.pop(name, None)
+        sender = self._senders.pop(name, None)
         self.known.discard(name)
-        self.vanished[name] = (time.time(), reason)
-        self.vanished.move_to_end(name)
-        while len(self.vanished) > VANISHED_REMEMBERED:
-            self.vanished.popitem(last=False)
+        self._vanished[name] = (time.time(), reason)
+        self._vanished.move_to_end(name)
+        while len(self._vanished) > VANISHED_REMEMBERED:
+            self._vanished.popitem(last=False)
         if sender is None:
             return
         log.info("peer %s removed: %s", name, reason)
-        sender.outbox.fail_all(grpc.StatusCode.UNAVAILABLE, f"peer {name!r} is gone: {reason}")
+        sender.fail_all(grpc.StatusCode.UNAVAILABLE, f"peer {name!r} is gone: {reason}")
         await sender.close()
-        channel = self.channels.pop(name, None)
+        channel = self._channels.pop(name, None)
         if channel is not None:
             await channel.close()
 
     def refusal(self, dest: str) -> Tuple[grpc.StatusCode, str]:
         """Why a send to ``dest`` (not a peer now) is refused."""
-        if dest in self.vanished:
-            when, reason = self.vanished[dest]
+        if dest in self._vanished:
+            when, reason = self._vanished[dest]
             return (grpc.StatusCode.UNAVAILABLE,
                     f"peer {dest!r} is gone ({reason}, {time.time() - when:.1f}s ago)")
-        known = ", ".join(sorted(self.senders)) or "none"
+        known = ", ".join(sorted(self._senders)) or "none"
         return grpc.StatusCode.NOT_FOUND, f"unknown peer {dest!r} (known: {known})"
 
     async def close(self, flush_s: float) -> None:
         """Shutdown: let the senders deliver their last frames (the aborts), then close every channel."""
-        await asyncio.gather(*(s.close(flush_s=flush_s) for s in self.senders.values()))
-        await asyncio.gather(*(channel.close() for channel in self.channels.values()))
+        await asyncio.gather(*(s.close(flush_s=flush_s) for s in self._senders.values()))
+        await asyncio.gather(*(channel.close() for channel in self._channels.values()))

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import stat
-import time
 
 import crc32c
 
@@ -153,23 +152,20 @@ def _restore_one(spool, budget, store, base: str) -> str:
                 if len(data) != length or crc32c.crc32c(data) != crc:
                     break
                 pos += length
-                chunk = InChunk(part, offset, data, info, crc, part_nbytes, more)
-                entry.chunks.append(chunk)
-                entry.bytes += length
-                entry.cost += chunk.cost
+                entry.restore_chunk(InChunk(part, offset, data, info, crc, part_nbytes, more))
         finally:
             os.close(data_fd)
         kept = entry.cost
     finally:
         budget.release(entry.account, reserved - kept)          # what was not kept
-    entry.total, entry.num_parts = meta["total"], meta["num_parts"]
+    total, num_parts = meta["total"], meta["num_parts"]
+    entry.committed(total, num_parts)
     last = entry.chunks[-1] if entry.chunks else None
-    ends = (entry.num_parts == 0 and last is None) or (
-        last is not None and entry.num_parts and last.last_part == entry.num_parts - 1 and last.ends_part)
-    if meta["complete"] and entry.total == len(entry.chunks) and ends:
-        entry.complete = True
-        entry.completed_at = time.monotonic()
-    entry.detached_at = time.monotonic()
+    ends = (num_parts == 0 and last is None) or (
+        last is not None and num_parts and last.last_part == num_parts - 1 and last.ends_part)
+    if meta["complete"] and total == len(entry.chunks) and ends:
+        entry.restore_complete()
+    entry.detach(None)          # no stream feeds it: its sender has the resume timeout to come back
     if len(entry.chunks) != len(records):
         try:
             spool.rewrite(entry)    # drop whatever followed the last good chunk

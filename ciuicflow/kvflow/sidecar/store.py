@@ -91,6 +91,63 @@ class InTransfer:
         self._event.set()
         self._event = asyncio.Event()
 
+    # ------------------------------------------------------------------ the stream that feeds it
+    def attach(self, stream_id, uuid: str) -> None:
+        """(Re-)opened as ``uuid`` on stream ``stream_id``; not yet complete, it is committed again."""
+        if not self.complete:
+            self.total = self.num_parts = None
+        self.uuid = uuid
+        self.attached = stream_id
+        self.detached_at = None
+        self.last_activity = time.monotonic()
+
+    def detach(self, stream_id) -> None:
+        """Stream ``stream_id`` ended: if it fed this transfer, its sender is away from now on."""
+        if self.attached is stream_id:
+            self.attached = None
+            self.detached_at = time.monotonic()
+
+    def touch(self) -> None:
+        """Its sender made progress (the lease and the resume timeout count from now)."""
+        self.last_activity = time.monotonic()
+
+    def committed(self, total: int, num_parts: int) -> None:
+        """Its sender says it has ``total`` chunks in ``num_parts`` parts."""
+        self.total, self.num_parts = total, num_parts
+
+    def restore_chunk(self, chunk: "InChunk") -> None:
+        """A chunk read back from the spool (spool_restore.py; its memory reserved there)."""
+        self.chunks.append(chunk)
+        self.bytes += len(chunk.data)
+        self.cost += chunk.cost
+
+    def restore_complete(self) -> None:
+        """It was complete when the spool wrote it, and every chunk came back."""
+        self.complete = True
+        self.completed_at = time.monotonic()
+
+    # ------------------------------------------------------------------ the Recv calls reading it
+    def start_reading(self, task) -> None:
+        self.readers += 1
+        self.read_at = time.monotonic()
+        self.reader_tasks[task] = None
+
+    def ended_with(self, task) -> Optional[Tuple[grpc.StatusCode, str]]:
+        """The status the store ended ``task``'s reading with (Store.end_readers), None if it did not."""
+        return self.reader_tasks.get(task)
+
+    def stop_reading(self, task) -> None:
+        self.reader_tasks.pop(task, None)
+        self.readers -= 1
+        self.last_activity = time.monotonic()
+
+    def read_progress(self) -> None:
+        self.read_at = time.monotonic()
+
+    def mark_delivered(self) -> None:
+        """Fully delivered to a Recv that acknowledges itself: kept until Acknowledge or its lease."""
+        self.delivered = True
+
     async def changed(self, timeout: Optional[float]) -> bool:
         event = self._event
         try:
@@ -133,6 +190,19 @@ class Store:
         self.expired = 0
         self.collected = 0
         self.spool = None
+
+    def use_spool(self, spool) -> None:
+        """Keep a durable copy in ``spool`` from now on (app: after restoring what it held)."""
+        self.spool = spool
+
+    def notify_all(self) -> None:
+        """Wake every Recv waiting on a transfer (shutdown: they see it)."""
+        for entry in list(self.entries.values()):
+            entry.notify()
+
+    def incoming(self) -> int:
+        """Transfers being received (not yet complete)."""
+        return sum(1 for e in self.entries.values() if not e.complete)
 
     # ------------------------------------------------------------------ membership
     def get(self, source: str, key: str) -> Optional[InTransfer]:
