@@ -71,3 +71,37 @@ def test_decode_chosen_by_reported_load(etcd):
     time.sleep(0.5)
     assert {e.name for e in view.servers()[1]} == {"d1", "d2", "d3"}
     view.stop()
+
+
+def test_own_requests_in_a_load_sample_count_once(etcd):
+    """A load sample counts the proxy's own requests then in flight; once they finished, the server is idle,
+    however busy the (older) sample says it is. Before: a sample's transfers were added to the proxy's own
+    count, so a server that had just served two of this proxy's requests looked busier for up to a sampling
+    period than one busy with a transfer the proxy did not send, and was passed over for it."""
+    _etcd_put(etcd.endpoint, f"{PREFIX}/p", _entry("p", "prefill", 9000))
+    _etcd_put(etcd.endpoint, f"{PREFIX}/d1", _entry("d1", "decode", 9010))
+    _etcd_put(etcd.endpoint, f"{PREFIX}/d2", _entry("d2", "decode", 9020))
+    view = RegistryView(etcd.endpoint, PREFIX).start()
+    wait_until(lambda: len(view.servers()[1]) == 2, 5, "two decode servers seen")
+    router = Router([], [], registry=view, routing="load")
+    picks = [router.pick()[2] for _ in range(4)]
+    assert sorted(picks) == ["d1", "d1", "d2", "d2"], picks      # equal servers share the requests
+    router.done("d2")
+    router.done("d2")
+    # the samples arrive while two of this proxy's requests run at d1 (their transfers in d1's count);
+    # d2 has one transfer this proxy did not send (another proxy's request, a KV migration)
+    _etcd_put(etcd.endpoint, f"{PREFIX}/d1", _entry("d1", "decode", 9010, transfers=2))
+    _etcd_put(etcd.endpoint, f"{PREFIX}/d2", _entry("d2", "decode", 9020, transfers=1))
+    wait_until(lambda: {e.name: e.load.transfers for e in view.servers()[1]} == {"d1": 2, "d2": 1}, 5,
+               "the samples in the view")
+    router.done("d1")
+    router.done("d1")
+    # d1 is idle now, d2 is not: the next request goes to d1 (before: d1 scored 2, d2 1)
+    assert router.pick()[2] == "d1"
+    # while it runs, d1 has one request (counted once, by the proxy), d2 one transfer: a tie, not d1 at 3
+    from ciuicflow.integrations.vllm.proxy_registry import decode_score
+    entries = {e.name: e for e in view.servers()[1]}
+    assert decode_score(entries["d1"], 1, 2)[0] == decode_score(entries["d2"], 0, 0)[0] == 1
+    # a request in flight when d2's next sample arrives is in that sample: still counted once
+    assert router.pick()[2] in ("d1", "d2")
+    view.stop()

@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ...kvflow.discovery.entry import MAX_VALUE_BYTES, Entry, EntryError, decode, key_name
 
@@ -36,13 +36,22 @@ def _prefix_end(prefix: bytes) -> bytes:
     return bytes(end)
 
 
-def decode_score(entry: Entry, routed: int) -> Tuple[int, float, int]:
-    """How busy a decode server is, lowest first: transfers in flight at its sidecar plus the requests this
-    proxy sent it that have not finished (the registry's figures are samples, a second old; the proxy's own
-    count is current), then the seconds its queued bytes take at its link's estimated rate, then the bytes."""
+def decode_score(entry: Entry, routed: int, routed_at_sample: int = 0) -> Tuple[int, float, int]:
+    """How busy a decode server is, lowest first: the transfers in flight at its sidecar that this proxy did
+    not send, plus the requests this proxy sent it that have not finished; then the seconds its queued bytes
+    take at its link's estimated rate, then the bytes.
+
+    The registry's figures are samples (``--discovery-load-s``, a second by default): the transfers a sample
+    counts include this proxy's own requests then in flight, which may have finished since, and the proxy's
+    own count is current. So each of its requests counts once, by that count: of the reported transfers,
+    only those beyond ``routed_at_sample`` (the proxy's requests to that server not finished when the
+    sample arrived, each with at most one transfer) are someone else's. Adding the whole sample to the
+    proxy's count (as before) counted a request twice while its transfer ran and kept counting it for up
+    to a sampling period after it had finished, which made idle servers look busy."""
     load = entry.load
     drain_s = load.queued_bytes / load.link_bps if load.link_bps > 0 else float(load.queued_bytes > 0)
-    return load.transfers + routed, drain_s, load.queued_bytes
+    others = max(0, load.transfers - routed_at_sample)
+    return others + routed, drain_s, load.queued_bytes
 
 
 class RegistryView:
@@ -57,6 +66,7 @@ class RegistryView:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.synced = threading.Event()
+        self.listeners: List[Callable[[str, Optional[Entry]], None]] = []     # called with the lock held
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="proxy-registry", daemon=True)
 
@@ -74,6 +84,15 @@ class RegistryView:
         with_url = [e for e in entries if e.server]
         return ([e for e in with_url if e.role in ("prefill", "both")],
                 [e for e in with_url if e.role in ("decode", "both")])
+
+    def _notify(self, name: str, entry: Optional[Entry]) -> None:
+        """Tell the listeners (the Router) that ``name``'s entry arrived (None: it went), under the lock: the
+        entry and what a listener records about it change together. A listener must not take this lock."""
+        for listener in self.listeners:
+            try:
+                listener(name, entry)
+            except Exception:  # noqa: BLE001 - a listener's bug must not end the watch
+                log.exception("registry listener failed")
 
     # ------------------------------------------------------------------ etcd's JSON gateway
     def _post(self, path: str, body: dict, timeout: Optional[float]):
@@ -110,7 +129,12 @@ class RegistryView:
             if entry is not None:
                 entries[name] = entry
         with self.changed:
+            gone = set(self.entries) - set(entries)
             self.entries = entries
+            for name in gone:
+                self._notify(name, None)
+            for name, entry in entries.items():
+                self._notify(name, entry)
             self.changed.notify_all()
         self.synced.set()
         return int(reply.get("header", {}).get("revision", 0))
@@ -138,9 +162,11 @@ class RegistryView:
                         continue
                     with self.changed:
                         if entry is None:
-                            self.entries.pop(name, None)
+                            if self.entries.pop(name, None) is not None:
+                                self._notify(name, None)
                         elif name in self.entries or len(self.entries) < MAX_ENTRIES:
                             self.entries[name] = entry
+                            self._notify(name, entry)
                         self.changed.notify_all()
         finally:
             conn.close()

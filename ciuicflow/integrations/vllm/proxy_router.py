@@ -51,24 +51,37 @@ class Router:
         self._p, self._d = itertools.cycle(prefill), itertools.cycle(decode)
         self._turn = itertools.count()
         self._routed: dict = {}             # decode peer -> requests sent there, not finished
+        self._at_sample: dict = {}          # decode peer -> _routed[peer] when its latest load sample arrived
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "prefill_failed": 0}
+        if registry is not None and hasattr(registry, "listeners"):
+            registry.listeners.append(self._sampled)
+
+    def _sampled(self, name: str, entry) -> None:
+        """A registry entry (its load sample) arrived for ``name`` (None: it went). Called by the registry
+        with its lock held: the registry's lock, then this one, never the other way round (pick() reads
+        the servers before taking this lock)."""
+        with self._lock:
+            if entry is None:
+                self._at_sample.pop(name, None)
+            else:
+                self._at_sample[name] = self._routed.get(name, 0)
 
     def pick(self) -> Tuple[str, str, str]:
         """(prefill URL, decode URL, decode sidecar's name) for the next request; call ``done(peer)`` after
         it. RuntimeError when the registry has none of either."""
+        servers = self.registry.servers() if self.registry is not None else None    # before self._lock
         with self._lock:
             self.stats["requests"] += 1
-            if self.registry is None:
+            if servers is None:
                 choice = next(self._p), *next(self._d)
             else:
-                choice = self._pick_registered()
+                choice = self._pick_registered(*servers)
             self._routed[choice[2]] = self._routed.get(choice[2], 0) + 1
             return choice
 
-    def _pick_registered(self) -> Tuple[str, str, str]:
+    def _pick_registered(self, prefills, decodes) -> Tuple[str, str, str]:
         from .proxy_registry import decode_score
-        prefills, decodes = self.registry.servers()
         prefills = [e for e in prefills if _reachable(e.server)]
         decodes = [e for e in decodes if _reachable(e.server)]
         if not prefills or not decodes:
@@ -78,7 +91,8 @@ class Router:
         if self.routing == "round-robin":
             decode = decodes[turn % len(decodes)]
         else:       # ties go round robin, so equal servers share the requests
-            decode = min(decodes, key=lambda e: (decode_score(e, self._routed.get(e.name, 0)),
+            decode = min(decodes, key=lambda e: (decode_score(e, self._routed.get(e.name, 0),
+                                                              self._at_sample.get(e.name, 0)),
                                                  (decodes.index(e) - turn) % len(decodes)))
         return prefill.server, decode.server, decode.name
 
