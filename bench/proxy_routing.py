@@ -22,8 +22,8 @@ from the decode server. The policies alternate in ABBA order (``--rounds`` pairs
 next: drift on this shared host falls on both. Output: JSON and a Markdown table (TTFT p50/p90/p99 per
 policy and class, the share of requests each decode node got) and the ratio load / round-robin.
 
-    python bench/proxy_routing.py --out out/proxy_routing                        # backlog, ~8 min
-    python bench/proxy_routing.py --scenario slow-link --out out/proxy_routing_slow
+    python bench/proxy_routing.py --out out/proxy_routing                        # backlog, ~4.5 min
+    python bench/proxy_routing.py --scenario slow-link --out out/proxy_routing_slow   # ~6 min
     python bench/proxy_routing.py --smoke --json out/proxy_routing.json           # CI, < 45 s
 
 Needs etcd (apt-get install -y etcd-server). No vLLM, no GPU.
