@@ -113,7 +113,16 @@ class Fleet:
         self.workdir = tempfile.mkdtemp(prefix="proxy-routing-")
         self.procs: List[subprocess.Popen] = []
         self.sidecars: Dict[str, SidecarProcess] = {}
-        self.etcd = Etcd(self.workdir).start()
+        self.etcd = Etcd(self.workdir)
+        try:
+            self._start()
+        except BaseException:
+            self.close()        # nothing left running when the start fails
+            raise
+
+    def _start(self) -> None:
+        a = self.a
+        self.etcd.start()
         self.prefills = [f"prefill{i}" for i in range(a.prefill)]
         self.decodes = [f"decode{i}" for i in range(a.decode)]
         names = self.prefills + self.decodes + (["bulk0"] if a.scenario == "backlog" else [])
