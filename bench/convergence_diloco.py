@@ -2,6 +2,12 @@
 
     diloco_<codec>_h<H>[_f<F>][_d<D>][@outer_lr=..;outer_momentum=..;alpha=..]
 
+Without ``outer_lr``/``outer_momentum`` the outer step is DiLoCo's default for the task's inner
+optimizer (``ciuicflow.diloco.default_outer_optimizer``: lr 0.9 under SGD, the mean under Adam;
+before the int4 / H = 8 defaults it was the mean on every task, and before that the paper's
+Nesterov 0.7/0.9: docs/diloco.md); an option given alone takes the other's global default (lr 1,
+momentum 0).
+
 ``codec``: "exact" or a quantising family of the registry ("int8", "int4", "onebit"); ``H``: inner
 steps between two syncs of a fragment; ``F`` fragments (default 1), ``D`` inner steps of delay
 (default 0). The last inner step is followed by ``DiLoCo.sync()`` (every fragment's outer step,
@@ -26,8 +32,10 @@ def parse(name: str, options: dict) -> dict:
     import ciuicflow.diloco as diloco
 
     options = dict(options)
-    outer = diloco.nesterov(float(options.pop("outer_lr", diloco.DEFAULT_OUTER_LR)),
-                            float(options.pop("outer_momentum", diloco.DEFAULT_OUTER_MOMENTUM)))
+    outer = None  # DiLoCo's default outer step (diloco.default_outer_optimizer: by inner optimizer)
+    if "outer_lr" in options or "outer_momentum" in options:
+        outer = diloco.nesterov(float(options.pop("outer_lr", diloco.DEFAULT_OUTER_LR)),
+                                float(options.pop("outer_momentum", diloco.DEFAULT_OUTER_MOMENTUM)))
     kwargs = dict(sync_every=int(match["h"]), fragments=int(match["f"] or 1),
                   fragment_sync_delay=int(match["d"] or 0), codec=match["codec"],
                   outer_optimizer=outer,
@@ -35,6 +43,19 @@ def parse(name: str, options: dict) -> dict:
     if options:
         kwargs["codec_options"] = options
     return kwargs
+
+
+def default_name() -> str:
+    """The method name of ``ciuicflow.DiLoCo``'s documented defaults (its outer step's default too:
+    a name without ``@`` options leaves ``outer_optimizer`` to DiLoCo)."""
+    import ciuicflow.diloco as diloco
+
+    name = f"diloco_{diloco.DEFAULT_CODEC}_h{diloco.DEFAULT_SYNC_EVERY}"
+    if diloco.DEFAULT_FRAGMENTS != 1 or diloco.DEFAULT_FRAGMENT_SYNC_DELAY:
+        name += f"_f{diloco.DEFAULT_FRAGMENTS}"
+    if diloco.DEFAULT_FRAGMENT_SYNC_DELAY:
+        name += f"_d{diloco.DEFAULT_FRAGMENT_SYNC_DELAY}"
+    return name
 
 
 def setup(task, model, name: str, options: dict, make_optimizer):

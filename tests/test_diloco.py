@@ -124,6 +124,49 @@ def test_outer_step_is_the_mean_or_nesterov_on_the_mean_pseudo_gradient():
     assert errors["average"] < 1e-6 and errors["nesterov"] < 1e-6, errors
 
 
+def _default_outer_mean(rank, world):
+    """DiLoCo given the inner optimizer and no outer_optimizer: the model after the first outer
+    step against anchor - lr x (anchor - the nodes' mean), for SGD and for AdamW."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ciuicflow.diloco as diloco
+
+    out = {}
+    for name, make, lr in (("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 0.9),
+                           ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-2), 1.0)):
+        torch.manual_seed(100 + rank // 2)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+        ddp = DDP(model, process_group=diloco.node_group())
+        optimizer = make(ddp.parameters())
+        local = {}
+        # registered before DiLoCo's own hook: it sees each node's parameters before the outer step
+        optimizer.register_step_post_hook(lambda *_: local.update(x=_flat(model)))
+        outer = diloco.DiLoCo(ddp, optimizer, codec="exact", sync_every=H)
+        anchor = _flat(model)
+        for step in range(1, H + 1):
+            _inner_step(ddp, optimizer, rank, step)
+        gathered = [torch.empty_like(local["x"]) for _ in range(world)]
+        dist.all_gather(gathered, local["x"])
+        mean = torch.stack(gathered).mean(0)
+        want = anchor - lr * (anchor - mean)
+        out[name] = (outer.stats()["outer_optimizer"], (_flat(model) - want).abs().max().item())
+        outer.close()
+    return out
+
+
+def test_default_outer_step_is_damped_under_sgd_and_the_mean_under_adam():
+    import ciuicflow.diloco as diloco
+
+    assert diloco.DEFAULT_CODEC == "int4" and diloco.DEFAULT_SYNC_EVERY == 8
+    assert diloco.DEFAULT_SGD_OUTER_LR == 0.9 and diloco.DEFAULT_OUTER_LR == 1.0
+    reports = run_distributed(_default_outer_mean, 4, nodes=2)
+    for report in reports:
+        for name, lr in (("sgd", 0.9), ("adamw", 1.0)):
+            description, error = report[name]
+            assert description == f"SGD lr {lr:g} (no momentum)", (name, description)
+            assert error < 1e-6, (name, error)
+
+
 # -- resume ----------------------------------------------------------------------------------------
 
 
@@ -267,3 +310,39 @@ def test_plan_models_bytes_per_step_from_the_policy_and_formats():
         diloco(cluster, work, 4, fragments=5)
     with pytest.raises(ValueError):
         diloco(cluster, work, 4, codec="powersgd")
+
+
+# -- the monitor ------------------------------------------------------------------------------------
+
+
+def _monitored(rank, world):
+    from ciuicflow.monitor.monitor import Monitor
+
+    model, ddp, optimizer, diloco = _setup(rank, codec="int8")
+    records = []
+    with Monitor(None, [diloco], straggler_every=0, hang_timeout_s=None) as mon:
+        for step in range(1, 2 * H + 1):
+            mon.step_begin()
+            _inner_step(ddp, optimizer, rank, step)
+            diloco.step()
+            records.append(mon.step_end())
+    stats = diloco.stats()
+    diloco.close()
+    return {"records": [{k: r.get(k) for k in ("inter_node_bytes", "exact_inter_node_bytes",
+                                               "inter_node_compression_ratio", "comm_s")}
+                        for r in records], "stats": stats}
+
+
+def test_monitor_reads_bytes_per_outer_step_and_network_wait():
+    for report in run_distributed(_monitored, 4, nodes=2):
+        records, stats = report["records"], report["stats"]
+        syncs = [r for step, r in enumerate(records, 1) if step % H == 0]
+        between = [r for step, r in enumerate(records, 1) if step % H]
+        assert all(r["inter_node_bytes"] == 0 for r in between), between
+        assert all(r["inter_node_bytes"] > 0 and r["comm_s"] > 0 for r in syncs), syncs
+        assert sum(r["inter_node_bytes"] for r in records) == stats["inter_node_bytes"]
+        # exact DDP's bytes every step, so the monitor's ratio over a period is DiLoCo's reduction
+        exact = stats["exact_ddp_inter_node_bytes_per_step"]
+        assert all(r["exact_inter_node_bytes"] == pytest.approx(exact) for r in records)
+        assert sum(r["exact_inter_node_bytes"] for r in records) / stats["inter_node_bytes"] == \
+            pytest.approx(stats["reduction_vs_exact_ddp"])

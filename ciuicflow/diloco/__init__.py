@@ -14,12 +14,14 @@ docs/diloco.md: the options, when to prefer it to a compressed hook, what it cos
 """
 from __future__ import annotations
 
-from ciuicflow.diloco.diloco import DEFAULT_CODEC, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, \
-    DiLoCo, nesterov
+from ciuicflow.diloco.diloco import DEFAULT_CODEC, DEFAULT_FRAGMENT_SYNC_DELAY, DEFAULT_FRAGMENTS, \
+    DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_SGD_OUTER_LR, DEFAULT_SYNC_EVERY, DiLoCo, \
+    default_outer_optimizer, nesterov
 from ciuicflow.diloco.exchange import NodeLayout, node_members
 
-__all__ = ["DEFAULT_CODEC", "DEFAULT_OUTER_LR", "DEFAULT_OUTER_MOMENTUM", "DiLoCo", "NodeLayout",
-           "nesterov", "node_group"]
+__all__ = ["DEFAULT_CODEC", "DEFAULT_FRAGMENTS", "DEFAULT_FRAGMENT_SYNC_DELAY", "DEFAULT_OUTER_LR",
+           "DEFAULT_OUTER_MOMENTUM", "DEFAULT_SGD_OUTER_LR", "DEFAULT_SYNC_EVERY", "DiLoCo",
+           "NodeLayout", "default_outer_optimizer", "nesterov", "node_group"]
 
 
 def node_group(ranks_per_node: int | None = None):

@@ -24,17 +24,41 @@ from ciuicflow.diloco.exchange import NodeLayout, OuterExchange, make_compressor
 from ciuicflow.diloco.layout import Schedule, is_sharded, local_tensor, split
 
 _STATE_VERSION = 1
-# the nodes' mean: the paper's Nesterov (lr 0.7, momentum 0.9) diverged on mlp_sgd_constant and
-# ended 12% above exact loss on charlm_adamw, runs of tens of outer steps (docs/diloco.md)
+# The defaults, measured on bench/convergence.py's tuned tasks (docs/diloco.md, "Defaults"):
+# int4 every 8 inner steps costs the bytes of int8 every 16 (about 120x fewer inter-node bytes per
+# step than exact DDP) with half the drift between syncs.
+DEFAULT_CODEC = "int4"
+DEFAULT_SYNC_EVERY = 8
+DEFAULT_FRAGMENTS = 1
+DEFAULT_FRAGMENT_SYNC_DELAY = 0
+# The outer step: the nodes' mean (lr 1, no momentum) under Adam-family inner optimizers (and when
+# DiLoCo does not see the inner optimizer); under torch.optim.SGD a damped mean, lr 0.9 (Lookahead's
+# slow step): SGD's heavy-ball momentum compounds with any outer extrapolation (outer lr 1.25
+# lost 23 points on mlp_sgd_constant), and damping gained there while it cost Adam's loss. The
+# paper's Nesterov (lr 0.7, momentum 0.9) diverged on mlp_sgd_constant and ended 12% above exact
+# loss on charlm_adamw, runs of tens of outer steps.
 DEFAULT_OUTER_LR = 1.0
+DEFAULT_SGD_OUTER_LR = 0.9
 DEFAULT_OUTER_MOMENTUM = 0.0
-DEFAULT_CODEC = "int8"  # docs/diloco.md: int4 and int8 measured side by side
 
 
 def nesterov(lr: float = DEFAULT_OUTER_LR, momentum: float = DEFAULT_OUTER_MOMENTUM):
     """An outer optimizer's factory: SGD, with Nesterov momentum where ``momentum`` > 0 (DiLoCo's
-    paper: ``nesterov(0.7, 0.9)``); the default, lr 1 and no momentum, averages the nodes."""
-    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    paper: ``nesterov(0.7, 0.9)``); lr 1 and no momentum averages the nodes."""
+    factory = lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum,  # noqa: E731
+                                             nesterov=momentum > 0)
+    factory.description = f"SGD lr {lr:g}" + (f", Nesterov momentum {momentum:g}" if momentum else
+                                              " (no momentum)")
+    return factory
+
+
+def default_outer_optimizer(inner_optimizer=None):
+    """The outer optimizer's factory DiLoCo uses without ``outer_optimizer``: ``nesterov(0.9, 0)``
+    (a damped mean) when the inner optimizer is a ``torch.optim.SGD``, else ``nesterov(1, 0)``
+    (the nodes' mean): Adam-family inner optimizers, or none given to DiLoCo."""
+    if isinstance(inner_optimizer, torch.optim.SGD):
+        return nesterov(DEFAULT_SGD_OUTER_LR, DEFAULT_OUTER_MOMENTUM)
+    return nesterov(DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM)
 
 
 class _Pending:
@@ -64,14 +88,16 @@ class DiLoCo:
             the replicas bit-identical.
         codec: the registry compressor of the outer exchange ("int8", "int4", "onebit") or
             "exact"; ``codec_options``: its options (``chunk_size``, ``error_decay``, ...).
-        outer_optimizer: a factory ``params -> torch.optim.Optimizer`` (default: ``nesterov()``,
-            lr 1, no momentum: the mean of the nodes); each fragment gets its own, over one flat
+        outer_optimizer: a factory ``params -> torch.optim.Optimizer`` (default:
+            ``default_outer_optimizer(inner_optimizer)``: lr 0.9 without momentum under
+            ``torch.optim.SGD``, else the nodes' mean); each fragment gets its own, over one flat
             float32 tensor.
         ranks_per_node: nodes of this many consecutive ranks (default: ``Topology.detect()``).
     """
 
-    def __init__(self, model: torch.nn.Module, inner_optimizer=None, *, sync_every: int,
-                 fragments: int = 1, fragment_sync_delay: int = 0,
+    def __init__(self, model: torch.nn.Module, inner_optimizer=None, *,
+                 sync_every: int = DEFAULT_SYNC_EVERY, fragments: int = DEFAULT_FRAGMENTS,
+                 fragment_sync_delay: int = DEFAULT_FRAGMENT_SYNC_DELAY,
                  fragment_update_alpha: float = 0.0, codec: str = DEFAULT_CODEC,
                  codec_options: dict | None = None, outer_optimizer=None,
                  ranks_per_node: int | None = None):
@@ -88,7 +114,8 @@ class DiLoCo:
         self.sharded = is_sharded(params)
         self._exchange = OuterExchange(self.layout, compressor, len(self.fragments), self.sharded)
         self._broadcast_initial(params)
-        factory = outer_optimizer or nesterov()
+        factory = outer_optimizer or default_outer_optimizer(inner_optimizer)
+        self.outer_description = getattr(factory, "description", None) or "user's outer_optimizer"
         self.anchors = [torch.nn.Parameter(f.read(), requires_grad=False) for f in self.fragments]
         self.outer = [factory([a]) for a in self.anchors]
         self.inner_steps = 0
@@ -97,6 +124,8 @@ class DiLoCo:
         self._traffic = Traffic()
         self._pending: dict[int, _Pending] = {}
         self._wait = self._wall = 0.0
+        self._counted_from = 0  # inner steps before the last reset_stats()
+        self.algorithm = "diloco"  # ciuicflow.monitor's name for this source
         self._last_time: float | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ciuicflow-diloco") \
             if self.schedule.delay else None
@@ -161,11 +190,13 @@ class DiLoCo:
         # all-reduce of float32 gradients, its share of peers on other nodes)
         exact_ddp = ring_all_reduce_bytes(numel * 4, world) * (world - layout.local) \
             / max(1, world - 1) if not self.sharded else float("nan")
-        per_step = t.inter_bytes / self.inner_steps if self.inner_steps else 0.0
+        steps = self.inner_steps - self._counted_from  # since the last reset_stats()
+        per_step = t.inter_bytes / steps if steps else 0.0
         plan = self._exchange.wire_plan()
         return {
             "method": "diloco", "codec": self.codec,
             "wire_plan": plan.summary() if plan is not None else self.codec,
+            "outer_optimizer": self.outer_description,
             "topology": layout.describe(), "sync_every": self.sync_every,
             "fragments": len(self.fragments), "fragment_sync_delay": self.schedule.delay,
             "inner_steps": self.inner_steps, "outer_steps": outer_steps,
@@ -180,10 +211,16 @@ class DiLoCo:
             "reduction_vs_exact_ddp": exact_ddp / per_step if per_step else None,
             "network_wait_seconds": self._wait, "wall_seconds": self._wall,
             "network_wait_share": self._wait / self._wall if self._wall else 0.0,
+            # ciuicflow.monitor's keys (monitor/sources.py): counters since reset_stats(); "exact"
+            # is what exact DDP would have sent every inner step, so the monitor's compression
+            # ratio is DiLoCo's reduction against exact DDP
+            "exact_inter_node_bytes": None if self.sharded else exact_ddp * steps,
+            "time_s": self._wait,
         }
 
     def reset_stats(self) -> None:
         self._traffic, self._wait, self._wall = Traffic(), 0.0, 0.0
+        self._counted_from = self.inner_steps
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -225,6 +262,7 @@ class DiLoCo:
         self._pending = {int(k): _Pending(p["apply_at"], mean=p["mean"], done=True)
                          for k, p in state["pending"].items()}
         self._traffic = Traffic(**state["traffic"])
+        self._counted_from = 0  # the checkpoint's traffic covers the run from its start
 
     # -- inside --------------------------------------------------------------------------------
 

@@ -87,7 +87,8 @@ def add_arguments(parser) -> None:
                              "(ciuicflow.explain: the rule the compressors take)")
     parser.add_argument("--diloco", metavar="H[,H...]",
                         help="also model ciuicflow.diloco syncing every H inner steps (docs/diloco.md)")
-    parser.add_argument("--diloco-codec", default="int8", help="its outer exchange's codec (default int8)")
+    parser.add_argument("--diloco-codec", default="int4",
+                        help="its outer exchange's codec (default int4, ciuicflow.diloco's)")
     parser.add_argument("--fragments", type=int, default=1, help="its fragments (default 1)")
     parser.add_argument("--fragment-sync-delay", type=int, default=0,
                         help="inner steps a fragment's sync overlaps (default 0)")
