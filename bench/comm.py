@@ -35,7 +35,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ciuicflow.cluster import SimCluster, parse_rate  # noqa: E402
+from ciuicflow.testing.cluster import SimCluster, parse_rate  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ciuicflow.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
+from ciuicflow.testing.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
 from ciuicflow.compression import registry  # noqa: E402
 
 TORCH_HOOKS = ("allreduce", "fp16_compress_hook", "powerSGD_hook")

@@ -24,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from ciuicflow.cluster import SimCluster, parse_rate  # noqa: E402
+from ciuicflow.testing.cluster import SimCluster, parse_rate  # noqa: E402
 from cluster_args import add_cluster_arguments  # noqa: E402
 from comm import _last_error_line, _per_round_ratios, combine_rounds  # noqa: E402
 

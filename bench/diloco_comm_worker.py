@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import comm_worker  # noqa: E402
 import convergence_diloco  # noqa: E402
-from ciuicflow.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
+from ciuicflow.testing.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
 from comm_worker import build_model, make_batch, mlp_width, node_link_delta, reduce_scalar, say  # noqa: E402
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from comm_worker import as_named, build_model, make_batch, mlp_width, node_link_delta, reduce_scalar, \
     say  # noqa: E402
 
-from ciuicflow.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
+from ciuicflow.testing.cluster import ENV_SHAPED, read_node_link_bytes  # noqa: E402
 from ciuicflow.compression import registry  # noqa: E402
 from ciuicflow.fsdp.state import scatter_methods  # noqa: E402
 

@@ -94,7 +94,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.raw_only and args.skip_raw:
         p.error("--raw-only and --skip-raw exclude each other")
-    from ciuicflow.cluster import parse_rate
+    from ciuicflow.testing.cluster import parse_rate
     try:
         args.rate_bps = parse_rate(args.rate)
         args.high_range = parse_range(args.high_tokens, "--high-tokens")
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[kvflow-bench {time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    from ciuicflow.cluster import SimCluster, format_rate
+    from ciuicflow.testing.cluster import SimCluster, format_rate
     workdir = tempfile.mkdtemp(prefix="ciuicflow-kvbench-")
     rate_Bps = args.rate_bps / 8
     records = []

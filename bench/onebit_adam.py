@@ -145,7 +145,7 @@ def _plain_step(net, optimizer, loss_fn):
 def run_method(name, args, width, data):
     import torch.distributed as dist
     from comm_worker import build_model, node_link_delta, reduce_scalar
-    from ciuicflow.cluster import read_node_link_bytes
+    from ciuicflow.testing.cluster import read_node_link_bytes
 
     setup_started = time.perf_counter()
     model = build_model(width, args.layers, 0)
@@ -270,7 +270,7 @@ def worker_main(args):
     import torch.distributed as dist
     from datetime import timedelta
     from comm_worker import make_batch, mlp_width
-    from ciuicflow.cluster import ENV_SHAPED
+    from ciuicflow.testing.cluster import ENV_SHAPED
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
@@ -359,7 +359,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
-    from ciuicflow.cluster import SimCluster
+    from ciuicflow.testing.cluster import SimCluster
 
     out_path = os.path.abspath(args.json)
     os.makedirs(os.path.dirname(out_path), exist_ok=True)

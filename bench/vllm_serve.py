@@ -276,7 +276,7 @@ def client_main(spec_path: str) -> int:
 
 
 def _bps(rate: str):
-    from ciuicflow.cluster import parse_rate
+    from ciuicflow.testing.cluster import parse_rate
     try:
         return parse_rate(rate) if rate else None
     except ValueError:      # e.g. a sidecar --link-rate in bytes ("100MB"): no link phase
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
     print(f"[vllm-serve] link: {result['link']}; logs in {work}", flush=True)
     if args.tc_rate:
         from bench.vllm_serve_netns import NetnsDeployment
-        from ciuicflow.cluster import SimCluster
+        from ciuicflow.testing.cluster import SimCluster
         with SimCluster(nodes=2, ranks_per_node=1, rate=args.tc_rate, require_netns=True) as cluster:
             dep = NetnsDeployment(cluster, args.python, model, args.model, work, pin_cores=args.pin_cores)
             try:

@@ -13,7 +13,7 @@ import sys
 import time
 from functools import partial
 
-from ciuicflow.cluster import SimCluster
+from ciuicflow.testing.cluster import SimCluster
 from ciuicflow.integrations.vllm.servers import VllmServer, kv_transfer_config
 from ciuicflow.kvflow.sidecar.process import REPO_ROOT, SidecarProcess, log_tail, new_token_file
 

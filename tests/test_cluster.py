@@ -12,8 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from ciuicflow import cluster as cl  # noqa: E402
-from ciuicflow.testing import cluster as sim  # noqa: E402
+from ciuicflow.testing import cluster as cl  # noqa: E402
 
 NUMEL = 1 << 21  # 8 MiB of float32
 RATE_BPS = 200e6
@@ -58,11 +57,6 @@ def _our_namespaces(tag):
 
 need_netns = pytest.mark.skipif(not cl.netns_available()[0],
                                 reason=f"network namespaces unavailable: {cl.netns_available()[1]}")
-
-
-def test_old_module_names_the_same_objects():
-    assert cl.SimCluster is sim.SimCluster and cl.ClusterRun is sim.ClusterRun
-    assert cl.netns_available is sim.netns_available and cl.parse_rate is sim.parse_rate
 
 
 def test_parse_rate():
@@ -134,8 +128,8 @@ def test_teardown_on_exception_and_stale_cleanup():
 
 @pytest.mark.timeout(240)
 def test_loopback_fallback_says_so(monkeypatch):
-    # SimCluster looks the probe up in its own module, not in ciuicflow.cluster's re-export
-    monkeypatch.setattr(sim, "netns_available", lambda: (False, "pretend: not root"))
+    # SimCluster looks the probe up in its own module (cluster_netns's name is imported there)
+    monkeypatch.setattr(cl, "netns_available", lambda: (False, "pretend: not root"))
     messages = []
     with cl.SimCluster(nodes=2, ranks_per_node=1, rate="1gbit", log=messages.append) as cluster:
         assert not cluster.shaped and not cluster.netns

@@ -8,11 +8,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ciuicflow"
 TESTING = "ciuicflow.testing"
 
 # Modules allowed to import testing for now, each with why; an entry that no longer imports it must go.
-KNOWN = {
-    # the simulated cluster under its first name, a re-export shim: issue #54's "old names kept as shims"
-    # decides its fate (keep, deprecate or remove), not this test
-    "ciuicflow/cluster.py",
-}
+KNOWN: set = set()
 
 
 def _module_name(path: pathlib.Path, package: pathlib.Path) -> str:

@@ -482,7 +482,7 @@ def _worker():
 
 
 def _measure():
-    from ciuicflow.cluster import SimCluster, netns_available
+    from ciuicflow.testing.cluster import SimCluster, netns_available
     ok, why = netns_available()
     if not ok:
         pytest.skip(f"needs network namespaces to shape a link ({why})")

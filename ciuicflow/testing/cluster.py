@@ -20,7 +20,7 @@ no inter-node byte counts. That is reported loudly (``shaped: False``) in everyt
         print(run.inter_node_bytes, run.returncodes)
 
 ``cluster_env`` holds what the launched ranks read (the exported variables, the node link's counters);
-``cluster_netns`` the namespace and process plumbing. ``ciuicflow.cluster`` re-exports the public names.
+``cluster_netns`` the namespace and process plumbing; this module imports the names benches use from both.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import ciuicflow
 from ciuicflow.testing.cluster_env import (ENV_IFACE, ENV_NETNS, ENV_NODE, ENV_RATE, ENV_SHAPED, NODE_IFACE,
-                                           format_rate, parse_rate)
+                                           format_rate, parse_rate, read_node_link_bytes)
 from ciuicflow.testing.cluster_netns import (NETNS_ETC, NETNS_PREFIX, cleanup_stale, free_port, netns_available,
                                              remove_netns, run_command, stop_processes)
 
