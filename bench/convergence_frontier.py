@@ -151,8 +151,9 @@ def plot(by_task: dict, path: str) -> bool:
             ax.scatter([p["bytes"] for p in pts], [p["value"] for p in pts], marker=marker, color=color,
                        label=fam, s=22, zorder=3)
             front = frontier(rows, fam)
-            ax.step([p["bytes"] for p in front], [p["value"] for p in front], where="post", color=color,
-                    lw=1.2, alpha=0.8)
+            right = max(p["bytes"] for p in rows)  # the frontier holds its best to the right
+            ax.step([p["bytes"] for p in front] + [right], [p["value"] for p in front] + [front[-1]["value"]],
+                    where="post", color=color, lw=1.2, alpha=0.8)
             for p in pts:
                 ax.annotate(p["method"].replace("hierarchical_", "h_"), (p["bytes"], p["value"]), fontsize=5.5,
                             alpha=0.8, xytext=(2, 2), textcoords="offset points")
