@@ -26,6 +26,7 @@ from .peer_sender import PeerSender
 log = logging.getLogger("ciuicflow.kvflow")
 
 VANISHED_REMEMBERED = 256       # names of removed peers kept for a clear refusal (oldest forgotten first)
+CLOSE_S = 10.0                  # a removed peer's sender and channel get this long to stop
 
 
 class Peers:
@@ -47,6 +48,7 @@ class Peers:
         self._static = set(cfg.peers)
         self._channels: Dict[str, PeerChannel] = {}
         self._vanished: "collections.OrderedDict[str, Tuple[float, str]]" = collections.OrderedDict()
+        self._closing: Set[asyncio.Task] = set()     # removed peers' teardowns
 
     def sender(self, name: str) -> Optional[PeerSender]:
         """The sender to peer ``name``; None when it is no peer now (``refusal`` says why)."""
@@ -100,10 +102,23 @@ class Peers:
             return
         log.info("peer %s removed: %s", name, reason)
         sender.fail_all(grpc.StatusCode.UNAVAILABLE, f"peer {name!r} is gone: {reason}")
-        await sender.close()
-        channel = self._channels.pop(name, None)
+        # the teardown runs beside the caller, the registry's watch, whose next events (a peer
+        # coming back, others joining) must not wait on a link that may take long to stop
+        task = asyncio.create_task(self._close_removed(name, sender, self._channels.pop(name, None)),
+                                   name=f"close-peer-{name}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_removed(self, name: str, sender: PeerSender, channel) -> None:
+        try:
+            await asyncio.wait_for(sender.close(), CLOSE_S)
+        except asyncio.TimeoutError:
+            log.warning("peer %s: its sender did not stop within %gs after its removal", name, CLOSE_S)
         if channel is not None:
-            await channel.close()
+            try:
+                await asyncio.wait_for(channel.close(), CLOSE_S)
+            except asyncio.TimeoutError:
+                log.warning("peer %s: its channel did not close within %gs", name, CLOSE_S)
 
     def refusal(self, dest: str) -> Tuple[grpc.StatusCode, str]:
         """Why a send to ``dest`` (not a peer now) is refused."""
@@ -118,3 +133,4 @@ class Peers:
         """Shutdown: let the senders deliver their last frames (the aborts), then close every channel."""
         await asyncio.gather(*(s.close(flush_s=flush_s) for s in self._senders.values()))
         await asyncio.gather(*(channel.close() for channel in self._channels.values()))
+        await asyncio.gather(*self._closing, return_exceptions=True)
