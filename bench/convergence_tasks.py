@@ -266,8 +266,8 @@ TASKS = {
         "cosine lr, bf16 autocast",
         extra={"data": ("text", 64), "d": 256, "layers": 1, "experts": 8, "hidden": 512,
                "top_k": 2}),
-    # held out since 2026-12-07 (issue 49's kinds the suite lacked): batch norm under AdamW and
-    # bf16, a recurrent model, a wider regression (whose Adam also runs the 1-bit optimizers)
+    # held out, kinds the suite lacked: batch norm under AdamW and bf16, a recurrent model, a
+    # wider regression (whose Adam also runs the 1-bit optimizers)
     "bncnn_adamw_bf16": Task(
         "bncnn_adamw_bf16", "classification", "accuracy", steps=300, batch=16,
         optimizer="adamw", lr=3e-3, schedule="warmup_linear", weight_decay=0.05, bf16=True,
