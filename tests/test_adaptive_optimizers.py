@@ -458,7 +458,7 @@ def _powersgd_runs(rank, world):
 
 def test_powersgd_sends_adaptive_optimizer_tensors_at_twice_the_rank():
     """Under AdamW PowerSGD's tensors go at ``adaptive_rank`` (default twice ``rank``: at rank 16
-    Adam-trained language models of bench/convergence.py lost up to 1.9% of loss), about twice
+    Adam-trained language models of bench/convergence lost up to 1.9% of loss), about twice
     the factors' bytes, and end closer to exact training; under SGD nothing changes."""
     from ciuicflow.compression.powersgd import PowerSGDCompressor
 

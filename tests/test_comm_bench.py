@@ -1,4 +1,4 @@
-"""bench/comm.py --smoke end to end: every method runs (or is skipped/failed with a reason), the outputs exist,
+"""python -m bench.comm --smoke end to end: every method runs (or is skipped/failed with a reason), the outputs exist,
 and the bytes it reports are the bytes the algorithms must move."""
 import json
 import os
@@ -8,9 +8,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from comm import DEFAULT_METHODS  # noqa: E402
-from comm_worker import CIUICFLOW_HOOKS, method_label, parse_method  # noqa: E402
+from bench.comm.__main__ import DEFAULT_METHODS  # noqa: E402
+from bench.comm.worker import CIUICFLOW_HOOKS, method_label, parse_method
 
 FIELDS = ("method", "step_seconds", "comm_seconds", "inter_node_bytes_per_step", "final_loss", "shaped")
 
@@ -19,7 +18,7 @@ FIELDS = ("method", "step_seconds", "comm_seconds", "inter_node_bytes_per_step",
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
     json_path = out / "smoke.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "comm.py"), "--smoke", "--json",
+    proc = subprocess.run([sys.executable, "-m", "bench.comm", "--smoke", "--json",
                            str(json_path)], cwd=ROOT, capture_output=True, text=True, timeout=420)
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -75,7 +74,7 @@ def test_smoke_bytes_match_the_algorithms(smoke):
 def test_targets_are_judged_at_their_shape_only():
     """The 1/25 bytes and 1.3x no_comm targets are the issue's on 2 nodes x 2 ranks; on other
     shapes (1 bit's exchange sends more bytes beyond two nodes, by design) they are shown, not judged."""
-    from comm import targets
+    from bench.comm.__main__ import targets
 
     def records(nodes, ranks):
         shape = dict(nodes=nodes, ranks_per_node=ranks)
@@ -93,7 +92,7 @@ def test_targets_are_judged_at_their_shape_only():
 def test_rounds_combine_into_medians_and_ratios_within_rounds():
     """--rounds: one record per method, medians over the runs that finished, a failed run counted
     and left out, a method listed twice paired with the right round."""
-    from comm import _per_round_ratios, combine_rounds
+    from bench.common.report import combine_rounds, per_round_ratios
 
     def run(method, step, cpu=0.5):
         return {"method": method, "step_seconds": step, "comm_seconds": step / 10, "cpu_seconds": cpu}
@@ -107,16 +106,16 @@ def test_rounds_combine_into_medians_and_ratios_within_rounds():
     assert [r["round"] for r in floor["rounds"]] == [0, 0, 1, 1, 2, 2]
     assert h1["step_seconds"] == 1.25 and h1["failed_runs"] == 1
     assert [r["round"] for r in h1["rounds"]] == [0, 2]
-    assert _per_round_ratios(h1, floor) == pytest.approx([1.4 / 1.1, 1.1 / 0.9])
+    assert per_round_ratios(h1, floor) == pytest.approx([1.4 / 1.1, 1.1 / 0.9])
     failed = combine_rounds([{"method": "x", "failed": "a"}, {"method": "x", "failed": "b"}])
     assert failed == [{"method": "x", "failed": "a"}]
 
 
 def test_allreduce_cost_measures_the_compressor_and_the_exact_reduction(tmp_path):
-    """bench/allreduce_cost.py --smoke: a record per method (the compressor's, then the exact
+    """bench/comm/allreduce_cost.py --smoke: a record per method (the compressor's, then the exact
     baseline's), every rank measured, the table written, bad sizes refused."""
     json_path = tmp_path / "cost.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "allreduce_cost.py"),
+    proc = subprocess.run([sys.executable, "-m", "bench.comm.allreduce_cost",
                            "--smoke", "--flat", "--json", str(json_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -126,6 +125,6 @@ def test_allreduce_cost_measures_the_compressor_and_the_exact_reduction(tmp_path
         assert r["route"] == "flat" and r["numel"] == 1 << 20 and len(r["per_rank"]) == 4
         assert all(cpu > 0 and wall > 0 for cpu, wall in r["per_rank"])
     assert (tmp_path / "cost.md").read_text().count("| onebit |") == 1
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "allreduce_cost.py"),
+    bad = subprocess.run([sys.executable, "-m", "bench.comm.allreduce_cost",
                           "--numel", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--numel" in bad.stderr

@@ -1,4 +1,4 @@
-"""bench/convergence_appendix.py: runs of several shapes merge into one page, each gap judged by the
+"""bench/convergence/appendix.py: runs of several shapes merge into one page, each gap judged by the
 line with the docs' signs, and the page depends only on the runs' files. Synthetic records: no
 training."""
 import json
@@ -8,8 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import convergence_appendix as appendix  # noqa: E402
+from bench.convergence import appendix  # noqa: E402
 
 
 def _rec(task, method, value, seed=0, metric="accuracy", nbytes=1000.0, **extra):
@@ -59,7 +58,7 @@ def three_shapes(tmp_path):
              ranks_per_node=2),
         _rec("charlm_adam_bf16", "hierarchical_int8", 2.03, 0, "val_loss", 1250, nodes=2,
              ranks_per_node=2)],
-        run_json={"command": "python bench/convergence.py --seeds 0,1", "started": "2026-12-07T01:00:00+00:00",
+        run_json={"command": "python -m bench.convergence --seeds 0,1", "started": "2026-12-07T01:00:00+00:00",
                   "machine": "Linux x86_64, 2 CPUs", "torch": "2.5.0", "commit": "abc1234",
                   "nodes": 2, "ranks_per_node": 2, "seeds": [0, 1]})
     b = _write_run(tmp_path / "n4r1", [
@@ -90,10 +89,10 @@ def test_runs_of_three_shapes_merge_into_one_table_per_task(three_shapes):
         ["0.7890", "0.8000", "-1.10 pt", "**MISS**", "500.0 B", "1/12.0", "11.5x"]
     assert rows[("hierarchical_1bit", "3 x 2")][6] == "FAILED (seed 0)"
     # the header names every run's command and facts, or says they were not recorded
-    assert "`python bench/convergence.py --seeds 0,1`" in text and "commit abc1234" in text
+    assert "`python -m bench.convergence --seeds 0,1`" in text and "commit abc1234" in text
     assert "n4r1` (4 x 1 ranks; seeds 0): command, date and machine not recorded" in text
     assert "n3r2` (3 x 2 ranks; seeds 0)" in text and "the run had not finished" in text
-    # tuned and held-out tasks are marked as bench/convergence_tasks.py defines them
+    # tuned and held-out tasks are marked as bench/convergence/tasks.py defines them
     assert "## mlp_sgd_constant (tuned)" in text and "## charlm_adam_bf16 (held out)" in text
 
 
@@ -143,9 +142,9 @@ def test_a_run_in_two_directories(tmp_path):
 
 
 def test_convergence_py_records_its_shape_and_command(tmp_path, monkeypatch):
-    """bench/convergence.py writes run.json (command, date, machine, commit) and the shape in each
+    """bench/convergence writes run.json (command, date, machine, commit) and the shape in each
     record; run_task stands in for training."""
-    import convergence
+    from bench.convergence import __main__ as convergence
 
     def fake_run_task(task, methods, nodes, ranks_per_node, out_path, steps=None, seed=0, **kw):
         with open(out_path, "a") as f:
@@ -157,7 +156,7 @@ def test_convergence_py_records_its_shape_and_command(tmp_path, monkeypatch):
             "--ranks-per-node", "2", "--out-dir", str(tmp_path), "--no-png"]
     assert convergence.main(argv) == 0
     meta = json.loads((tmp_path / "run.json").read_text())
-    assert meta["command"] == "python bench/convergence.py " + " ".join(argv)
+    assert meta["command"] == "python -m bench.convergence " + " ".join(argv)
     assert (meta["nodes"], meta["ranks_per_node"], meta["seeds"]) == (3, 2, [0])
     assert {"started", "machine", "torch", "commit"} <= set(meta)
     records = json.loads((tmp_path / "convergence.json").read_text())

@@ -1,4 +1,4 @@
-"""bench/convergence.py: the records it writes, how it judges them, and a smoke run end to end."""
+"""bench/convergence: the records it writes, how it judges them, and a smoke run end to end."""
 import json
 import os
 import subprocess
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import convergence_report as report  # noqa: E402
-import convergence_tasks as tasks  # noqa: E402
+from bench.convergence import report  # noqa: E402
+from bench.convergence import tasks  # noqa: E402
 
 
 def _record(task, method, value, metric="accuracy", nbytes=100.0):
@@ -168,7 +167,7 @@ def test_seeds_run_in_batches_are_judged_together(tmp_path):
 def test_smoke_run_over_two_seeds(tmp_path):
     out = tmp_path / "conv"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "convergence.py"), "--smoke", "--no-png",
+        [sys.executable, "-m", "bench.convergence", "--smoke", "--no-png",
          "--tasks", "regression_adam", "--steps", "4", "--methods", "exact,hierarchical_1bit",
          "--seeds", "0,1", "--out-dir", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=540)
@@ -185,11 +184,11 @@ def test_smoke_run_over_two_seeds(tmp_path):
                                                                ("hierarchical_1bit", 2)]
     assert summaries[0]["value"] == pytest.approx((exact[0] + exact[1]) / 2)
     assert "Means over seeds 0, 1" in (out / "convergence.md").read_text()
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "convergence.py"),
+    bad = subprocess.run([sys.executable, "-m", "bench.convergence",
                           "--seeds", "0,0", "--out-dir", str(tmp_path / "bad")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "repeats a seed" in bad.stderr
-    both = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "convergence.py"),
+    both = subprocess.run([sys.executable, "-m", "bench.convergence",
                            "--seed", "1", "--seeds", "0,1", "--out-dir", str(tmp_path / "bad")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert both.returncode != 0 and "not both" in both.stderr
@@ -211,7 +210,7 @@ def test_tasks_cover_what_the_suite_must():
 def test_smoke_run_writes_every_method(tmp_path):
     out = tmp_path / "conv"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "convergence.py"), "--smoke",
+        [sys.executable, "-m", "bench.convergence", "--smoke",
          "--tasks", "regression_adam", "--steps", "6", "--out-dir", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -248,13 +247,13 @@ def test_seed_moves_weights_and_batches_but_not_the_data():
 
 
 def test_method_options_take_lists():
-    import convergence_worker as worker
+    from bench.convergence import worker
     assert worker.parse_method("onebit@phases=1;exclude=*.bias|0.weight;error_decay=0.25") == \
         ("onebit", {"phases": 1, "exclude": ("*.bias", "0.weight"), "error_decay": 0.25})
 
 
 def test_smoke_leaves_out_only_the_slowest_tasks_unless_named():
-    import convergence
+    from bench.convergence import __main__ as convergence
     smoke = [t.name for t in convergence.select_tasks(None, smoke=True)]
     assert smoke == [n for n in tasks.TASKS if n not in ("charlm_adam_bf16", "moe_lm_adamw_bf16")]
     assert [t.name for t in convergence.select_tasks(None)] == list(tasks.TASKS)

@@ -1,19 +1,18 @@
-"""bench/onebit_adam.py's launcher: which failures it reruns (a rank killed by a signal inside a native
+"""bench/onebit/adam.py's launcher: which failures it reruns (a rank killed by a signal inside a native
 library) and which it reports at once (a Python exception), and what counts as finished."""
 import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from onebit_adam import _finished, _killed_by_signal  # noqa: E402
+from bench.onebit.adam import _finished, _killed_by_signal  # noqa: E402
 
 
 def _torchrun_report(root_exitcode, other_exitcode=-15):
     """What torchrun prints when a child fails (torch.distributed.elastic's ChildFailedError)."""
     return f"""exit codes [-9, 1]:
 --- node 1 (exit 1)
-/check/bench/onebit_adam.py FAILED
+/check/bench/onebit/adam.py FAILED
 -------------------------------------------------------
 Failures:
 [1]:

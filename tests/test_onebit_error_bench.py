@@ -1,4 +1,4 @@
-"""bench/onebit_error.py: the share of a gradient the 1-bit codec drops, and a smoke run."""
+"""bench/onebit/error.py: the share of a gradient the 1-bit codec drops, and a smoke run."""
 import json
 import os
 import subprocess
@@ -8,8 +8,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import onebit_error  # noqa: E402
+from bench.onebit import error as onebit_error
 
 
 def _closed_form(x, chunk):
@@ -41,7 +40,7 @@ def test_dropped_share_extremes():
 
 def test_smoke_run_and_bad_input(tmp_path):
     out = tmp_path / "e.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "onebit_error.py"),
+    proc = subprocess.run([sys.executable, "-m", "bench.onebit.error",
                            "--task", "mlp_sgd_constant", "--smoke", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -52,11 +51,11 @@ def test_smoke_run_and_bad_input(tmp_path):
     for r in records:
         assert 0.0 < r["dropped"] < 1.0 and 0.0 < r["top1_energy"] <= 1.0, r
     assert "| mlp_sgd_constant | 2 | 2.weight | 262144 |" in proc.stdout
-    adam = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "onebit_error.py"),
+    adam = subprocess.run([sys.executable, "-m", "bench.onebit.error",
                            "--task", "charlm_adamw", "--smoke", "--json", str(tmp_path / "a.json")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert adam.returncode != 0 and "SGD tasks only" in adam.stderr
-    late = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "onebit_error.py"),
+    late = subprocess.run([sys.executable, "-m", "bench.onebit.error",
                            "--task", "mlp_sgd_constant", "--at", "5000",
                            "--json", str(tmp_path / "b.json")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -14,8 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import plan_calibration as cal  # noqa: E402  (the planner against the benches' records)
+from bench.comm import plan_calibration as cal  # the planner against the benches' records
 from ciuicflow import plan as pl  # noqa: E402
 
 NUMEL = 4 << 20  # 16 MiB of float32
@@ -313,7 +312,7 @@ def test_fsdp_over_every_rank():
         pl.ClusterSpec(2, 2, 1e9, 1e9, backend="mpi")
 
 
-# bench/fsdp.py --smoke (2026-12-02; MLP 4 x Linear(224), 201600 parameters, 2 nodes x 2 ranks, gloo,
+# python -m bench.fsdp --smoke (2026-12-02; MLP 4 x Linear(224), 201600 parameters, 2 nodes x 2 ranks, gloo,
 # 1 Gbit/s): inter-node bytes per step, all nodes, from the node links' counters (TCP/IP headers
 # included), and ciuicflow's own count of its compressed reduce-scatter's (state.stats())
 SMOKE_LINK_BYTES = {"hsdp": 1641216, "fsdp": 4921562, "fsdp:onebit": 2533557, "fsdp:int8": 2884264}
@@ -373,7 +372,7 @@ def test_fsdp_compute_is_fitted_on_the_probed_shard_reductions():
 
 
 def test_fsdp_calibration_costs_what_the_run_sent_under_adam():
-    """bench/fsdp.py trains with Adam: PowerSGD's default sends those groups at its adaptive rank
+    """bench/fsdp trains with Adam: PowerSGD's default sends those groups at its adaptive rank
     (twice the rank), and its 1-bit rows send their own codec (adaptive_optimizer='same'); the
     planner's rows must cost that, not SGD's rank 16 (they predicted half the bytes measured)."""
     shape = {"params": 4 * (1000 * 1000 + 1000), "width": 1000, "layers": 4}
@@ -469,7 +468,7 @@ def _worker():
     import torch
     import torch.distributed as dist
 
-    from comm_probe import probe_machine
+    from bench.comm.probe import probe_machine
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -546,7 +545,7 @@ if __name__ == "__main__":
 
 def test_powersgd_ranks_default_to_the_accurate_one(capsys):
     """The planner costs PowerSGD at its default rank (lower ranks lost accuracy in
-    bench/convergence.py); a lower rank a user asks for is recommended with a caution."""
+    bench/convergence); a lower rank a user asks for is recommended with a caution."""
     w = pl.Workload(params=7e9, hidden=4096)
     c = pl.ClusterSpec(128, 8, 600e9, 25e9, 5e-6, 15e-6)
     ranked = {e.rank for e in pl.plan(c, w) if e.rank is not None}

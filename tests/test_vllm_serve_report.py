@@ -1,4 +1,4 @@
-"""bench/vllm_serve_report.py without vLLM: the goodput rate of a sweep (DistServe's definition: the highest
+"""bench/vllm/report.py without vLLM: the goodput rate of a sweep (DistServe's definition: the highest
 rate at which the SLO attainment stays >= the goal), its flow/fifo ratio with bounds, and SLO attainment
 counting failed requests as misses."""
 import json
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bench.vllm_serve_report import goodput_rate, goodput_rate_ratio, ratios, summarize, write_outputs
+from bench.vllm.report import goodput_rate, goodput_rate_ratio, ratios, summarize, write_outputs
 
 GOAL = 0.9
 

@@ -4,7 +4,7 @@
 without momentum): what a step does not send is sent later, and the sum over steps is kept. An
 adaptive optimizer divides every element by a running RMS of its own gradient, and the sign's
 per-step noise enters that RMS while the late part of the signal arrives diluted: measured on
-``bench/convergence.py``'s language models, Adam on 1-bit gradients moved 0.8 of the way exact
+``bench/convergence``'s language models, Adam on 1-bit gradients moved 0.8 of the way exact
 Adam did (the update direction's projection), which cost as much as training at 0.65x the
 learning rate (docs/history/convergence-notebook.md). This is the reason 1-bit Adam compresses the momentum after a
 frozen variance instead (``ciuicflow.OneBitAdam``).

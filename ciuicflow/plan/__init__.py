@@ -26,7 +26,7 @@ Step time = accum * compute + communication not hidden (``overlap`` = share of t
     ciuicflow plan --params 25e6 --nodes 2 --gpus-per-node 2 --inter-bw 1gbit --compute-seconds 0.4 --json p.json
 
 Python: ``plan(ClusterSpec(...), Workload(...))`` returns ``Estimate`` objects. The model is held against
-what bench/comm.py and bench/fsdp.py measured by ``bench/plan_calibration.py`` (the library reads no
+what bench/comm and bench/fsdp measured by ``bench/comm/plan_calibration.py`` (the library reads no
 bench's files).
 
 Modules: ``methods`` (the strategies and the hooks' parameters), ``units`` (parsing and

@@ -16,7 +16,7 @@ from ciuicflow.plan.units import format_bytes, format_seconds, parse_bandwidth, 
 
 # what the opt-in codecs cost in training under Adam, as measured (docs/history/convergence-notebook.md)
 _ADAPTIVE_COSTS = {
-    "same": "1-bit gradients under Adam ended 2.7-8.1% above exact loss on bench/convergence.py's language "
+    "same": "1-bit gradients under Adam ended 2.7-8.1% above exact loss on bench/convergence's language "
             "models: for 1 bit with Adam use ciuicflow.OneBitAdam",
 }
 
@@ -43,7 +43,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ranks", default=None,
                         help="PowerSGD ranks to consider, e.g. 4,16 (default: PowerSGD's default rank, "
                              f"{POWERSGD_RANK}, and {default_rank('adam')} with --optimizer adam; lower ranks "
-                             "lost accuracy in bench/convergence.py). Each is costed as the rank "
+                             "lost accuracy in bench/convergence). Each is costed as the rank "
                              "sent: PowerSGDState(rank=R) sends its adaptive optimizer's buckets at "
                              "adaptive_rank, 2R unless set")
     parser.add_argument("--hidden", type=int, help="hidden size, for PowerSGD (default: estimated from size)")

@@ -173,7 +173,7 @@ def _powersgd(c: ClusterSpec, w: Workload, rank: int, elements, hierarchical: bo
 def plan(cluster: ClusterSpec, workload: Workload, strategies=None, ranks=None) -> list:
     """Estimates of every strategy (PowerSGD ones at each rank in ``ranks``, default PowerSGD's own
     default rank for the workload's optimizer: lower ranks cost less but lost accuracy in
-    bench/convergence.py), fastest first."""
+    bench/convergence), fastest first."""
     out = []
     for s in strategies or STRATEGIES:
         for r in ((ranks or (default_rank(workload.optimizer),)) if s in RANKED else (None,)):
@@ -199,7 +199,7 @@ def recommend(estimates) -> tuple:
            f"converging, but check accuracy on your model")
     if best.rank is not None and best.rank < POWERSGD_RANK:
         why += (f". Rank {best.rank} is below PowerSGD's default ({POWERSGD_RANK}): on "
-                f"bench/convergence.py's MLP with momentum SGD rank 1 reached 0.29-0.40 accuracy and "
+                f"bench/convergence's MLP with momentum SGD rank 1 reached 0.29-0.40 accuracy and "
                 f"rank 4 0.78 against exact 0.84 (docs/history/convergence-notebook.md)")
     return best, why
 

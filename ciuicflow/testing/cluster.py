@@ -16,7 +16,7 @@ Without root or ``ip netns`` the cluster falls back to plain loopback: every ran
 no inter-node byte counts. That is reported loudly (``shaped: False``) in everything it produces.
 
     with SimCluster(nodes=2, ranks_per_node=2, rate="1gbit") as cluster:
-        run = cluster.torchrun(["bench/comm_worker.py", "--steps", "5"], timeout=600)
+        run = cluster.torchrun(["-m", "bench.comm.worker", "--steps", "5"], timeout=600)
         print(run.inter_node_bytes, run.returncodes)
 
 ``cluster_env`` holds what the launched ranks read (the exported variables, the node link's counters);

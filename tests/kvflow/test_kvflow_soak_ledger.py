@@ -1,9 +1,8 @@
-"""The soak's ledger verdict (bench/kvflow_soak_ledger.py) on made-up events: it finds what it must."""
+"""The soak's ledger verdict (bench/soak/ledger.py) on made-up events: it finds what it must."""
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from kvflow_soak_ledger import Ledger, passed, read_all, verdict  # noqa: E402
+from bench.soak.ledger import Ledger, passed, read_all, verdict  # noqa: E402
 
 
 def ok(key, t, dest="d0", src="p0"):
@@ -38,7 +37,7 @@ def test_ledger_lines_are_durable_and_read_back(tmp_path):
 
 
 # ---------------------------------------------------------------------- the attackers' verdict
-from kvflow_soak_ledger import STATS_LIMIT_MS, STATS_STALL_MS, attack_report, judge, stats_during  # noqa: E402
+from bench.soak.ledger import STATS_LIMIT_MS, STATS_STALL_MS, attack_report, judge, stats_during  # noqa: E402
 
 
 def attack(attacker, target, t0, t1, bad=(), **extra):

@@ -1,6 +1,6 @@
 """A removed peer's teardown never holds up its caller: the registry's watch hands membership events
 over one at a time, so a removal that waited on a slow link's close would hide every later join and
-leave (bench/kvflow_chaos.py saw a node miss two peers' return after an etcd restart)."""
+leave (bench/soak/chaos.py saw a node miss two peers' return after an etcd restart)."""
 import asyncio
 import logging
 

@@ -1,5 +1,5 @@
 """Per-transfer timings, one log line each, for the serving benchmark's per-phase breakdown of TTFT
-(bench/vllm_serve_phases.py reads them back from the servers' logs):
+(bench/vllm/phases.py reads them back from the servers' logs):
 
     ciuicflow-phase {"side": "send", "key": ..., "priority": ..., "flow": ..., "t_open": ..., ...}
 
