@@ -24,7 +24,7 @@ from ciuicflow.diloco.exchange import NodeLayout, OuterExchange, make_compressor
 from ciuicflow.diloco.layout import Schedule, is_sharded, local_tensor, split
 
 _STATE_VERSION = 1
-# The defaults, measured on bench/convergence.py's tuned tasks (docs/diloco.md, "Defaults"):
+# The defaults, measured on bench/convergence's tuned tasks (docs/diloco.md, "Defaults"):
 # int4 every 8 inner steps costs the bytes of int8 every 16 (about 120x fewer inter-node bytes per
 # step than exact DDP) with half the drift between syncs.
 DEFAULT_CODEC = "int4"
@@ -286,7 +286,9 @@ class DiLoCo:
                 dist.broadcast(local_tensor(p).data, source, group=group)
 
     def _send(self, k: int, apply_at: int) -> None:
-        delta = self.anchors[k].detach() - self.fragments[k].read()
+        anchor = self.anchors[k].detach()
+        delta = self.fragments[k].delta(anchor, self._exchange.delta_buffer(k, anchor.numel(),
+                                                                            anchor.device))
         outer_step = self.fragment_syncs + self.skipped + len(self._pending)
         job = (lambda: self._exchange.run(k, delta, outer_step))
         if self._executor is None:

@@ -103,9 +103,24 @@ class OuterExchange:
         self.layout, self.compressor, self.sharded = layout, compressor, sharded
         self.route = FlatRoute(layout.peer_topology)
         self.memories = [compressor.new_memory() for _ in range(fragments)]
+        # per fragment, reused from one sync to the next (a fresh vector this size costs a page
+        # fault per 4 KiB): its pseudo-gradient, padded to whole shards so that this rank's shard
+        # is a view of it; and the node's gathered mean. A fragment's next sync is sent only after
+        # its last one is applied, so neither is overwritten while still read.
+        self._deltas: list[torch.Tensor | None] = [None] * fragments
+        self._gathered: list[torch.Tensor | None] = [None] * fragments
 
     def shard_len(self, numel: int) -> int:
         return numel if self.sharded else -(-numel // self.layout.local)
+
+    def padded_len(self, numel: int) -> int:
+        return numel if self.sharded else self.shard_len(numel) * self.layout.local
+
+    def delta_buffer(self, index: int, numel: int, device) -> torch.Tensor:
+        """Where fragment ``index``'s pseudo-gradient (float32, ``numel`` elements) is written
+        before ``run``: a view of a buffer this exchange keeps. ``run`` overwrites it (the mean may
+        be returned in it)."""
+        return _reused(self._deltas, index, self.padded_len(numel), device)[:numel]
 
     def agree_finite(self, delta: torch.Tensor) -> bool:
         """Whether every rank's pseudo-gradient is finite (one float over the whole world), so
@@ -125,10 +140,12 @@ class OuterExchange:
             piece = delta
         else:
             length = self.shard_len(numel)
-            piece = delta.new_zeros(length)
-            start = min(numel, self.layout.local_rank * length)
-            stop = min(numel, start + length)
-            piece[:stop - start] = delta[start:stop]
+            padded = _reused(self._deltas, index, local * length, delta.device)
+            if delta.data_ptr() != padded.data_ptr():  # not written in place (delta_buffer)
+                padded[:numel].copy_(delta)
+            padded[numel:].zero_()  # the last shard's padding
+            start = self.layout.local_rank * length
+            piece = padded[start:start + length]
         if piece.numel() and self.layout.nodes > 1:
             self.route.add_exact(traffic, piece)
             context = Context(step=outer_step, key=index)
@@ -138,7 +155,7 @@ class OuterExchange:
                 piece.copy_(result)
         if piece is delta:
             return delta, traffic
-        gathered = delta.new_empty(local * piece.numel())
+        gathered = _reused(self._gathered, index, local * piece.numel(), piece.device)
         all_gather(gathered, piece, Hop(self.layout.node_group, local, 0.0), traffic)
         return gathered[:numel], traffic
 
@@ -162,3 +179,12 @@ class OuterExchange:
                 raise ValueError("checkpoint's error-feedback memories are for another codec")
             if memory is not None:
                 memory.load_state_dict(saved)
+
+
+def _reused(buffers: list, index: int, length: int, device) -> torch.Tensor:
+    """``buffers[index]``: float32 [``length``] on ``device``, made (zeroed) where it is missing
+    or unfit, else as the last call left it."""
+    buffer = buffers[index]
+    if buffer is None or buffer.numel() != length or buffer.device != torch.device(device):
+        buffer = buffers[index] = torch.zeros(length, device=device)
+    return buffer

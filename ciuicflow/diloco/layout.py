@@ -12,6 +12,11 @@ from dataclasses import dataclass
 import torch
 
 
+# dtypes that float32 holds exactly, so that float32 arithmetic with them rounds as with their
+# float32 copies
+_EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of ``param``: an FSDP2 DTensor's local shard, else itself."""
     to_local = getattr(param, "to_local", None)
@@ -34,6 +39,21 @@ class Fragment:
         """This rank's values of the fragment, as one new float32 vector."""
         return torch.cat([local_tensor(p).detach().reshape(-1).to(torch.float32)
                           for p in self.params]) if self.params else torch.zeros(0)
+
+    @torch.no_grad()
+    def delta(self, anchor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``anchor - read()`` written into ``out`` (float32, ``numel`` elements), parameter by
+        parameter: the same values without the flat copy of the parameters or a new result (each
+        fresh vector of this size costs a page fault per 4 KiB)."""
+        offset = 0
+        for p in self.params:
+            local = local_tensor(p).detach().reshape(-1)
+            n = local.numel()
+            if local.dtype not in _EXACT_IN_FLOAT32:  # rounded to float32 first, as read() does
+                local = local.to(torch.float32)
+            torch.sub(anchor[offset:offset + n], local, out=out[offset:offset + n])
+            offset += n
+        return out
 
     @torch.no_grad()
     def write(self, flat: torch.Tensor, alpha: float = 0.0) -> None:
