@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.kvflow.conftest import REPO
+from tests import REPO
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate "
                                           "(in the test extra)")

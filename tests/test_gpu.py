@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.devices import CUDA_SKIP_REASON, needs_cuda
 from tests.dist_utils import run_distributed
-from tests.test_hooks import Net, _batch, _flat_params, _replicas_equal
+from tests.ddp.nets import Net, _batch, _flat_params, _replicas_equal
 
 STEPS, WARMUP = 8, 2
 
@@ -85,7 +85,7 @@ def _compare(gpu, cpu):
         # Only the order of float sums differs (and so a few signs of near-zero values). On the
         # CPU, inputs perturbed by 1e-7 / 1e-5 relative moved the results by at most 3.5e-3 /
         # 1.2e-2 of `moved` (int8, the 1-bit optimizers); 1-bit compression itself instead of an
-        # exact all-reduce moves them by 0.5 of it (tests/test_hooks.py): a wrong kernel or a
+        # exact all-reduce moves them by 0.5 of it (tests/ddp/test_hooks.py): a wrong kernel or a
         # stream race lands far above 0.05.
         gap = (params - want).norm()
         assert gap < 0.05 * moved, (name, float(gap), float(moved))

@@ -10,7 +10,7 @@ import torch
 
 import ciuicflow.ops as ops
 from tests.devices import DEVICES
-from tests.test_int8 import DTYPES, fresh, reference_pack  # int8's inputs and reference, 7 levels
+from tests.int8_reference import DTYPES, fresh, reference_pack  # int8's, at 7 levels
 
 SIZES = [1, 2, 7, 255, 256, 257, 1000, 65_537]
 CHUNKS = [2, 8, 256, 1000]

@@ -1,10 +1,11 @@
 """Imports point down (docs/architecture.md): production never imports ``ciuicflow.testing``, which holds the
 simulated cluster and fault injection for tests and benchmarks. Read from the source with ast, so an import
 inside a function (the kind that only runs when a flag is given) counts as much as one at the top."""
+from tests import REPO
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ciuicflow"
+PACKAGE = REPO / "ciuicflow"
 TESTING = "ciuicflow.testing"
 
 # Modules allowed to import testing for now, each with why; an entry that no longer imports it must go.

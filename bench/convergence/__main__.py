@@ -136,7 +136,7 @@ def parse_seeds(args) -> list[int]:
 # Left out of ``--smoke`` unless named: the suite's slowest steps on CPU (bf16 autocast of the largest
 # transformer, 75 of the smoke's 200 s of training in CI, and of the MoE model), whose paths
 # charlm_adamw (a transformer under Adam) and three bf16 tasks (one under Adam) smoke already
-# (PowerSGD's stacked experts: tests/test_powersgd_experts.py).
+# (PowerSGD's stacked experts: tests/compression/test_powersgd_experts.py).
 SMOKE_SKIPS = ("charlm_adam_bf16", "moe_lm_adamw_bf16")
 
 

@@ -78,7 +78,7 @@ RSS_FIXED = 48 << 20            # besides 1.5x the cap and the idle process: fra
 SAMPLE_S = 0.1                  # local Stats and /proc samples of each sidecar, this often
 PREFILLS, DECODES, MEMORY_ONLY = ("p0", "p1"), ("d0", "d1"), ("d1",)
 MiB = 1 << 20
-EMFILE = re.compile(r"Too many open files|EMFILE|out of system resource", re.I)     # as test_kvflow_port_limits
+EMFILE = re.compile(r"Too many open files|EMFILE|out of system resource", re.I)     # as tests/kvflow/test_port_limits.py
 
 
 def _proc_status(pid: int) -> dict:

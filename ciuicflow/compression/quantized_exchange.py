@@ -19,7 +19,7 @@ of W ranks in one of two forms:
 
 The result is bit-for-bit the same on every rank (it is unpacked from the same bytes). What has not
 been sent yet is exactly what the error buffers hold: summed over steps, output + mean(worker
-errors) + server errors equals the sum of the exact means (tests/test_hierarchical.py).
+errors) + server errors equals the sum of the exact means (tests/compression/test_quantized_exchange.py).
 
 Positions that must stay exact (parameters excluded from compression) travel in the same
 collectives as float32 values: summed by their server, gathered back. Every rank also sends a

@@ -6,7 +6,7 @@ the transfer (with flow control, a normal/low transfer is read only ``--ingest-r
 what the link has carried, plus the client's shared-memory window). Called from ``save_kv_layer`` that
 stalled the whole prefill engine, every request of the batch and every later one, for as long as the slow
 link needed to drain a large low-priority transfer: 8.3 s for 35 MB at 20 Mbit/s (FIFO: 0.15 s), 2.7 s for
-28 MB at 40 Mbit/s (tests/test_vllm_outgoing.py). Here the forward pass only queues the (already
+28 MB at 40 Mbit/s (tests/integrations/vllm/test_outgoing.py). Here the forward pass only queues the (already
 copied) blocks; a thread of this transfer appends them, so a blocked low-priority transfer holds back only
 itself, and a high-priority one behind it reaches the sidecar's scheduler at once.
 """

@@ -1,0 +1,166 @@
+"""bench/convergence/appendix.py: runs of several shapes merge into one page, each gap judged by the
+line with the docs' signs, and the page depends only on the runs' files. Synthetic records: no
+training."""
+import json
+import os
+
+import pytest
+
+from tests import REPO
+
+ROOT = str(REPO)
+from bench.convergence import appendix  # noqa: E402
+
+
+def _rec(task, method, value, seed=0, metric="accuracy", nbytes=1000.0, **extra):
+    return {"task": task, "method": method, "metric": metric, "value": value, "seed": seed,
+            "curve": [[1, value]], "inter_node_bytes_per_step": nbytes, **extra}
+
+
+def _write_run(path, records, run_json=None, config_line=None, jsonl=False):
+    os.makedirs(path, exist_ok=True)
+    if jsonl:
+        with open(os.path.join(path, "records.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    else:
+        with open(os.path.join(path, "convergence.json"), "w") as f:
+            json.dump(records, f)
+    if run_json is not None:
+        with open(os.path.join(path, "run.json"), "w") as f:
+            json.dump(run_json, f)
+    if config_line is not None:
+        with open(os.path.join(path, "convergence.md"), "w") as f:
+            f.write("config: " + json.dumps(config_line) + "\n\n| task | ...\n")
+    return str(path)
+
+
+def _rows(text, task):
+    """The table rows of one task's section, by (method, shape)."""
+    section = text.split(f"## {task}")[1].split("\n## ")[0]
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[(cells[0].strip("`"), cells[1])] = cells
+    return rows
+
+
+@pytest.fixture
+def three_shapes(tmp_path):
+    """2 x 2 with run.json and shaped records (seeds 0 and 1), 4 x 1 older than run.json (its shape
+    in convergence.md's config line), 3 x 2 still running (records.jsonl, shape given by hand)."""
+    a = _write_run(tmp_path / "n2r2", [
+        _rec("mlp_sgd_constant", "exact", 0.80, 0, nbytes=8000, nodes=2, ranks_per_node=2),
+        _rec("mlp_sgd_constant", "hierarchical_1bit", 0.795, 0, nbytes=400, nodes=2, ranks_per_node=2),
+        _rec("mlp_sgd_constant", "exact", 0.82, 1, nbytes=8000, nodes=2, ranks_per_node=2),
+        _rec("mlp_sgd_constant", "hierarchical_1bit", 0.806, 1, nbytes=400, nodes=2, ranks_per_node=2),
+        _rec("charlm_adam_bf16", "exact", 2.0, 0, "val_loss", 5000, nodes=2, ranks_per_node=2),
+        _rec("charlm_adam_bf16", "hierarchical_1bit", 2.05, 0, "val_loss", 650, nodes=2,
+             ranks_per_node=2),
+        _rec("charlm_adam_bf16", "hierarchical_int8", 2.03, 0, "val_loss", 1250, nodes=2,
+             ranks_per_node=2)],
+        run_json={"command": "python -m bench.convergence --seeds 0,1", "started": "2026-12-07T01:00:00+00:00",
+                  "machine": "Linux x86_64, 2 CPUs", "torch": "2.5.0", "commit": "abc1234",
+                  "nodes": 2, "ranks_per_node": 2, "seeds": [0, 1]})
+    b = _write_run(tmp_path / "n4r1", [
+        _rec("mlp_sgd_constant", "exact", 0.80, 0, nbytes=6000),
+        _rec("mlp_sgd_constant", "hierarchical_1bit", 0.789, 0, nbytes=500, compression_ratio=11.5),
+        _rec("charlm_adam_bf16", "exact", 2.0, 0, "val_loss", 4000),
+        _rec("charlm_adam_bf16", "hierarchical_1bit", 1.95, 0, "val_loss", 500)],
+        config_line={"nodes": 4, "ranks_per_node": 1, "seeds": [0]})
+    c = _write_run(tmp_path / "n3r2", [
+        _rec("mlp_sgd_constant", "exact", 0.80, 0, nbytes=7000),
+        {"task": "mlp_sgd_constant", "method": "hierarchical_1bit", "failed": True, "seed": 0,
+         "error": "boom"}], jsonl=True)
+    return [a, b, c + "=3x2"]
+
+
+def _render(args):
+    return appendix.render([appendix.parse_run_arg(a) for a in args], "CMD")
+
+
+def test_runs_of_three_shapes_merge_into_one_table_per_task(three_shapes):
+    text = _render(three_shapes)
+    rows = _rows(text, "mlp_sgd_constant")
+    assert set(rows) == {("exact", "2 x 2"), ("exact", "4 x 1"), ("exact", "3 x 2"),
+                         ("hierarchical_1bit", "2 x 2"), ("hierarchical_1bit", "4 x 1"),
+                         ("hierarchical_1bit", "3 x 2")}
+    # each shape's gap against its own shape's exact run; bytes against its exact's
+    assert rows[("hierarchical_1bit", "4 x 1")][3:] == \
+        ["0.7890", "0.8000", "-1.10 pt", "**MISS**", "500.0 B", "1/12.0", "11.5x"]
+    assert rows[("hierarchical_1bit", "3 x 2")][6] == "FAILED (seed 0)"
+    # the header names every run's command and facts, or says they were not recorded
+    assert "`python -m bench.convergence --seeds 0,1`" in text and "commit abc1234" in text
+    assert "n4r1` (4 x 1 ranks; seeds 0): command, date and machine not recorded" in text
+    assert "n3r2` (3 x 2 ranks; seeds 0)" in text and "the run had not finished" in text
+    # tuned and held-out tasks are marked as bench/convergence/tasks.py defines them
+    assert "## mlp_sgd_constant (tuned)" in text and "## charlm_adam_bf16 (held out)" in text
+
+
+def test_a_miss_is_never_reported_within(three_shapes):
+    text = _render(three_shapes)
+    acc = _rows(text, "mlp_sgd_constant")
+    loss = _rows(text, "charlm_adam_bf16")
+    # accuracy: 1.1 points below exact misses; the means of two seeds (-0.5, -1.4: -0.95) meet
+    assert acc[("hierarchical_1bit", "4 x 1")][6] == "**MISS**"
+    assert acc[("hierarchical_1bit", "2 x 2")][2:7] == \
+        ["0,1", "0.8005", "0.8100", "-0.95 pt (-0.50 pt / -1.40 pt)", "within"]
+    # loss: above exact is positive; 2.5% above misses, 1.5% above and 2.5% below are within
+    assert loss[("hierarchical_1bit", "2 x 2")][4:6] == ["+2.50%", "**MISS**"]
+    assert loss[("hierarchical_int8", "2 x 2")][4:6] == ["+1.50%", "within"]
+    assert loss[("hierarchical_1bit", "4 x 1")][4:6] == ["-2.50%", "within"]
+    misses = text.split("Misses and failures:")[1].split("\n## ")[0]
+    assert "mlp_sgd_constant `hierarchical_1bit` on 4 x 1: MISS, -1.10 pt" in misses
+    assert "charlm_adam_bf16 `hierarchical_1bit` on 2 x 2: MISS, +2.50%" in misses
+    assert "mlp_sgd_constant `hierarchical_1bit` on 3 x 2: FAILED (seed 0)" in misses
+    assert "on 4 x 1: MISS, -2.50%" not in misses and "hierarchical_int8" not in misses
+
+
+def test_the_page_depends_only_on_the_runs(three_shapes, tmp_path):
+    first = _render(three_shapes)
+    assert _render(three_shapes) == first
+    assert _render(list(reversed(three_shapes))) == first
+    out = tmp_path / "page.md"
+    assert appendix.main([*three_shapes, "--out", str(out)]) == 0
+    assert out.read_text().split("\n", 3)[3] == first.split("\n", 3)[3]
+
+
+def test_a_run_in_two_directories(tmp_path):
+    exact = _rec("cnn_sgd_cosine", "exact", 0.97, nodes=2, ranks_per_node=2)
+    one = _rec("cnn_sgd_cosine", "hierarchical_1bit", 0.968, nodes=2, ranks_per_node=2)
+    failed = {"task": "cnn_sgd_cosine", "method": "hierarchical_int4", "failed": True, "seed": 0,
+              "nodes": 2, "ranks_per_node": 2}
+    rerun = _rec("cnn_sgd_cosine", "hierarchical_int4", 0.9705, nbytes=200, nodes=2, ranks_per_node=2)
+    a = _write_run(tmp_path / "a", [exact, one, failed])
+    b = _write_run(tmp_path / "b", [exact, rerun])          # exact again, and the failed run's rerun
+    for order in ([a, b], [b, a]):
+        rows = _rows(_render(order), "cnn_sgd_cosine")
+        assert rows[("hierarchical_int4", "2 x 2")][4:6] == ["+0.05 pt", "within"]
+        assert rows[("hierarchical_1bit", "2 x 2")][4:6] == ["-0.20 pt", "within"]
+    c = _write_run(tmp_path / "c", [dict(one, value=0.95)])  # the same run, another result
+    with pytest.raises(SystemExit, match="with another result"):
+        _render([a, c])
+
+
+def test_convergence_py_records_its_shape_and_command(tmp_path, monkeypatch):
+    """bench/convergence writes run.json (command, date, machine, commit) and the shape in each
+    record; run_task stands in for training."""
+    from bench.convergence import __main__ as convergence
+
+    def fake_run_task(task, methods, nodes, ranks_per_node, out_path, steps=None, seed=0, **kw):
+        with open(out_path, "a") as f:
+            for i, m in enumerate(methods):
+                f.write(json.dumps(_rec(task.name, m, 0.9 - 0.001 * i, seed)) + "\n")
+
+    monkeypatch.setattr(convergence, "run_task", fake_run_task)
+    argv = ["--tasks", "mlp_sgd_constant", "--methods", "exact,hierarchical_1bit", "--nodes", "3",
+            "--ranks-per-node", "2", "--out-dir", str(tmp_path), "--no-png"]
+    assert convergence.main(argv) == 0
+    meta = json.loads((tmp_path / "run.json").read_text())
+    assert meta["command"] == "python -m bench.convergence " + " ".join(argv)
+    assert (meta["nodes"], meta["ranks_per_node"], meta["seeds"]) == (3, 2, [0])
+    assert {"started", "machine", "torch", "commit"} <= set(meta)
+    records = json.loads((tmp_path / "convergence.json").read_text())
+    assert {(r["nodes"], r["ranks_per_node"]) for r in records} == {(3, 2)}
+    rows = _rows(_render([str(tmp_path)]), "mlp_sgd_constant")
+    assert rows[("hierarchical_1bit", "3 x 2")][2:6] == ["0.8990", "0.9000", "-0.10 pt", "within"]
