@@ -1,11 +1,21 @@
 // Integer quantisation with error feedback (int8, int4): schemas and CPU kernels. One scale
 // (max |y| / levels) per chunk; work is split by chunk, each chunk's two passes (scale, then values
 // and error) from cache. A chunk holds whole bytes of payload, so chunks never share a byte.
+// The hot loops run 8 floats at a time (GCC vectors, AVX2 intrinsics where the compiler will not
+// vectorise), each element through intq_common.h's operations in the scalar loops' order, NaNs
+// included: the same bits as those loops.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_common.h"
 #include "intq_common.h"
@@ -13,30 +23,140 @@
 namespace ciuicflow {
 namespace {
 
-template <typename F, typename scalar_t>
-void pack_chunk(const scalar_t* x, float* err, uint8_t* bytes, float* scale, int64_t len) {
+// Elements per block of a chunk's second pass (and of an unpack), its values staged in a small
+// buffer that stays in L1.
+constexpr int64_t kBlock = 256;
+
+typedef float Lanes __attribute__((vector_size(32)));
+typedef int32_t IntLanes __attribute__((vector_size(32)));
+
+// Pass 1 of a chunk: y = x + err (kept in err); returns max |y| over the elements that are not NaN
+// and sets *nan where one is. The maximum does not depend on the order it is taken in (every
+// |y| is >= +0, NaN never wins a comparison), so 8 lanes give the scalar loop's value.
+template <typename scalar_t>
+CIUICFLOW_HOT float add_error_amax(const scalar_t* __restrict__ x, float* __restrict__ err,
+                                   int64_t len, bool* nan) {
+  Lanes lanes_max = {};
+  IntLanes lanes_nan = {};
+  const int64_t body = len - len % 8;
+  for (int64_t i = 0; i < body; i += 8) {
+    Lanes v, e;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      std::memcpy(&v, x + i, sizeof v);
+    } else {
+      for (int k = 0; k < 8; ++k) v[k] = static_cast<float>(x[i + k]);
+    }
+    std::memcpy(&e, err + i, sizeof e);
+    // where both are NaN the scalar x + err gives x's (quieted): the compiler may swap the
+    // operands of a vector add, so that choice is made here
+    const Lanes y = v != v ? v + v : v + e;
+    std::memcpy(err + i, &y, sizeof y);
+    const Lanes a = reinterpret_cast<Lanes>(reinterpret_cast<IntLanes>(y) & 0x7fffffff);
+    lanes_nan |= a != a;
+    lanes_max = a > lanes_max ? a : lanes_max;
+  }
   float amax = 0.0f;
-  bool nan = false;
-  for (int64_t i = 0; i < len; ++i) {
-    const float y = static_cast<float>(x[i]) + err[i];
+  bool any_nan = false;
+  for (int k = 0; k < 8; ++k) {
+    amax = lanes_max[k] > amax ? lanes_max[k] : amax;
+    any_nan |= lanes_nan[k] != 0;
+  }
+  for (int64_t i = body; i < len; ++i) {
+    const float v = static_cast<float>(x[i]);
+    const float y = v != v ? v + v : v + err[i];
     err[i] = y;
     const float a = std::fabs(y);
-    nan |= a != a;
+    any_nan |= a != a;
     amax = a > amax ? a : amax;
   }
+  *nan = any_nan;
+  return amax;
+}
+
+// Pass 2 of a block with a usable scale (> 0 and finite): q = the quantised values, and
+// err -= q * s, with intq::quantize's arithmetic on every element.
+template <typename F>
+inline void quantize_scalar(float* err, int8_t* q, float s, int64_t begin, int64_t n) {
+  for (int64_t k = begin; k < n; ++k) {
+    const int v = intq::quantize<F>(err[k], s);
+    q[k] = static_cast<int8_t>(v);
+    err[k] = err[k] - static_cast<float>(v) * s;
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// quantize_scalar 8 elements at a time, for the first n - n % 8; returns how many it did. The
+// compiler does not vectorise the scalar loop (its clamp is control flow it must not speculate
+// under trapping math), so the same operations are spelt out: divide, round in the current mode
+// (rintf), clamp, through int (a -0.0 rounding leaves +0.0, as quantize's int does), multiply back.
+template <typename F>
+__attribute__((target("avx2"))) int64_t quantize_avx2(float* err, int8_t* q, float s, int64_t n) {
+  const __m256 scale = _mm256_set1_ps(s);
+  const __m256 top = _mm256_set1_ps(F::kLevels), bottom = _mm256_set1_ps(-F::kLevels);
+  const int64_t body = n - n % 8;
+  for (int64_t k = 0; k < body; k += 8) {
+    const __m256 e = _mm256_loadu_ps(err + k);
+    __m256 r = _mm256_round_ps(_mm256_div_ps(e, scale), _MM_FROUND_CUR_DIRECTION);
+    r = _mm256_blendv_ps(r, top, _mm256_cmp_ps(r, top, _CMP_GT_OQ));
+    r = _mm256_blendv_ps(r, bottom, _mm256_cmp_ps(r, bottom, _CMP_LT_OQ));
+    const __m256i v = _mm256_cvttps_epi32(r);
+    _mm256_storeu_ps(err + k, _mm256_sub_ps(e, _mm256_mul_ps(_mm256_cvtepi32_ps(v), scale)));
+    // 8 x int32 in [-127, 127] -> 8 x int8, in order
+    const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(v),
+                                           _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(halves, halves));
+  }
+  return body;
+}
+
+// Initialised while the library loads, so the CPU model must be set up explicitly first.
+const bool kHasAVX2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}();
+#endif
+
+template <typename F>
+void quantize_block(float* err, int8_t* q, float s, int64_t n) {
+  int64_t done = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kHasAVX2) done = quantize_avx2<F>(err, q, s, n);
+#endif
+  quantize_scalar<F>(err, q, s, done, n);
+}
+
+// The block's bytes: intq::place of each value (int4: element 2j in the low nibble of byte j).
+template <typename F>
+inline void place_block(const int8_t* q, uint8_t* bytes, int64_t n) {
+  if constexpr (intq::per_byte<F>() == 1) {
+    std::memcpy(bytes, q, n);
+  } else {
+    static_assert(intq::per_byte<F>() == 2, "place_block: int8 or int4");
+    for (int64_t b = 0; b < n / 2; ++b) {
+      bytes[b] = static_cast<uint8_t>((q[2 * b] & 0x0f) | ((q[2 * b + 1] & 0x0f) << 4));
+    }
+    if (n % 2) bytes[n / 2] = static_cast<uint8_t>(q[n - 1] & 0x0f);  // no element above it
+  }
+}
+
+template <typename F, typename scalar_t>
+void pack_chunk(const scalar_t* x, float* err, uint8_t* bytes, float* scale, int64_t len) {
+  bool nan = false;
+  const float amax = add_error_amax(x, err, len, &nan);
   const float s = nan ? NAN : amax / F::kLevels;
   *scale = s;
-  constexpr int kPer = intq::per_byte<F>();
-  for (int64_t b = 0; b * kPer < len; ++b) {
-    uint32_t byte = 0;
-    for (int k = 0; k < kPer && b * kPer + k < len; ++k) {
-      const int64_t i = b * kPer + k;
-      const int v = intq::quantize<F>(err[i], s);
-      byte |= intq::place<F>(v, k);
-      const float sent = static_cast<float>(v) * s;
-      err[i] = err[i] - sent;
-    }
-    bytes[b] = static_cast<uint8_t>(byte);
+  if (!(s > 0.0f) || !(s < INFINITY)) {  // every value quantises to 0 (intq::quantize)
+    const float sent = static_cast<float>(0) * s;
+    for (int64_t i = 0; i < len; ++i) err[i] = err[i] - sent;
+    std::memset(bytes, 0, intq::payload_bytes<F>(len));
+    return;
+  }
+  int8_t q[kBlock];
+  // blocks start at even offsets in the chunk: whole bytes
+  for (int64_t start = 0; start < len; start += kBlock) {
+    const int64_t n = std::min(kBlock, len - start);
+    quantize_block<F>(err + start, q, s, n);
+    place_block<F>(q, bytes + start / intq::per_byte<F>(), n);
   }
 }
 
@@ -65,29 +185,68 @@ std::tuple<at::Tensor, at::Tensor> pack_cpu(const at::Tensor& x, at::Tensor& err
   return {values, scales};
 }
 
+// A block's signed values from a packed row (n elements from element `begin`, which is even).
+template <typename F>
+inline void decode_block(const uint8_t* row, int64_t begin, int8_t* q, int64_t n) {
+  if constexpr (intq::per_byte<F>() == 1) {
+    std::memcpy(q, row + begin, n);
+  } else {
+    const uint8_t* bytes = row + begin / 2;
+    for (int64_t b = 0; b < n / 2; ++b) {
+      q[2 * b] = static_cast<int8_t>(static_cast<int8_t>(bytes[b] << 4) >> 4);
+      q[2 * b + 1] = static_cast<int8_t>(static_cast<int8_t>(bytes[b]) >> 4);
+    }
+    if (n % 2) q[n - 1] = static_cast<int8_t>(static_cast<int8_t>(bytes[n / 2] << 4) >> 4);
+  }
+}
+
+// sum (+)= q * s over a block; the first row adds its terms to 0.0f, as the scalar sum starts.
+// A NaN sum stays the NaN it is, as the scalar sum + term keeps its first operand's: the
+// compiler may swap the operands of a vector add, so that choice is made here.
+CIUICFLOW_HOT void accumulate_block(const int8_t* __restrict__ q, float s,
+                                    float* __restrict__ sum, int64_t n, bool first) {
+  if (first) {
+    for (int64_t k = 0; k < n; ++k) sum[k] = 0.0f + static_cast<float>(q[k]) * s;
+  } else {
+    for (int64_t k = 0; k < n; ++k) {
+      const float total = sum[k] + static_cast<float>(q[k]) * s;
+      sum[k] = sum[k] != sum[k] ? sum[k] : total;
+    }
+  }
+}
+
+CIUICFLOW_HOT void scale_block(const float* __restrict__ sum, float factor,
+                               float* __restrict__ out, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) out[k] = sum[k] * factor;
+}
+
 // out = mean over the W rows of values * scale, summed in row order (the same bits on every rank).
+// Rows may lie apart (values' last stride must be 1): read where they are.
 template <typename F>
 void unpack_rows(const at::Tensor& values, const at::Tensor& scales, int64_t numel,
                  int64_t chunk_size, at::Tensor& out, int64_t world) {
-  auto vc = values.contiguous();
+  auto vc = values.stride(-1) == 1 ? values : values.contiguous();
   auto sc = scales.contiguous();
-  const int64_t nchunks = intq::chunks(numel, chunk_size), row_bytes = intq::payload_bytes<F>(numel);
+  const int64_t nchunks = intq::chunks(numel, chunk_size);
+  const int64_t row_stride = vc.dim() == 2 ? vc.stride(0) : 0;
   const uint8_t* v = static_cast<const uint8_t*>(vc.const_data_ptr());
   const float* s = sc.const_data_ptr<float>();
   float* o = out.data_ptr<float>();
   const float inv_world = 1.0f / static_cast<float>(world);
   at::parallel_for(0, nchunks, std::max<int64_t>(1, kGrainElements / chunk_size),
                    [&](int64_t c0, int64_t c1) {
+    int8_t q[kBlock];
+    float sum[kBlock];
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t begin = c * chunk_size, len = std::min(chunk_size, numel - begin);
-      for (int64_t i = begin; i < begin + len; ++i) {
-        float sum = 0.0f;
+      const int64_t chunk_begin = c * chunk_size;
+      const int64_t chunk_end = std::min(chunk_begin + chunk_size, numel);
+      for (int64_t begin = chunk_begin; begin < chunk_end; begin += kBlock) {
+        const int64_t n = std::min(kBlock, chunk_end - begin);
         for (int64_t w = 0; w < world; ++w) {
-          const float term = static_cast<float>(intq::decode<F>(v + w * row_bytes, i)) *
-                             s[w * nchunks + c];
-          sum = sum + term;
+          decode_block<F>(v + w * row_stride, begin, q, n);
+          accumulate_block(q, s[w * nchunks + c], sum, n, w == 0);
         }
-        o[i] = sum * inv_world;
+        scale_block(sum, inv_world, o + begin, n);
       }
     }
   });
