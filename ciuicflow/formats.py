@@ -7,7 +7,6 @@ Every format also sends one float32 scale per chunk beside its payload (``SCALE_
 """
 from __future__ import annotations
 
-import math
 
 # elements per chunk that share one scale, where a caller names none: the 1-bit, int8 and int4
 # compressors' default and the native ops'
@@ -28,18 +27,16 @@ def int4_payload_bytes(numel: int, chunk: int) -> int:
     return -(-numel // 2)
 
 
-# name -> (payload bytes of (numel, chunk), granule: a chunk holds a multiple of this many elements,
-# the format's own chunk or 0 for the compressor's)
+# name -> (payload bytes of (numel, chunk), granule: a chunk holds a multiple of this many elements)
 FORMATS = {
-    "onebit": (onebit_payload_bytes, 8, 0),
-    "int8": (int8_payload_bytes, 1, 0),
-    "int4": (int4_payload_bytes, 2, 0),
+    "onebit": (onebit_payload_bytes, 8),
+    "int8": (int8_payload_bytes, 1),
+    "int4": (int4_payload_bytes, 2),
 }
 
 
 def bytes_per_element(name: str, chunk: int) -> float:
-    """Wire bytes per element of format ``name`` in whole chunks of ``chunk`` elements (its own chunk
-    where it has one): payload and scales."""
-    payload_bytes, _, own_chunk = FORMATS[name]
-    chunk = own_chunk or chunk
+    """Wire bytes per element of format ``name`` in whole chunks of ``chunk`` elements: payload and
+    scales."""
+    payload_bytes, _ = FORMATS[name]
     return (payload_bytes(chunk, chunk) + SCALE_BYTES) / chunk

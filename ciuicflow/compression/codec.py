@@ -20,8 +20,6 @@ class Codec:
 
     name: str
     granule: int = 1
-    chunk_size: int | None = None  # elements per chunk whatever the compressor's (None: the
-    #                                compressor's ``chunk_size``)
     side_bytes: int = 0  # bytes of a side block: a chunk whose scale is negative has one (the
     #                      payload's fixed part is followed by them; ``compression.outliers``)
 

@@ -172,10 +172,6 @@ class QuantizedCompressor(Compressor):
                      self.name, codec.name, self.name, self.adaptive_optimizer, ratio, hint)
         return codec, self.adaptive_error_decays.get(codec.name, 1.0)
 
-    def chunk_for(self, codec: Codec) -> int:
-        """Elements per chunk with ``codec``: its own where it has one, else ``chunk_size``."""
-        return codec.chunk_size or self.chunk_size
-
     def _server_codec(self, plan: policy.WirePlan, route) -> Codec | None:
         """The codec the servers of ``plan``'s two phases pack with, where not the workers'."""
         if plan.phases != 2 or plan.server_codec in ("", plan.codec):
@@ -198,7 +194,7 @@ class QuantizedCompressor(Compressor):
         server_codec = self._server_codec(plan, route)
         if traffic is not None and not plan.sends_target:
             traffic.beyond_target_reductions += 1
-        return QuantizedStep(codec, errors, self.chunk_for(codec), exact_mask, error_decay=decay,
+        return QuantizedStep(codec, errors, self.chunk_size, exact_mask, error_decay=decay,
                              server=plan.phases == 2, guard_threshold=self.exact_step_threshold,
                              measure=self.measure, guard_half=self.guard_half,
                              server_codec=server_codec, server_error_decay=None
@@ -233,7 +229,7 @@ class QuantizedCompressor(Compressor):
         if traffic is not None and not plan.sends_target:
             traffic.beyond_target_reductions += 1
         return quantized_reduce_scatter(codec, memory, output, rows, hop,
-                                        chunk_size=self.chunk_for(codec), error_decay=decay,
+                                        chunk_size=self.chunk_size, error_decay=decay,
                                         scale=scale, traffic=traffic, exact_mask=exact_mask,
                                         guard_threshold=self.exact_step_threshold,
                                         measure=self.measure, guard_half=self.guard_half)

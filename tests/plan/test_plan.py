@@ -242,10 +242,10 @@ def test_the_adaptive_codecs_bytes_are_what_they_pack():
     assert policy.ADAPTIVE_OPTIMIZER_POLICIES[-1] == "same"
     chunks = 7
     for name, codec in OneBitCompressor.adaptive_codecs.items():
-        payload_bytes, granule, own_chunk = formats.FORMATS[name]
-        assert (codec.chunk_size or 0) == own_chunk and codec.granule % granule == 0, name
-        chunk = OneBitCompressor().chunk_for(codec)
-        assert chunk == (own_chunk or 256), name
+        payload_bytes, granule = formats.FORMATS[name]
+        assert codec.granule % granule == 0, name
+        chunk = OneBitCompressor().chunk_size
+        assert chunk == 256, name
         for numel in (chunks * chunk, chunks * chunk - 5):  # whole chunks, and a trimmed last one
             x = torch.randn(numel)
             payload, scales = codec.pack(x, torch.zeros_like(x), chunk)
