@@ -29,6 +29,10 @@ made, so ranks whose keys differ never disagree on a collective. Kept areas hold
 ``KEEP_BYTES`` (one copy per node: the ranks map the same areas); past that, outputs are copied
 as above.
 
+``all_gather`` uses the output area for an all-gather instead (DiLoCo's gather of a node's
+shards): a barrier before a rank writes its piece (every rank has copied the last call's out),
+one after (every piece is in), then each rank copies the others' pieces out.
+
 The segment is a file in /dev/shm, created by local rank 0 and unlinked as soon as every local
 rank has mapped it (nothing is left behind if a process dies). A random token written into it
 proves that the ranks which the topology puts on one node really share memory; if any of them
@@ -121,6 +125,21 @@ class NodeSegment:
         _, output = self._areas(flat.dtype, shard_len * self.local_size)
         flat.copy_(output[:flat.numel()])
         return flat
+
+    def all_gather(self, out: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+        """``out`` = every local rank's ``piece`` (all of one length and dtype), in local-rank
+        order: an all-gather through the output area. Where ``out`` holds this rank's piece in its
+        slot already (``piece`` is that view), it is not copied back. Returns ``out``."""
+        length, me = piece.numel(), self.local_rank
+        _, area = self._areas(piece.dtype, length * self.local_size)
+        self._barrier()  # every rank has copied the last call's pieces out of the area
+        area[me * length:(me + 1) * length].copy_(piece)
+        self._barrier()  # every piece is in
+        for rank in range(self.local_size):
+            slot = out[rank * length:(rank + 1) * length]
+            if rank != me or slot.data_ptr() != piece.data_ptr():
+                slot.copy_(area[rank * length:(rank + 1) * length])
+        return out
 
     def _barrier(self, vote=(0.0, 0.0, 0.0, 0.0)) -> torch.Tensor:
         """Returns once every local rank is here, with the sum of their votes."""
@@ -276,14 +295,18 @@ class Unavailable(RuntimeError):
 def node_segment(topology) -> NodeSegment | None:
     """The shared segment of this rank's node, or None where the node's ranks cannot share memory
     (a collective over the node the first time it is called for a topology)."""
-    group = topology.intra_group
+    return group_segment(topology.intra_group, topology.local_rank, topology.local_world_size)
+
+
+def group_segment(group, local_rank: int, local_size: int) -> NodeSegment | None:
+    """``node_segment`` for a group of one node's ranks that is not a topology's (DiLoCo's own)."""
     if group in _NODES:
         return _NODES[group]
-    segment = NodeSegment(group, topology.local_rank, topology.local_world_size)
+    segment = NodeSegment(group, local_rank, local_size)
     try:
         segment._areas(torch.float32, 1)
     except Unavailable as exc:
-        disable(topology, exc)
+        disable_group(group, exc, stacklevel=4)
         return None
     _NODES[group] = segment
     return segment
@@ -292,7 +315,12 @@ def node_segment(topology) -> NodeSegment | None:
 def disable(topology, reason) -> None:
     """From now on, this node's CPU tensors use gloo's collectives (every local rank calls this
     at the same point: after the same failed collective)."""
+    disable_group(topology.intra_group, reason, stacklevel=4)
+
+
+def disable_group(group, reason, stacklevel: int = 3) -> None:
+    """``disable`` for ``group_segment``'s groups."""
     warnings.warn(f"ciuicflow: the ranks of this node cannot share memory ({reason}); the "
                   "intra-node step of CPU tensors uses gloo's collectives instead",
-                  RuntimeWarning, stacklevel=3)
-    _NODES[topology.intra_group] = None
+                  RuntimeWarning, stacklevel=stacklevel)
+    _NODES[group] = None

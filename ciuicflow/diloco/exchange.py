@@ -3,9 +3,10 @@
 Inside a node the replicas are equal (DDP keeps them so), so no node sum is needed: with L ranks
 per node, local rank ``i`` of every node exchanges shard ``i`` of the pseudo-gradient with its
 peers of the other nodes (a flat route over one rank per node: every byte of it crosses nodes),
-then the node's ranks all-gather their shards. Each inter-node link carries 1/L of the fragment,
-as the hierarchical route's would, without its node sum. Under FSDP2 each rank holds its own
-shards: it exchanges all of them with its peers and gathers nothing.
+then the node's ranks all-gather their shards (CPU tensors through the node's shared memory,
+``collectives.node_shm``, where its ranks can map it). Each inter-node link carries 1/L of the
+fragment, as the hierarchical route's would, without its node sum. Under FSDP2 each rank holds its
+own shards: it exchanges all of them with its peers and gathers nothing.
 
 The compressor is the one the DDP hooks use, called the way ``ddp/state.py`` calls it:
 ``compressor.exchange(flat, memory, route, context, traffic)``, the route's ``add_exact`` counting
@@ -17,11 +18,14 @@ issue collectives on one gloo/NCCL group.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
-from ciuicflow.collectives.primitives import Hop, Traffic, all_gather, nonfinite_flag
-from ciuicflow.collectives.routes import FlatRoute
+from ciuicflow.collectives import node_shm
+from ciuicflow.collectives.primitives import Hop, Traffic, add_traffic, all_gather, nonfinite_flag
+from ciuicflow.collectives.routes import NODE_SUM_ENV, FlatRoute
 from ciuicflow.compression.base import Context, ExactCompressor
 from ciuicflow.compression.registry import FAMILIES
 from ciuicflow.topology import Topology
@@ -155,9 +159,28 @@ class OuterExchange:
                 piece.copy_(result)
         if piece is delta:
             return delta, traffic
+        hop = Hop(self.layout.node_group, local, 0.0)
+        segment = self._node_segment(piece)
+        if segment is not None:
+            try:  # the node's shards around this rank's, in place: the mean is the buffer
+                segment.all_gather(padded, piece)
+                add_traffic(traffic, hop, (local - 1) * piece.numel() * piece.element_size())
+                return padded[:numel], traffic
+            except node_shm.Unavailable as exc:  # it could not grow: gloo from now on
+                node_shm.disable_group(self.layout.node_group, exc)
         gathered = _reused(self._gathered, index, local * piece.numel(), piece.device)
-        all_gather(gathered, piece, Hop(self.layout.node_group, local, 0.0), traffic)
+        all_gather(gathered, piece, hop, traffic)
         return gathered[:numel], traffic
+
+    def _node_segment(self, piece: torch.Tensor):
+        """The node's shared segment for the gather of CPU shards (gloo would carry them through
+        the kernel's TCP stack), or None: other devices, ``CIUICFLOW_NODE_SUM`` set to a
+        collective, or ranks that cannot share memory. Collective over the node the first time."""
+        if piece.device.type != "cpu" or os.environ.get(NODE_SUM_ENV, "auto") in (
+                "all_reduce", "reduce_scatter"):
+            return None
+        layout = self.layout
+        return node_shm.group_segment(layout.node_group, layout.local_rank, layout.local)
 
     def wire_plan(self):
         """What the last exchange sent (``compression.policy.WirePlan``), where planned."""
