@@ -250,6 +250,17 @@ def _run_line(run: Run) -> str:
     return "- " + ": ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if parts[2:] else "")
 
 
+def keep_methods(runs: list[Run], methods: list[str]) -> None:
+    """Only ``methods``' records (and exact's, their baseline) stay in ``runs``; a method no run
+    holds is an error, not an empty page."""
+    found = {r["method"] for run in runs for r in run.records}
+    missing = sorted(set(methods) - found)
+    if missing:
+        raise SystemExit(f"no run holds {missing}; the runs hold {sorted(found)}")
+    for run in runs:
+        run.records = [r for r in run.records if r["method"] == "exact" or r["method"] in methods]
+
+
 def render(runs: list[Run], command: str) -> str:
     merged = merge(runs)
     rows = summarise(merged)
@@ -307,9 +318,16 @@ def main(argv=None) -> int:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help="an --out-dir of bench/convergence; RUN_DIR=NxR names a shape it lacks")
     p.add_argument("--out", required=True, help="the markdown page to write")
+    p.add_argument("--methods", default="",
+                   help="comma-separated: only these methods' rows (and exact's, their baseline); "
+                   "default every method the runs hold")
     args = p.parse_args(argv)
     runs = [parse_run_arg(a) for a in args.runs]
-    command = "python -m bench.convergence.appendix " + " ".join(args.runs) + f" --out {args.out}"
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if methods:
+        keep_methods(runs, methods)
+    command = ("python -m bench.convergence.appendix " + " ".join(args.runs)
+               + (f" --methods {args.methods}" if methods else "") + f" --out {args.out}")
     text = render(runs, command)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -97,6 +97,16 @@ def test_runs_of_three_shapes_merge_into_one_table_per_task(three_shapes):
     assert "## mlp_sgd_constant (tuned)" in text and "## charlm_adam_bf16 (held out)" in text
 
 
+def test_methods_keeps_those_rows_and_exact(three_shapes):
+    runs = [appendix.parse_run_arg(a) for a in three_shapes]
+    appendix.keep_methods(runs, ["hierarchical_1bit"])
+    rows = _rows(appendix.render(runs, "CMD"), "charlm_adam_bf16")
+    assert ("hierarchical_int8", "2 x 2") not in rows
+    assert ("exact", "2 x 2") in rows and ("hierarchical_1bit", "2 x 2") in rows
+    with pytest.raises(SystemExit, match="hierarchical_int9"):
+        appendix.keep_methods([appendix.parse_run_arg(a) for a in three_shapes], ["hierarchical_int9"])
+
+
 def test_a_miss_is_never_reported_within(three_shapes):
     text = _render(three_shapes)
     acc = _rows(text, "mlp_sgd_constant")
