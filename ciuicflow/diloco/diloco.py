@@ -12,6 +12,7 @@ rank, and anchors and outer optimizers start equal and step alike.
 """
 from __future__ import annotations
 
+import io
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,9 +22,9 @@ import torch.distributed as dist
 
 from ciuicflow.collectives.primitives import Traffic, ring_all_reduce_bytes
 from ciuicflow.diloco.exchange import NodeLayout, OuterExchange, make_compressor
-from ciuicflow.diloco.layout import Schedule, is_sharded, local_tensor, split
+from ciuicflow.diloco.layout import Fragment, Schedule, is_sharded, local_tensor, split
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 # The defaults, measured on bench/convergence's tuned tasks (docs/diloco.md, "Defaults"):
 # int4 every 8 inner steps costs the bytes of int8 every 16 (about 120x fewer inter-node bytes per
 # step than exact DDP) with half the drift between syncs.
@@ -110,8 +111,8 @@ class DiLoCo:
         self.codec = codec
         compressor = make_compressor(codec, codec_options)  # before any collective: fail alike
         self.layout = NodeLayout(ranks_per_node)
-        self.fragments = split(params, int(fragments))
         self.sharded = is_sharded(params)
+        self.fragments = _cut(params, int(fragments), self.sharded)
         self._exchange = OuterExchange(self.layout, compressor, len(self.fragments), self.sharded)
         self._broadcast_initial(params)
         factory = outer_optimizer or default_outer_optimizer(inner_optimizer)
@@ -224,23 +225,49 @@ class DiLoCo:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    @property
+    def node_key(self) -> str:
+        """``"node<n>"``, this rank's node: the key to save the model and the inner optimizer under
+        in a DCP checkpoint. Between outer steps each node's model is its own, and its inner
+        optimizer's state always is; under one key for all nodes (plain tensors, or DTensors over
+        the node's mesh) DCP keeps one copy of each, so the other nodes would resume with it."""
+        return f"node{self.layout.node}"
+
     def state_dict(self) -> dict:
         """Everything a resumed run needs besides the model and the inner optimizer: step counter,
         anchors, outer optimizers, error-feedback memories, syncs in flight (waited for, their
-        results kept). This rank's: memories differ between the ranks of a node."""
+        results kept). Collective over nothing; every rank calls it at the same step.
+
+        Laid out for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load`` into a fresh
+        DiLoCo's ``state_dict()``, then ``load_state_dict``) as well as for a per-rank
+        ``torch.save``. DCP keeps one copy of a key that several ranks hold, so each entry's key
+        names who shares it:
+
+        - ``version``, ``config``, the counters: the same on every rank;
+        - ``replica`` (DDP: every rank's) or ``shard<i>`` (FSDP2: local rank ``i``'s of every
+          node): ``anchors``, one float32 tensor per fragment, and ``outer``, the outer
+          optimizers' state and the syncs in flight as ``torch.save`` bytes (their tensors appear
+          with an optimizer's first step and with the schedule, and DCP loads tensors only into
+          tensors the loading state dict already holds: a fresh DiLoCo has none of them);
+        - ``rank<R>``: this rank's own, as bytes: its error-feedback memories (its compression
+          error, unlike any other rank's) and the bytes it sent.
+        """
         for k in list(self._pending):
             self._resolve(k)
+        outer = {"numel": [f.numel for f in self.fragments],
+                 "optimizers": [o.state_dict() for o in self.outer],
+                 # a mean may be a view of a reused buffer: saved alone, not with the buffer
+                 "pending": {k: {"apply_at": p.apply_at,
+                                 "mean": None if p.mean is None else p.mean.clone()}
+                             for k, p in self._pending.items()}}
+        mine = {"memory": self._exchange.state_dict(), "traffic": self._traffic.as_dict()}
         return {
             "version": _STATE_VERSION, "config": self._config(),
             "inner_steps": self.inner_steps, "fragment_syncs": self.fragment_syncs,
             "skipped": self.skipped,
-            "anchors": [a.detach().clone() for a in self.anchors],
-            "outer": [o.state_dict() for o in self.outer],
-            "memory": self._exchange.state_dict(),
-            "pending": {k: {"apply_at": p.apply_at,
-                            "mean": None if p.mean is None else p.mean.clone()}
-                        for k, p in self._pending.items()},
-            "traffic": self._traffic.as_dict(),
+            self._replica_key(): {"anchors": [a.detach().clone() for a in self.anchors],
+                                  "outer": _to_bytes(outer)},
+            self._rank_key(): _to_bytes(mine),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -249,28 +276,49 @@ class DiLoCo:
         if state["config"] != self._config():
             raise ValueError(f"checkpoint's DiLoCo config {state['config']} differs from this "
                              f"one's {self._config()}")
+        replica, rank = state.get(self._replica_key()), self._rank_key()
+        if replica is None or state.get(rank) is None:
+            raise ValueError(f"the checkpoint holds no DiLoCo state for {self._replica_key()!r} "
+                             f"and {rank!r} (saved by another rank's torch.save, or another "
+                             f"layout?); it has {sorted(state)}")
+        outer, mine = _from_bytes(replica["outer"]), _from_bytes(state[rank])
+        if outer["numel"] != [f.numel for f in self.fragments]:
+            raise ValueError(f"checkpoint's fragments hold {outer['numel']} elements on this "
+                             f"rank, this DiLoCo's {[f.numel for f in self.fragments]}")
         for k in list(self._pending):
             self._resolve(k)
         self.inner_steps = int(state["inner_steps"])
         self.fragment_syncs, self.skipped = int(state["fragment_syncs"]), int(state["skipped"])
         with torch.no_grad():
-            for anchor, saved in zip(self.anchors, state["anchors"]):
+            for anchor, saved in zip(self.anchors, replica["anchors"]):
                 anchor.copy_(saved)
-        for outer, saved in zip(self.outer, state["outer"]):
-            outer.load_state_dict(saved)
-        self._exchange.load_state_dict(state["memory"])
-        self._pending = {int(k): _Pending(p["apply_at"], mean=p["mean"], done=True)
-                         for k, p in state["pending"].items()}
-        self._traffic = Traffic(**state["traffic"])
+        for optimizer, saved in zip(self.outer, outer["optimizers"]):
+            optimizer.load_state_dict(saved)
+        self._exchange.load_state_dict(mine["memory"])
+        self._pending = {int(k): _Pending(p["apply_at"], done=True, mean=None if p["mean"] is None
+                                          else p["mean"].to(self.anchors[int(k)].device))
+                         for k, p in outer["pending"].items()}
+        self._traffic = Traffic(**mine["traffic"])
         self._counted_from = 0  # the checkpoint's traffic covers the run from its start
 
     # -- inside --------------------------------------------------------------------------------
 
     def _config(self) -> dict:
-        return {"sync_every": self.sync_every, "fragments": [f.numel for f in self.fragments],
+        """The same on every rank: fragments by their whole parameters' elements (a DTensor's
+        ``numel`` is its global one)."""
+        return {"sync_every": self.sync_every,
+                "fragments": [sum(p.numel() for p in f.params) for f in self.fragments],
                 "delay": self.schedule.delay, "codec": self.codec,
                 "nodes": self.layout.nodes, "ranks_per_node": self.layout.local,
                 "sharded": self.sharded}
+
+    def _replica_key(self) -> str:
+        """The key of the state this rank shares with others: every rank's under DDP, the same
+        local rank's of every node under FSDP2."""
+        return f"shard{self.layout.local_rank}" if self.sharded else "replica"
+
+    def _rank_key(self) -> str:
+        return f"rank{dist.get_rank()}"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -328,6 +376,38 @@ class DiLoCo:
         anchor.grad = None
         self.fragment_syncs += 1
         fragment.write(anchor.detach(), self.alpha)
+
+
+def _to_bytes(value) -> bytes:
+    """``value`` serialised now: a copy of buffers that later steps overwrite, opaque to DCP (which
+    saves bytes whole and loads them back whole, whatever tensors they hold)."""
+    blob = io.BytesIO()
+    torch.save(value, blob)
+    return blob.getvalue()
+
+
+def _from_bytes(blob: bytes):
+    """``_to_bytes``' value, its tensors on the CPU: where each goes is its loader's to say (an
+    optimizer's ``load_state_dict`` puts its state by its parameter, leaving a ``step`` on the CPU
+    where it belongs there; the compressor's memory moves to the device of its first use)."""
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+
+
+def _cut(params: list, fragments: int, sharded: bool) -> list[Fragment]:
+    """``split``'s fragments, cut where the whole parameters' sizes put them: FSDP2's shards of a
+    parameter differ in size between a node's ranks where its rows do not divide evenly, and cut
+    by those the ranks of a node would end a fragment at different parameters (a fragment would
+    then hold part of a parameter's rows on the node, and the ranks' fragments could not be named
+    alike). Each fragment counts this rank's elements of its parameters."""
+    if not sharded:
+        return split(params, fragments)
+    whole = [torch.empty(p.shape, device="meta") for p in params]  # a DTensor's shape: global
+    position = {id(w): i for i, w in enumerate(whole)}
+    cut = []
+    for f in split(whole, fragments):
+        members = [params[position[id(w)]] for w in f.params]
+        cut.append(Fragment(f.index, members, sum(local_tensor(p).numel() for p in members)))
+    return cut
 
 
 def _check_options(params, sync_every, fragments, delay, alpha, outer_optimizer) -> None:
