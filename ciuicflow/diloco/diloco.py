@@ -389,8 +389,9 @@ def _to_bytes(value) -> bytes:
 def _from_bytes(blob: bytes):
     """``_to_bytes``' value, its tensors on the CPU: where each goes is its loader's to say (an
     optimizer's ``load_state_dict`` puts its state by its parameter, leaving a ``step`` on the CPU
-    where it belongs there; the compressor's memory moves to the device of its first use)."""
-    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+    where it belongs there; the compressor's memory moves to the device of its first use). Tensors,
+    numbers and containers only (``weights_only``): a checkpoint cannot run code on load."""
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
 
 def _cut(params: list, fragments: int, sharded: bool) -> list[Fragment]:
