@@ -278,7 +278,7 @@ class FSDPState:
         if not blob:
             raise ValueError(f"the checkpoint holds no state of rank {dist.get_rank()} (saved with "
                              "another world size?)")
-        mine = torch.load(io.BytesIO(blob), weights_only=False)
+        mine = torch.load(io.BytesIO(blob), weights_only=True)
         saved = mine["groups"]
         for group in self.groups:
             entry = saved.get(group.name)

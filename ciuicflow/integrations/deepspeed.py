@@ -206,7 +206,7 @@ def _load_checkpoint(load, optimizer, load_dir, *args, **kwargs):
     if load_path is not None:
         path = _errors_path(os.path.dirname(load_path), dist.get_rank())
         if os.path.exists(path):
-            optimizer.load_rank_state(torch.load(path, map_location="cpu", weights_only=False))
+            optimizer.load_rank_state(torch.load(path, map_location="cpu", weights_only=True))
         else:
             warnings.warn(f"{path} is missing (a checkpoint saved without ciuicflow's integration?): "
                           "this rank's 1-bit error feedback restarts from zero", RuntimeWarning)
