@@ -38,11 +38,11 @@ step "CUDA tests (every op on CUDA against the CPU reference; every hook and opt
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -15 | tee -a "$OUT/summary.txt"
 
 step "kernels (64M elements)"
-"$PY" python -m bench.kernels --device cuda --repeats 20 --json "$OUT/kernels_cuda.json" \
+"$PY" -m bench.kernels --device cuda --repeats 20 --json "$OUT/kernels_cuda.json" \
   > "$OUT/kernels_cuda.md" 2> "$OUT/kernels_cuda.log" || { failed+=(kernels); tail -20 "$OUT/kernels_cuda.log"; }
 
 step "hooks on one GPU (4 processes, gloo)"
-"$PY" bench/gpu/hooks.py --json "$OUT/gpu_hooks.json" > "$OUT/gpu_hooks.log" 2>&1 \
+"$PY" -m bench.gpu.hooks --json "$OUT/gpu_hooks.json" > "$OUT/gpu_hooks.log" 2>&1 \
   || { failed+=(hooks); tail -20 "$OUT/gpu_hooks.log"; }
 
 step "done; failed: ${failed[*]:-none}"

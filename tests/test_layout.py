@@ -49,10 +49,11 @@ def test_bench_is_one_folder_per_family():
         assert (family / "__init__.py").exists(), family
 
 
-def test_ci_smoke_runs_name_existing_bench_modules():
-    """Each ``python -m bench...`` in .ci/run names a module that exists (a renamed bench fails CI
-    here, instead of silently dropping out of the smoke runs)."""
-    text = (REPO / ".ci" / "run").read_text()
+def test_scripts_name_existing_bench_modules():
+    """Each ``bench....`` module that .ci/run, bench/gpu_check.sh or scripts/ run exists (a renamed
+    bench fails CI here, instead of silently dropping out of the smoke runs or the GPU check)."""
+    scripts = [REPO / ".ci" / "run", BENCH / "gpu_check.sh", *sorted((REPO / "scripts").glob("*.sh"))]
+    text = "\n".join(path.read_text() for path in scripts)
     names = set(re.findall(r"(?<![\w/.$])bench(?:\.\w+)+", text))
     assert len(names) >= 10, names
     for name in sorted(names):
