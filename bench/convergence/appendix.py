@@ -13,6 +13,10 @@ line; one that names it nowhere is given as RUN_DIR=NODESxRANKS (for instance ou
 
 The page depends only on the runs' files: the same runs give the same bytes, and their order on the
 command line changes nothing but the command quoted in the header.
+
+``--replacing RUN_DIR`` (repeatable) names a rerun after a method changed: its records replace those
+of the same task, shape, method and seed in the other runs (exact's included, should it hold them),
+and the header says how many each replaced. Without it two finished runs that differ are an error.
 """
 from __future__ import annotations
 
@@ -31,8 +35,10 @@ _SHAPE = re.compile(r"^(\d+)x(\d+)$")
 
 
 class Run:
-    def __init__(self, path: str, shape: tuple[int, int] | None = None):
+    def __init__(self, path: str, shape: tuple[int, int] | None = None, replacing: bool = False):
         self.path = path.rstrip("/")
+        self.replacing = replacing  # its records replace the other runs' (``merge``)
+        self.replaced = 0
         self.meta = _metadata(self.path)
         self.source, records = _read_records(self.path)
         if shape is None and "nodes" in self.meta and "ranks_per_node" in self.meta:
@@ -79,12 +85,12 @@ def _read_records(path: str) -> tuple[str, list[dict]]:
     raise SystemExit(f"{path}: neither convergence.json nor records.jsonl")
 
 
-def parse_run_arg(arg: str) -> Run:
+def parse_run_arg(arg: str, replacing: bool = False) -> Run:
     path, _, shape = arg.rpartition("=")
     match = _SHAPE.match(shape) if path else None
     if match:
-        return Run(path, (int(match[1]), int(match[2])))
-    return Run(arg)
+        return Run(path, (int(match[1]), int(match[2])), replacing)
+    return Run(arg, replacing=replacing)
 
 
 def merge(runs: list[Run]) -> dict:
@@ -92,18 +98,25 @@ def merge(runs: list[Run]) -> dict:
     shape, task and seed, from whichever directory holds it. A run in two directories is kept
     once where both ended on the same value and bytes (runs are deterministic: a second batch of
     methods repeats exact's run), or where one of them failed (the other is its rerun); where two
-    finished runs differ it is an error, not a silent pick of one."""
+    finished runs differ it is an error, not a silent pick of one, unless the later is a
+    ``replacing`` run (read after the others)."""
     merged, origin = {}, {}
-    for run in runs:
+    for run in sorted(runs, key=lambda run: run.replacing):
+        run.replaced = 0
         for r in run.records:
             key = (r["task"], r["shape"], r["method"], r.get("seed", 0))
+            if key in merged and run.replacing and not origin[key].replacing:
+                if not r.get("failed"):
+                    merged[key], origin[key] = r, run
+                    run.replaced += 1
+                continue
             if key in merged:
                 if _same_run(merged[key], r) or r.get("failed"):
                     continue        # the same run again, or a failed run beside its rerun
                 if not merged[key].get("failed"):
-                    raise SystemExit(f"{run.path}: {key} is in {origin[key]} too, with another "
-                                     "result")
-            merged[key], origin[key] = r, run.path
+                    raise SystemExit(f"{run.path}: {key} is in {origin[key].path} too, with "
+                                     "another result")
+            merged[key], origin[key] = r, run
     out = {}
     for shape in sorted({key[1] for key in merged}):
         for r in report.compare([r for key, r in merged.items() if key[1] == shape]):
@@ -247,6 +260,8 @@ def _run_line(run: Run) -> str:
         parts.append("command, date and machine not recorded (a run older than run.json)")
     if run.source == "records.jsonl":
         parts.append("read from records.jsonl: the run had not finished")
+    if run.replacing:
+        parts.append(f"replaces {run.replaced} record(s) of the other runs (`--replacing`)")
     return "- " + ": ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if parts[2:] else "")
 
 
@@ -318,15 +333,20 @@ def main(argv=None) -> int:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help="an --out-dir of bench/convergence; RUN_DIR=NxR names a shape it lacks")
     p.add_argument("--out", required=True, help="the markdown page to write")
+    p.add_argument("--replacing", action="append", default=[], metavar="RUN_DIR",
+                   help="a rerun whose records replace the other runs' of the same task, shape, "
+                   "method and seed (repeatable)")
     p.add_argument("--methods", default="",
                    help="comma-separated: only these methods' rows (and exact's, their baseline); "
                    "default every method the runs hold")
     args = p.parse_args(argv)
-    runs = [parse_run_arg(a) for a in args.runs]
+    runs = [parse_run_arg(a) for a in args.runs] + \
+        [parse_run_arg(a, replacing=True) for a in args.replacing]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if methods:
         keep_methods(runs, methods)
     command = ("python -m bench.convergence.appendix " + " ".join(args.runs)
+               + "".join(f" --replacing {a}" for a in args.replacing)
                + (f" --methods {args.methods}" if methods else "") + f" --out {args.out}")
     text = render(runs, command)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

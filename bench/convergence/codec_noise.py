@@ -5,8 +5,11 @@ convergence suite: offline (one process), towards a rule that decides by measure
 The task trains on the exact mean of ``--nodes`` simulated nodes' gradients; past the warm-up, node
 0's gradient is packed every step by each codec's native op with a memory of its own, and three
 ratios are averaged over the run: ||e|| / ||g|| (the accuracy guard's measure), the same with each
-coordinate divided by the optimizer's running RMS (sqrt(exp_avg_sq); 1 under SGD), and the noise of
-the mean, ||e|| / sqrt(nodes), against the mean gradient in those units.
+coordinate divided by the optimizer's units (``optimizer_watch.units``: the running RMS,
+sqrt(exp_avg_sq), floored; 1 under SGD), and the noise of the mean, ||e|| / sqrt(nodes), against
+the mean gradient in those units. ``int4@units`` and ``int8@units`` quantise in those units (each
+coordinate divided by its unit before packing, multiplied back after), as the hooks do for an
+adaptive optimizer's tensors.
 
     python -m bench.convergence.codec_noise --tasks cnn_adam_step,regression_adam --json out/codec_noise.json
 """
@@ -21,8 +24,10 @@ import torch
 from bench.convergence import tasks as T
 
 from ciuicflow import ops
+from ciuicflow.compression import optimizer_watch
 
-CODECS = {"onebit": ops.onebit_pack, "int4": ops.int4_pack, "int8": ops.int8_pack}
+CODECS = {"onebit": ops.onebit_pack, "int4": ops.int4_pack, "int8": ops.int8_pack,
+          "int4@units": ops.int4_pack, "int8@units": ops.int8_pack}
 WARMUP = 10
 
 
@@ -36,8 +41,13 @@ def _optimizer(task, params):
 def measure(task, nodes: int, steps: int | None = None) -> dict:
     data, model = T.load_data(task), T.build_model(task)
     params = list(model.parameters())
+    optimizer_watch.watch()
     opt = _optimizer(task, params)
     n = sum(p.numel() for p in params)
+    segments, offset = [], 0
+    for p in params:
+        segments.append((offset, p.shape))
+        offset += p.numel()
     memory = {name: torch.zeros(n) for name in CODECS}
     sums = {name: [0.0, 0.0, 0.0] for name in CODECS}
     steps = steps or task.steps
@@ -54,12 +64,16 @@ def measure(task, nodes: int, steps: int | None = None) -> dict:
             grads.append(torch.cat([p.grad.reshape(-1) for p in params]).clone())
         mean = torch.stack(grads).mean(0)
         if step >= WARMUP:
-            units = torch.ones(n)
-            if task.adam_family:
-                units = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params]).sqrt() + 1e-8
+            units = optimizer_watch.units(params, segments, n, "cpu") if task.adam_family \
+                else torch.ones(n)
             g = grads[0]
             for name, pack in CODECS.items():
-                pack(g.contiguous(), memory[name], 256)  # the memory becomes what was not sent
+                if name.endswith("@units"):  # packed in units, the memory kept in plain ones
+                    scaled = memory[name] / units
+                    pack((g / units).contiguous(), scaled, 256)
+                    memory[name] = scaled * units
+                else:
+                    pack(g.contiguous(), memory[name], 256)  # the memory becomes what was not sent
                 e = memory[name]
                 s = sums[name]
                 s[0] += float(e.norm() / g.norm())

@@ -30,6 +30,12 @@ _adaptive: set[int] = set()  # ids of parameters; a parameter's id leaves when i
 _stepped_by: dict = {}  # id of an adaptively stepped parameter -> weakref of its optimizer
 # where an adaptive optimizer keeps each coordinate's running mean square (what it divides by)
 SECOND_MOMENT_KEYS = ("exp_avg_sq", "square_avg", "sum")
+# The least unit a coordinate gets, as a share of its parameter's mean unit. A coordinate whose
+# running mean square is still about 0 (an embedding row, an expert or a unit not yet reached)
+# is not divided by that 0 once its gradient arrives: the gradient enters the mean square first,
+# and about sqrt(1 - beta2) of its size is what Adam divides it by (0.03 at the default beta2,
+# 0.999). Unfloored, one such coordinate would set its chunk's scale and round the rest away.
+UNIT_FLOOR = 0.03
 _seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> params counted
 _handle = None
 
@@ -93,20 +99,38 @@ def stepped_adaptively(params) -> bool:
     return any(id(p) in _adaptive for p in params)
 
 
-def units(params, segments, numel: int, device) -> torch.Tensor | None:
+def moments(params) -> list:
+    """CPU copies of ``params``' second moments (a sharded parameter's local shard; None where it
+    has none): what a state's checkpoint keeps, because a resumed process learns which optimizer
+    steps what only at that optimizer's first step, after the first backward has been reduced."""
+    out = []
+    for param in params:
+        moment = second_moment(param)
+        if moment is not None and hasattr(moment, "to_local"):
+            moment = moment.to_local()
+        out.append(None if moment is None else moment.detach().to("cpu", copy=True))
+    return out
+
+
+def units(params, segments, numel: int, device, saved=None) -> torch.Tensor | None:
     """What the adaptive optimizer divides each coordinate of a flat tensor by, in its layout: the
-    root of the running mean square (plus Adam's default epsilon) of each of ``params`` at its
-    ``(offset, shape)`` of ``segments``, 1 elsewhere (padding); None where a parameter has none
+    root of the running mean square (plus Adam's default epsilon, and at least ``UNIT_FLOOR`` of
+    the parameter's mean) of each of ``params`` at its ``(offset, shape)`` of ``segments``, 1
+    elsewhere (padding); None where a parameter has none
     yet (before the optimizer's first step). A sharded parameter's (a DTensor's) local shard is
-    the one its segment holds."""
-    moments = [second_moment(p) for p in params]
-    if not moments or any(m is None for m in moments):
+    the one its segment holds. ``saved``: ``moments`` of a checkpoint, one per parameter, for those
+    no optimizer has stepped yet in this process."""
+    found = [second_moment(p) for p in params]
+    if saved is not None:
+        found = [m if m is not None else s for m, s in zip(found, saved)]
+    if not found or any(m is None for m in found):
         return None
     out = torch.ones(numel, dtype=torch.float32, device=device)
-    for (offset, _), moment in zip(segments, moments):
+    for (offset, _), moment in zip(segments, found):
         local = moment.to_local() if hasattr(moment, "to_local") else moment
         view = out[offset:offset + local.numel()]
         torch.sqrt(local.detach().reshape(-1).to(view.device, torch.float32), out=view)
         view.add_(1e-8)
+        torch.maximum(view, view.mean() * UNIT_FLOOR, out=view)  # no host read
     return out
 

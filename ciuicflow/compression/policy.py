@@ -12,13 +12,14 @@ The rule, in its options' defaults ("auto"):
 1. Route: the method's. A hierarchical method is exact inside nodes and exchanges between them; a
    flat one exchanges over every rank (``route="auto"`` opts in to the node sum on whole nodes).
 2. Codec: the family's own (1 bit with values for concentrated windows on the all-reduce
-   routes). A tensor an adaptive optimizer steps climbs ``ADAPTIVE_LADDER`` instead (int4, then
-   int8; int8's family starts there): it is raised one rung when its measured noise, the guard's
-   ||error memory|| / ||input|| with every coordinate divided by the optimizer's root mean square
-   (the largest over the exchanging ranks, so every rank decides alike), stays above
-   ``TOLERANCE`` for ``PATIENCE`` steps, and never lowered. Adam divides each coordinate by its
-   own RMS, so noise it sees is noise in those units; sign compression's is far above any
-   tolerance there, which is why the ladder starts at int4.
+   routes). A tensor an adaptive optimizer steps is quantised in that optimizer's units (each
+   coordinate divided by the root mean square the optimizer divides it by, multiplied back
+   after: the rounding noise lands evenly where the optimizer looks) and climbs
+   ``ADAPTIVE_LADDER`` (int4, then int8; int8's family starts there): it is raised one rung when
+   its measured noise, the guard's ||error memory|| / ||input|| in those units (the largest over
+   the exchanging ranks, so every rank decides alike), stays above ``TOLERANCE`` for
+   ``PATIENCE`` steps, and never lowered. Sign compression's noise is far above any tolerance
+   there, which is why the ladder starts at int4.
 3. Phases: one (each value quantised once) up to two ranks, and up to the family's
    ``one_phase_ranks`` for its own codec; else two, whose servers send the family's
    ``server_family`` (or the workers' codec).
@@ -56,6 +57,7 @@ class WirePlan:
     values: int = 0  # values a chunk of a concentrated window also sends (compression.outliers)
     reasons: tuple = field(default=(), compare=False)
     rungs_left: int = 0  # rungs of its ladder above this codec (``climb``)
+    in_units: bool = False  # quantised in the optimizer's units (an adaptive optimizer's tensor)
 
     @property
     def family(self) -> str:
@@ -86,7 +88,8 @@ class WirePlan:
         return {"method": self.method, "route": self.route, "exchange_ranks": self.exchange_ranks,
                 "codec": self.codec, "values": self.values, "phases": self.phases,
                 "server_codec": self.server_codec, "sends_target": self.sends_target,
-                "rungs_left": self.rungs_left, "reasons": list(self.reasons)}
+                "rungs_left": self.rungs_left, "in_units": self.in_units,
+                "reasons": list(self.reasons)}
 
 
 def family_of(method_or_family: str) -> str:
@@ -110,12 +113,6 @@ def climb(plan: WirePlan, rung: int, over: int, noise: float | None) -> tuple[in
     if over + 1 >= PATIENCE:
         return rung + 1, 0
     return rung, over + 1
-
-
-def climbing(plan: WirePlan | None) -> bool:
-    """Whether a tensor that last sent ``plan`` (None: not yet known) may still climb: only then is
-    its noise measured in the optimizer's units, a pass over it every step."""
-    return plan is None or plan.rungs_left > 0
 
 
 def two_phases(phases, ranks: int, cost: Cost, own_codec: bool = True) -> bool:
@@ -176,12 +173,13 @@ def wire_plan(method: str, *, exchange_ranks: int, route: str = "hierarchical",
         codec = ladder[min(rung, len(ladder) - 1)]
         twice = not scatter and two_phases(phases_option, ranks, cost, codec == family)
         reasons.append(
-            f"an adaptive optimizer steps it: rung {min(rung, len(ladder) - 1) + 1} of "
-            f"{' -> '.join(ladder)} (raised while its noise in the optimizer's units stays above "
-            f"{TOLERANCE})" if len(ladder) > 1 else
-            f"an adaptive optimizer steps it: adaptive_optimizer={policy!r} sends {codec}")
+            f"an adaptive optimizer steps it: quantised in the optimizer's units, rung "
+            f"{min(rung, len(ladder) - 1) + 1} of {' -> '.join(ladder)} (raised while its noise "
+            f"in those units stays above {TOLERANCE})" if len(ladder) > 1 else
+            f"an adaptive optimizer steps it: adaptive_optimizer={policy!r} sends {codec}, "
+            f"quantised in the optimizer's units")
         return WirePlan(method, route, ranks, codec, 2 if twice else 1, codec if twice else "",
-                        0, tuple(reasons), len(ladder) - 1 - min(rung, len(ladder) - 1))
+                        0, tuple(reasons), len(ladder) - 1 - min(rung, len(ladder) - 1), True)
     codec, values = family, 0 if scatter else _outlier_count(options, cost, chunk)
     twice = not scatter and two_phases(phases_option, ranks, cost)
     server = ""

@@ -188,7 +188,7 @@ class QuantizedCompressor(Compressor):
     def step(self, errors: QuantizedErrors, route, exact_mask=None, adaptive: bool = False,
              traffic: Traffic | None = None, device=None, units=None) -> QuantizedStep:
         """One exchange's step for a tensor with memory ``errors``; ``units``: what its optimizer
-        divides each coordinate by, for the guard's measure (None: 1)."""
+        divides each coordinate by (None: 1), which the plan may quantise in (``in_units``)."""
         plan = errors.wire_plan = self.wire_plan(route, adaptive, device, rung=errors.rung)
         codec, decay = self._pick(plan, traffic, route)
         server_codec = self._server_codec(plan, route)
@@ -200,13 +200,14 @@ class QuantizedCompressor(Compressor):
                              server_codec=server_codec, server_error_decay=None
                              if server_codec is None
                              else self.adaptive_error_decays.get(server_codec.name, 1.0),
-                             units=units)
+                             units=units if plan.in_units else None,
+                             fingerprint=plan.in_units)
 
     def exchange(self, flat, memory, route, context: Context, traffic) -> torch.Tensor:
         step = self.step(memory, route, context.exact_mask, context.adaptive, traffic,
                          flat.device, context.units)
         result = route.reduce(flat, step, traffic, keep=context.keep)
-        if context.units is not None:  # the guard measured in the optimizer's units: climb?
+        if step.units is not None:  # the guard measured in the optimizer's units: climb?
             memory.rung, memory.over = policy.climb(memory.wire_plan, memory.rung, memory.over,
                                                     memory.relative_error)
         return result

@@ -29,6 +29,7 @@ GradScaler then sees the overflow and skips the step).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,6 +62,9 @@ class QuantizedErrors(GuardedMemory):
         self._splits: dict = {}
         self._numel: int | None = None  # the compressed elements the buffers were laid out for
         self._loaded = False  # loaded from a checkpoint and not used since
+        # quantise in the optimizer's units when given them; False once the ranks disagreed on
+        # them (QuantizedStep). The buffers hold plain (gradient) units either way.
+        self.in_units = True
         # the guard's measure (base.update_guard): ||worker error|| over the running mean of
         # ||input||, the largest over the ranks of the exchange (the same on all)
 
@@ -142,20 +146,22 @@ class _Layout:
     server: bool  # two phases (segments served by ranks) or one (the whole tensor)
     packed_bytes: int  # payload bytes per segment (the fixed part)
     side_bytes: int = 0  # bytes of a side block (the codec's), 0 without
+    fingerprint: bool = False  # the flag row ends with the units' fingerprint
 
     @staticmethod
     def plan(codec: Codec, numel: int, exact: int, world: int, chunk_size: int,
-             server: bool) -> "_Layout":
+             server: bool, fingerprint: bool = False) -> "_Layout":
         """Two phases: ``world`` segments, one per server. One phase: a single segment (the whole
         tensor) that every rank gathers from every other."""
         parts = world if server else 1
         per_rank = -(-numel // parts)
         raw = -(-exact // parts)
         if per_rank == 0:
-            return _Layout(numel, exact, world, 0, chunk_size, raw, server, 0, codec.side_bytes)
+            return _Layout(numel, exact, world, 0, chunk_size, raw, server, 0, codec.side_bytes,
+                           fingerprint)
         chunk, segment = even_chunks(codec, per_rank, chunk_size)
         return _Layout(numel, exact, world, segment, chunk, raw, server,
-                       codec.payload_bytes(segment, chunk), codec.side_bytes)
+                       codec.payload_bytes(segment, chunk), codec.side_bytes, fingerprint)
 
     def served_with(self, codec: Codec) -> "_Layout":
         """The layout of the servers' all-gather where they pack with ``codec`` (the same chunks:
@@ -177,8 +183,9 @@ class _Layout:
     @property
     def flag_floats(self) -> int:
         """The flag row: non-finite flag, ||worker error||, ||input||; with side blocks also the
-        blocks this row's segment has and the blocks the rank has in all."""
-        return 5 if self.side_bytes else 3
+        blocks this row's segment has and the blocks the rank has in all; last, with
+        ``fingerprint``, the units' (``QuantizedStep``: whether every rank quantised in the same)."""
+        return (5 if self.side_bytes else 3) + self.fingerprint
 
 
 
@@ -197,7 +204,15 @@ class QuantizedStep:
     ``server_codec``: what a server packs its segment's mean with (None: ``codec``), in
     ``codec``'s chunks, its memory carried by ``server_error_decay`` (None: ``error_decay``).
     ``units``: the tensor's size per coordinate as its optimizer sees it (an adaptive optimizer's
-    root mean square, the whole tensor's layout), which the guard's norms divide by (None: 1).
+    root mean square, the whole tensor's layout; None: 1). The tensor is quantised in those
+    units: each coordinate divided by its unit before packing and multiplied back after, so the
+    rounding noise is even where the optimizer looks (a chunk's scale no longer set by the
+    coordinates whose RMS is largest) and the guard's norms are the optimizer's. Every rank of
+    the exchange must hold the same units (DDP's replicas do). ``fingerprint`` (the same on every
+    rank of the exchange: an adaptive optimizer steps the tensor, whether or not this rank has
+    its units) adds their fingerprint to the flag row; where the ranks disagree (ZeRO's shards, a
+    rank without optimizer state) the step is an exact all-reduce and the memory quantises in
+    plain units from then on (``QuantizedErrors.in_units``). Without it, ``units`` is refused.
     """
 
     needs_flag = True
@@ -207,7 +222,10 @@ class QuantizedStep:
                  server: bool = True, guard_threshold: float | None = None,
                  measure: bool = True, guard_half: bool = False,
                  server_codec: Codec | None = None, server_error_decay: float | None = None,
-                 units: torch.Tensor | None = None):
+                 units: torch.Tensor | None = None, fingerprint: bool = False):
+        if units is not None and not fingerprint:
+            raise ValueError("units need fingerprint=True: the ranks must be able to tell that "
+                             "they quantised in the same units")
         self.codec = codec
         self.server_codec = codec if server_codec is None else server_codec
         self.server_error_decay = float(error_decay if server_error_decay is None
@@ -221,6 +239,7 @@ class QuantizedStep:
         self.measure = bool(measure)
         self.guard_half = bool(guard_half)
         self.units = units
+        self.fingerprint = bool(fingerprint)
 
     def __call__(self, x: torch.Tensor, hop: Hop, flag, offset: int,
                  traffic: Traffic | None) -> torch.Tensor:
@@ -234,7 +253,8 @@ class QuantizedStep:
         compressed_at, exact_at = self._split(offset, x.numel(), x.device)
         xc = x if compressed_at is None else x[compressed_at]
         xe = x.new_empty(0, dtype=torch.float32) if exact_at is None else x[exact_at].float()
-        layout = _Layout.plan(codec, xc.numel(), xe.numel(), world, self.chunk_size, self.server)
+        layout = _Layout.plan(codec, xc.numel(), xe.numel(), world, self.chunk_size, self.server,
+                              self.fingerprint)
         errors.ensure(layout, x.device)
         parts = layout.parts
 
@@ -242,22 +262,31 @@ class QuantizedStep:
         worker_error = errors._spare
         norms = x.new_zeros(2, dtype=torch.float32)
         sums = None
+        unit = self._units_at(offset, x.numel(), compressed_at, x.device) \
+            if self.units is not None and errors.in_units else None
         if layout.segment:
             # Segments are whole chunks, so packing the unpadded values gives the first bytes and
             # scales of the padded layout; the padding's bits and scales stay zero (it unpacks to 0).
             # One pass: the decayed memory, the pack and the guard's norms.
-            packed, scales, sums = codec.pack_ef(xc, errors.worker[:layout.numel],
-                                                 self.error_decay, worker_error[:layout.numel],
-                                                 layout.chunk, measure=self.measure)
+            if unit is None:
+                packed, scales, sums = codec.pack_ef(xc, errors.worker[:layout.numel],
+                                                     self.error_decay, worker_error[:layout.numel],
+                                                     layout.chunk, measure=self.measure)
+            else:  # in the optimizer's units, the memory too; it is kept in plain units
+                packed, scales, sums = codec.pack_ef(xc.float() / unit,
+                                                     errors.worker[:layout.numel] / unit,
+                                                     self.error_decay, worker_error[:layout.numel],
+                                                     layout.chunk, measure=self.measure)
+                worker_error[:layout.numel].mul_(unit)
             fixed = codec.payload_bytes(layout.numel, layout.chunk)
             packed, side = packed[:fixed], packed[fixed:]
             packed = padded(packed, parts * layout.packed_bytes)
             scales = padded(scales, parts * layout.nscales)
             worker_error[layout.numel:].zero_()  # padding carries no error
             if self.measure:  # the flag row's ||worker error|| and ||input|| for the guard
-                norms = sums.sqrt().to(torch.float32) if self.units is None else \
-                    self._norms_in_units(xc, worker_error[:layout.numel], offset, x.numel(),
-                                         compressed_at)
+                norms = sums.sqrt().to(torch.float32) if self.units is None or unit is not None \
+                    else self._norms_in_units(xc, worker_error[:layout.numel], offset, x.numel(),
+                                              compressed_at)
         else:
             packed = side = x.new_empty(0, dtype=torch.uint8)
             scales = x.new_empty(0, dtype=torch.float32)
@@ -267,11 +296,15 @@ class QuantizedStep:
             flag = nonfinite_flag(x) if sums is None else torch.maximum(
                 nonfinite_flag(xe), (~torch.isfinite(sums[1:])).to(torch.float32))
         # The flag row: non-finite flag, then ||worker error|| and ||input|| for the guard (and the
-        # side blocks: per segment and in all; ``_Layout.flag_floats``).
+        # side blocks: per segment and in all), maybe the units' fingerprint (``_Layout.flag_floats``).
         flags = torch.cat([flag.to(torch.float32).view(1), norms]).view(1, 3).expand(parts, 3)
         if layout.side_bytes:
             marked = count_marked(scales, parts)
             flags = torch.cat([flags, marked.view(-1, 1), marked.sum().expand(parts, 1)], dim=1)
+        if self.fingerprint:
+            fingerprint = x.new_full((1,), -1.0, dtype=torch.float32) if unit is None else \
+                unit.sum(dtype=torch.float64).to(torch.float32).view(1)
+            flags = torch.cat([flags, fingerprint.view(1, 1).expand(parts, 1)], dim=1)
         raw = padded(xe, parts * layout.raw)
         if self.server:
             send = pack_rows(world, packed, scales, flags, raw)
@@ -288,25 +321,39 @@ class QuantizedStep:
         # norms (the same on every rank of the exchange) feed the guard; with side blocks, how
         # many every rank has (the same on every rank: whether they are exchanged) and how many
         # each sends this rank.
+        # Whether every rank quantised in the same units: their fingerprints' spread.
+        fingerprints = r_flags[:, -1] if self.fingerprint else r_flags.new_zeros(r_flags.shape[0])
+        side_counts = r_flags[:, 3:layout.flag_floats - self.fingerprint]
         read = torch.cat([r_flags[:, :1].sum(0), r_flags[:, 1:3].max(0).values,
-                          r_flags[:, 4:].sum(0), r_flags[:, 3:4].view(-1)]).tolist()
-        flagged, largest_error, largest_input = read[:3]
+                          (fingerprints.max() - fingerprints.min()).view(1),
+                          fingerprints.abs().max().view(1),
+                          side_counts[:, 1:].sum(0), side_counts[:, :1].view(-1)]).tolist()
+        flagged, largest_error, largest_input, spread, size = read[:5]
         if flagged > 0:  # a rank holds inf/NaN: exact this step, errors untouched
             if traffic is not None:
                 traffic.nonfinite_fallbacks += 1
+            x.div_(world)
+            return all_reduce(x, hop, traffic)
+        if spread > 1e-5 * size:  # not the same units on every rank: exact this step, and plain
+            # units from now on (every rank read the same rows: every rank turns alike)
+            errors.in_units = False
+            warnings.warn("ciuicflow: the ranks of a quantised exchange hold different optimizer "
+                          "states for one tensor (ZeRO's shards, or a rank without optimizer "
+                          "state yet); it is quantised in plain units from now on", RuntimeWarning)
             x.div_(world)
             return all_reduce(x, hop, traffic)
         errors.worker, errors._spare = worker_error, errors.worker
         if self.measure:
             update_guard(errors, largest_error, largest_input)
         r_side = None
-        if layout.side_bytes and read[3] > 0:  # some rank has side blocks: the second exchange
+        if layout.side_bytes and read[5] > 0:  # some rank has side blocks: the second exchange
             sent = marked.tolist()  # per segment: to each server, or one count to every rank
-            r_side = exchange_side(side, [int(c) for c in sent], [int(c) for c in read[4:]],
+            r_side = exchange_side(side, [int(c) for c in sent], [int(c) for c in read[6:]],
                                     layout.side_bytes, hop, traffic)
         if not self.server:
             return self._finish(x, layout, compressed_at, exact_at, r_packed, r_scales,
-                                r_raw.sum(0).div_(world), mean_of_rows=True, side=r_side)
+                                r_raw.sum(0).div_(world), mean_of_rows=True, side=r_side,
+                                unit=unit)
 
         # Phase 2 (server of segment `me`): average, compress again with the server error, gather.
         me = dist.get_rank(hop.group)
@@ -317,9 +364,16 @@ class QuantizedStep:
                                      errors._mean,
                                      side=side_per_row(r_side, r_scales, layout.side_bytes))
             mean[real:] = 0
+            served_units = None
+            if unit is not None:  # the mean is in the units; the server's memory is kept plain
+                served_units = unit.new_ones(layout.segment)
+                served_units[:real] = unit[me * layout.segment:me * layout.segment + real]
+                errors.server.div_(served_units)
             s_packed, s_scales, _ = self.server_codec.pack_ef(
                 mean, errors.server, self.server_error_decay, errors.server, layout.chunk,
                 measure=False)
+            if served_units is not None:
+                errors.server.mul_(served_units)
             s_packed, s_side = s_packed[:served.packed_bytes], s_packed[served.packed_bytes:]
             errors.server[real:].zero_()
         else:
@@ -337,13 +391,14 @@ class QuantizedStep:
                                         [int(c) for c in counts], served.side_bytes, hop, traffic)
         return self._finish(x, served, compressed_at, exact_at, g_packed, g_scales,
                             g_raw.reshape(-1), mean_of_rows=False, side=g_side,
-                            codec=self.server_codec)
+                            codec=self.server_codec, unit=unit)
 
     def _finish(self, x, layout, compressed_at, exact_at, packed, scales, raw, mean_of_rows,
-                side=None, codec=None):
+                side=None, codec=None, unit=None):
         """Write the decompressed result into x: the rows' mean (one phase) or the rows laid end to
         end (two phases: row j is segment j). ``side``: the rows' side blocks, in row order;
-        ``codec``: the rows' (None: the step's)."""
+        ``codec``: the rows' (None: the step's); ``unit``: the units the rows were quantised in
+        (None: plain), multiplied back."""
         codec, errors = codec or self.codec, self.errors
         nbytes = (lambda n: codec.payload_bytes(n, layout.chunk))
         nscales = (lambda n: -(-n // layout.chunk))
@@ -357,9 +412,13 @@ class QuantizedStep:
         if compressed_at is None and x.dtype == torch.float32 and x.is_contiguous():
             if layout.numel:  # straight into x: the first numel elements of the padded layout
                 unpack(layout.numel, x)
+                if unit is not None:
+                    x.mul_(unit)
             return x
         if layout.segment:
             out = unpack(layout.parts * layout.segment, errors._out)[:layout.numel]
+            if unit is not None:
+                out.mul_(unit)
         else:
             out = x.new_empty(0, dtype=torch.float32)
         if compressed_at is None:
@@ -408,14 +467,19 @@ class QuantizedStep:
             errors.worker[:numel] = left if compressed_at is None else left[compressed_at]
         return x
 
-    def _norms_in_units(self, xc, error, offset: int, length: int, compressed_at):
-        """||error / units|| and ||input / units|| over the compressed positions: the guard's
-        norms as the optimizer sees them (``units``: what it divides each coordinate by)."""
+    def _units_at(self, offset: int, length: int, compressed_at, device) -> torch.Tensor:
+        """``units`` over the compressed positions of x[offset:offset+length] (float32)."""
         units = self.units.view(-1)[offset:offset + length]
         if units.numel() < length:  # a route's last shard runs into its padding
             units = torch.cat([units, units.new_ones(length - units.numel())])
         if compressed_at is not None:
             units = units[compressed_at]
+        return units.to(device, torch.float32)
+
+    def _norms_in_units(self, xc, error, offset: int, length: int, compressed_at):
+        """||error / units|| and ||input / units|| over the compressed positions: the guard's
+        norms as the optimizer sees them (``units``: what it divides each coordinate by)."""
+        units = self._units_at(offset, length, compressed_at, xc.device)
         return torch.stack([torch.linalg.vector_norm(error / units),
                             torch.linalg.vector_norm(xc.float() / units)]).to(torch.float32)
 

@@ -14,8 +14,7 @@ from ciuicflow.collectives.primitives import Traffic
 from ciuicflow.collectives.routes import EXACT, ROUTES
 from ciuicflow.compression.base import Compressor, Context, ExactCompressor, exclude_mask
 from ciuicflow.compression.ledger import Ledger
-from ciuicflow.compression.optimizer_watch import stepped_adaptively, units, watch
-from ciuicflow.compression.policy import climbing
+from ciuicflow.compression.optimizer_watch import moments, stepped_adaptively, units, watch
 from ciuicflow.ddp.bucket import BucketMemories, BucketView
 from ciuicflow.ddp.worker import completed, ordered_worker
 from ciuicflow.topology import Topology
@@ -56,6 +55,10 @@ class AllReduceState:
         # names of parameters an adaptive optimizer steps: checkpointed, so that a resumed
         # process sends them as before from its first step, before its optimizer has stepped
         self._adaptive_names: set[str] = set()
+        self._params: dict[str, torch.nn.Parameter] = {}  # by name (``bind_model``)
+        # a checkpoint's second moments by name, for the units of the steps a resumed process
+        # reduces before its optimizer's first step (``optimizer_watch.moments``)
+        self._saved_moments: dict[str, torch.Tensor] = {}
         self._masks: dict[str, torch.Tensor | None] = {}
         self._routes: dict = {}
         self._ledger = Ledger()
@@ -79,6 +82,7 @@ class AllReduceState:
         """Learn parameter names (for ``exclude`` patterns and resume); ``register`` does this."""
         module = getattr(model, "module", model)
         self._names = {id(param): name for name, param in module.named_parameters()}
+        self._params = dict(module.named_parameters())
         self._masks.clear()
         return self
 
@@ -106,6 +110,7 @@ class AllReduceState:
             "memory": self._memories.state_dict(),
             "stats": self._ledger.state_dict(),
             "adaptive": sorted(self._adaptive_names),
+            "moments": self._moments(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -120,6 +125,7 @@ class AllReduceState:
                                  f"{getattr(self, name)!r}: its memory does not fit")
         self.iter = int(state["iter"])
         self._adaptive_names = set(state.get("adaptive", ()))
+        self._saved_moments = dict(state.get("moments", {}))
         self._memories.load_state_dict(state["memory"])
         self._ledger.load_state_dict(state.get("stats", {}))
 
@@ -238,6 +244,24 @@ class AllReduceState:
         return bool(self._adaptive_names) and any(
             self._names.get(id(p)) in self._adaptive_names for p in params)
 
+    def _moments(self) -> dict:
+        """Second moments of the adaptively stepped parameters, by name, for the checkpoint."""
+        names = sorted(n for n in self._adaptive_names if n in self._params)
+        found = moments([self._params[n] for n in names])
+        live = {n: m for n, m in zip(names, found) if m is not None}
+        return {**self._saved_moments, **live}  # a checkpoint's, where none stepped here yet
+
+    def _resumed_moments(self, params) -> list | None:
+        """The checkpoint's moments of ``params`` until an optimizer has stepped them here."""
+        if not self._saved_moments:
+            return None
+        names = [self._names.get(id(p)) for p in params]
+        if stepped_adaptively(params):  # the optimizer's own from now on
+            for name in names:
+                self._saved_moments.pop(name, None)
+            return None
+        return [self._saved_moments.get(name) for name in names]
+
     def _param_names(self, info: BucketView):
         if not self._names:
             return None
@@ -251,8 +275,8 @@ class AllReduceState:
         context = Context(tuple(info.segments), self._exact_mask(info, route.name == "hierarchical"),
                           step, info.index, self.seed, adaptive, keep,
                           units=units(info.parameters, info.segments, info.buffer.numel(),
-                                      info.buffer.device)
-                          if adaptive and climbing(getattr(memory, "wire_plan", None)) else None)
+                                      info.buffer.device, self._resumed_moments(info.parameters))
+                          if adaptive else None)
         self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, route,
                                    info.buffer.device)
         route.add_exact(traffic, info.buffer)

@@ -32,8 +32,7 @@ from ciuicflow.collectives.routes import EXACT, FlatRoute
 from ciuicflow.compression import registry
 from ciuicflow.compression.base import Context, exclude_mask
 from ciuicflow.compression.ledger import Ledger
-from ciuicflow.compression.optimizer_watch import stepped_adaptively, units, watch
-from ciuicflow.compression.policy import climbing
+from ciuicflow.compression.optimizer_watch import moments, stepped_adaptively, units, watch
 from ciuicflow.ddp.state import DEFAULT_WARMUP_STEPS
 from ciuicflow.topology import Topology
 
@@ -63,10 +62,18 @@ class _Group:
         # an adaptive optimizer steps its parameters: seen, or said by the checkpoint (a resumed
         # process's first backward comes before its optimizer's first step)
         self.adaptive = False
+        # a checkpoint's second moments of the parameters (``optimizer_watch.moments``): the
+        # units until the optimizer has stepped them in this process
+        self.saved_moments: list | None = None
 
     def stepped_adaptively(self) -> bool:
         self.adaptive = self.adaptive or stepped_adaptively(self.parameters())
         return self.adaptive
+
+    def resumed_moments(self) -> list | None:
+        if self.saved_moments is not None and stepped_adaptively(self.parameters()):
+            self.saved_moments = None
+        return self.saved_moments
 
     def parameters(self) -> list:
         """The sharded parameters (what the optimizer steps)."""
@@ -177,9 +184,9 @@ class FSDPState:
         if compressed and flat.numel():
             memory = self._memory(group, flat)
             adaptive = group.stepped_adaptively()
-            # measured in the optimizer's units while the group's ladder has a rung left (policy)
-            scale = units(group.parameters(), group.segments, flat.numel(), flat.device) \
-                if adaptive and climbing(getattr(memory, "wire_plan", None)) else None
+            # quantised, and its noise measured, in the optimizer's units (compression.policy)
+            scale = units(group.parameters(), group.segments, flat.numel(), flat.device,
+                          group.resumed_moments()) if adaptive else None
             context = Context(group.segments, group.mask, step, group.index, self.seed, adaptive,
                               units=scale)
             self._ledger.note_adaptive(self.compressor, self.algorithm, adaptive, self.route,
@@ -256,7 +263,10 @@ class FSDPState:
         """For ``torch.distributed.checkpoint`` (or ``torch.save``): the shared configuration, and
         this rank's memory, steps and statistics under ``rank<R>`` (DCP saves each rank's own)."""
         mine = {"groups": {g.name: {"steps": g.steps, "memory": _memory_state(g),
-                                    "adaptive": g.adaptive} for g in self.groups},
+                                    "adaptive": g.adaptive,
+                                    "moments": (g.resumed_moments() or moments(g.parameters()))
+                                    if g.adaptive else None}
+                           for g in self.groups},
                 "stats": self._ledger.state_dict()}
         blob = io.BytesIO()
         torch.save(mine, blob)
@@ -287,6 +297,7 @@ class FSDPState:
                                  f"{sorted(saved)}")
             group.steps = int(entry["steps"])
             group.adaptive = bool(entry.get("adaptive", False))
+            group.saved_moments = entry.get("moments")
             group.memory, group.pending = None, entry["memory"]
         self._ledger.load_state_dict(mine["stats"])
 

@@ -152,6 +152,31 @@ def test_a_run_in_two_directories(tmp_path):
         _render([a, c])
 
 
+def test_a_replacing_run_replaces_the_same_records_of_the_others(tmp_path):
+    """A rerun after a method changed: its records win over the others' (wherever they are listed),
+    the rest stays, and the header counts what it replaced; a failed rerun replaces nothing."""
+    exact = _rec("cnn_adam_step", "exact", 0.96, nodes=2, ranks_per_node=2)
+    old = _rec("cnn_adam_step", "hierarchical_1bit", 0.95, nbytes=900, nodes=2, ranks_per_node=2)
+    other = _rec("mlp_sgd_constant", "hierarchical_1bit", 0.80, nodes=2, ranks_per_node=2)
+    other_exact = _rec("mlp_sgd_constant", "exact", 0.81, nodes=2, ranks_per_node=2)
+    a = _write_run(tmp_path / "a", [exact, old, other, other_exact])
+    new = _rec("cnn_adam_step", "hierarchical_1bit", 0.958, nbytes=450, nodes=2, ranks_per_node=2)
+    failed = {"task": "mlp_sgd_constant", "method": "hierarchical_1bit", "failed": True, "seed": 0,
+              "nodes": 2, "ranks_per_node": 2}
+    b = _write_run(tmp_path / "b", [new, failed])
+    with pytest.raises(SystemExit, match="with another result"):
+        _render([a, b])
+    for runs in ([appendix.parse_run_arg(a), appendix.parse_run_arg(b, replacing=True)],
+                 [appendix.parse_run_arg(b, replacing=True), appendix.parse_run_arg(a)]):
+        text = appendix.render(runs, "CMD")
+        assert _rows(text, "cnn_adam_step")[("hierarchical_1bit", "2 x 2")][4] == "-0.20 pt"
+        assert _rows(text, "mlp_sgd_constant")[("hierarchical_1bit", "2 x 2")][4] == "-1.00 pt"
+        assert "replaces 1 record(s) of the other runs" in text
+    out = tmp_path / "page.md"
+    assert appendix.main([a, "--replacing", b, "--out", str(out)]) == 0
+    assert f"--replacing {b}" in out.read_text().splitlines()[2]
+
+
 def test_convergence_py_records_its_shape_and_command(tmp_path, monkeypatch):
     """bench/convergence writes run.json (command, date, machine, commit) and the shape in each
     record; run_task stands in for training."""

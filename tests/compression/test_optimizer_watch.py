@@ -228,8 +228,8 @@ def test_adaptive_optimizer_tensors_go_as_int4_by_default():
     for hook in ("hierarchical_1bit", "onebit"):
         by = {policy: results[0][("adamw", hook, policy)] for policy in POLICIES}
         same = by["same"]
-        # the ladder: int4, a bucket raised to int8 where its noise in AdamW's units stayed high
-        # (here one bucket of one hop), so its bytes lie between int8's and int4's
+        # the ladder: int4, a bucket raised to int8 where its noise in AdamW's units stays high
+        # (quantised in those units, none is here), so its bytes lie between int8's and int4's
         default = by["default"]
         assert {w["codec"] for w in default["stats"]["wire"].values()} <= {"int4", "int8"}, hook
         assert by["int8"]["stats"]["compression_ratio"] <= default["stats"]["compression_ratio"] \
@@ -253,10 +253,13 @@ def test_adaptive_optimizer_tensors_go_as_int4_by_default():
             ratio = adam["stats"]["compression_ratio"] / same["stats"]["compression_ratio"]
             assert hook == "onebit" or payload_ratio[0] < ratio < payload_ratio[1], \
                 (hook, policy, ratio)
-            # and stays closer to exact training (measured: int8 0.024 of exact training's movement
-            # away from it, int4 0.17-0.22, against 0.40-0.50 for 1-bit; the suite's runs decide
-            # accuracy: docs/convergence.md)
-            assert adam["gap"] < 0.6 * same["gap"], (hook, policy, adam["gap"], same["gap"])
+            # and stays closer to exact training (measured, quantised in AdamW's units: int8
+            # 0.03-0.04 of exact training's movement away from it, int4 0.18-0.20, against
+            # 0.40-0.43 for 1-bit; int8 0.18-0.20 in units without optimizer_watch.UNIT_FLOOR,
+            # whose first steps' near-zero units set their chunks' scales; the suite's runs
+            # decide accuracy: docs/convergence.md)
+            assert adam["gap"] < {"int4": 0.6, "int8": 0.25}[policy] * same["gap"], \
+                (hook, policy, adam["gap"], same["gap"])
         # more bits, closer
         assert by["int8"]["gap"] < by["int4"]["gap"] < same["gap"], hook
         assert same["stats"]["adaptive_codec_reductions"] == 0, hook
