@@ -172,14 +172,17 @@ def wire_plan(method: str, *, exchange_ranks: int, route: str = "hierarchical",
         ladder = adaptive_ladder(family) if policy == "auto" else (policy,)
         codec = ladder[min(rung, len(ladder) - 1)]
         twice = not scatter and two_phases(phases_option, ranks, cost, codec == family)
+        # a reduce-scatter packs other ranks' shards, whose units this rank does not hold
+        units = "in plain units (a reduce-scatter)" if scatter else \
+            "quantised in the optimizer's units"
         reasons.append(
-            f"an adaptive optimizer steps it: quantised in the optimizer's units, rung "
+            f"an adaptive optimizer steps it: {units}, rung "
             f"{min(rung, len(ladder) - 1) + 1} of {' -> '.join(ladder)} (raised while its noise "
-            f"in those units stays above {TOLERANCE})" if len(ladder) > 1 else
-            f"an adaptive optimizer steps it: adaptive_optimizer={policy!r} sends {codec}, "
-            f"quantised in the optimizer's units")
+            f"in the optimizer's units stays above {TOLERANCE})" if len(ladder) > 1 else
+            f"an adaptive optimizer steps it: adaptive_optimizer={policy!r} sends {codec}, {units}")
         return WirePlan(method, route, ranks, codec, 2 if twice else 1, codec if twice else "",
-                        0, tuple(reasons), len(ladder) - 1 - min(rung, len(ladder) - 1), True)
+                        0, tuple(reasons), len(ladder) - 1 - min(rung, len(ladder) - 1),
+                        not scatter)
     codec, values = family, 0 if scatter else _outlier_count(options, cost, chunk)
     twice = not scatter and two_phases(phases_option, ranks, cost)
     server = ""

@@ -74,6 +74,27 @@ def test_the_ladder_climbs_after_patience_and_never_down():
     assert policy.climb(sgd, 0, 0, 100.0) == (0, 0)  # no ladder: the guard's business
 
 
+def test_only_an_adaptive_optimizers_all_reduced_tensors_are_quantised_in_its_units():
+    """The plan says where the compressors divide by the optimizer's units: an adaptive
+    optimizer's tensors on the all-reduce routes (every rung, a pinned codec too); not under SGD,
+    not with ``adaptive_optimizer="same"`` (1 bit as under SGD), not on FSDP's reduce-scatter
+    (a rank holds the units of its own shard only)."""
+    from ciuicflow.compression import policy
+
+    assert policy.explain("hierarchical_1bit", nodes=2, optimizer="adam").in_units
+    assert policy.wire_plan("hierarchical_1bit", exchange_ranks=2, adaptive=True, rung=1).in_units
+    assert policy.explain("hierarchical_int8", nodes=4, ranks_per_node=2, optimizer="adamw").in_units
+    assert policy.explain("int4", nodes=2, ranks_per_node=2, optimizer="adam").in_units
+    assert not policy.explain("hierarchical_1bit", nodes=2).in_units
+    assert not policy.explain("hierarchical_int4", nodes=2).in_units
+    assert not policy.explain("hierarchical_1bit", nodes=2, optimizer="adam",
+                              adaptive_optimizer="same").in_units
+    scatter = policy.wire_plan("onebit", exchange_ranks=4, route="reduce_scatter", adaptive=True)
+    assert scatter.codec == "int4" and not scatter.in_units
+    assert "plain units" in scatter.reasons[0]
+    assert policy.explain("hierarchical_1bit", nodes=2, optimizer="adam").as_dict()["in_units"]
+
+
 def test_explain_refuses_an_unknown_method():
     with pytest.raises(ValueError, match="unknown method"):
         ciuicflow.explain("hierarchical_2bit", nodes=2)
