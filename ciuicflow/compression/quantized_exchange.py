@@ -102,18 +102,21 @@ class QuantizedErrors(GuardedMemory):
     def state_dict(self) -> dict:
         """Copies: the buffers themselves are reused and overwritten by later steps."""
         # and where its ladder stands (policy.climb): the rung, the steps in a row over the
-        # tolerance, and the running gradient norm the measure divides by (-1: none yet)
+        # tolerance, the running gradient norm the measure divides by (-1: none yet), and
+        # whether it still quantises in the optimizer's units (``in_units``)
         ladder = torch.tensor([self.rung, self.over, -1.0 if self._grad_norm_ema is None
-                               else self._grad_norm_ema], dtype=torch.float64)
+                               else self._grad_norm_ema, float(self.in_units)],
+                              dtype=torch.float64)
         return {"worker": snapshot(self.worker), "server": snapshot(self.server), "ladder": ladder}
 
     def load_state_dict(self, state: dict) -> None:
         self.worker, self.server = snapshot(state["worker"]), snapshot(state["server"])
         ladder = state.get("ladder")
         if ladder is not None:
-            rung, over, ema = ladder.tolist()
+            rung, over, ema, *in_units = ladder.tolist()
             self.rung, self.over = int(rung), int(over)
             self._grad_norm_ema = None if ema < 0 else ema
+            self.in_units = bool(in_units[0]) if in_units else True
         self._spare, self._numel = None, None
         self._loaded = True  # its tensor is the one it is loaded for (the caller's key says so)
 

@@ -105,3 +105,19 @@ def test_ranks_that_disagree_on_units_take_an_exact_step_then_plain_units():
     # from step 1 on: plain int4 whose memory started at zero (the exact step owed nothing)
     plain_noise = _noise_in_units(per_rank[0]["outputs"], 2)
     assert plain_noise > 0.3, plain_noise
+
+
+def test_a_memory_turned_to_plain_units_stays_so_across_a_checkpoint():
+    """``in_units`` travels with the memory's state (an older state without it: units)."""
+    from ciuicflow.compression.quantized_exchange import QuantizedErrors
+
+    errors = QuantizedErrors()
+    errors.worker, errors.server = torch.zeros(8), torch.zeros(0)
+    errors.in_units = False
+    loaded = QuantizedErrors()
+    loaded.load_state_dict(errors.state_dict())
+    assert loaded.in_units is False
+    older = errors.state_dict()
+    older["ladder"] = older["ladder"][:3]
+    loaded.load_state_dict(older)
+    assert loaded.in_units is True
