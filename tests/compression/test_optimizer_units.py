@@ -69,8 +69,8 @@ def _noise_in_units(outputs, world):
 
 @pytest.mark.parametrize("world,server", [(2, False), (4, True)])
 def test_quantised_in_units_is_nearer_where_the_optimizer_looks(world, server):
-    """Same bytes; in units the error as the optimizer sees it falls several-fold (measured:
-    0.17-0.24 against 0.97-1.1), the guard's measure is taken in those units, and error feedback still
+    """Same bytes; in units the error as the optimizer sees it falls several-fold (figures:
+    docs/decisions.md), the guard's measure is taken in those units, and error feedback still
     loses nothing: summed over the steps, the outputs plus what the memories hold equal the exact
     means' sum (the memories are kept in plain units, so a checkpoint or the guard's exact step
     reads them as before)."""
