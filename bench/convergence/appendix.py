@@ -324,7 +324,36 @@ def render(runs: list[Run], command: str) -> str:
         lines.append("|" + "|".join(["---", "---"] + (["---"] if several else []) +
                                     ["---:", "---:", "---:", "---", "---:", "---:", "---:"]) + "|")
         lines += [_row_line(r, several) for r in task_rows]
+        smallest = _smallest_torch_rank_lines(task_rows)
+        if smallest:
+            lines += [""] + smallest
     return "\n".join(lines) + "\n"
+
+
+def _smallest_torch_rank_lines(task_rows: list[dict]) -> list[str]:
+    """Per shape, PyTorch's powerSGD_hook at the smallest rank of bench/convergence/torch_rank.py's
+    search that is within the line, with its bytes (and the ranks below it that were not)."""
+    by_shape: dict[tuple, list[tuple[int, dict]]] = {}
+    for r in task_rows:
+        rank = report.torch_rank_of(r["method"])
+        if rank is not None and r.get("within") is not None:
+            by_shape.setdefault(r["shape"], []).append((rank, r))
+    lines = []
+    for shape in sorted(by_shape, key=_shape_order):
+        tried = sorted(by_shape[shape], key=lambda t: t[0])
+        within = [(rank, r) for rank, r in tried if r["within"]]
+        head = f"PyTorch's `powerSGD_hook` on {_fmt_shape(shape)}, the smallest rank within the line: "
+        if not within:
+            lines.append(head + "none of ranks " + ", ".join(str(k) for k, _ in tried) + ".")
+            continue
+        rank, r = within[0]
+        below = [str(k) for k, _ in tried if k < rank]
+        ratio = f", 1/{r['exact_bytes'] / r['bytes']:.1f} of exact's" if r.get("bytes") else ""
+        lines.append(head + f"**rank {rank}**, {report._fmt_bytes(r['bytes'])} per step{ratio} "
+                     f"(gap {_fmt_gap(r['metric'], r['gap'])}, seeds "
+                     f"{','.join(map(str, r['seeds']))})"
+                     + (f"; rank {', '.join(below)} outside it." if below else "."))
+    return lines
 
 
 def main(argv=None) -> int:

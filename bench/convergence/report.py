@@ -20,6 +20,23 @@ FSDP_SCATTER = tuple(scatter_methods())
 FSDP_HOOKS = tuple(f"fsdp:{name}" for name in COMPRESSED_HOOKS if registry.method(name).hierarchical
                    or name in FSDP_SCATTER)
 OPTIMIZERS = ("onebit_adam", "zero_one_adam")
+TORCH_POWERSGD = "torch_powerSGD"
+
+
+def torch_rank_method(rank: int) -> str:
+    """The method name of PyTorch's powerSGD_hook at ``rank`` (bench/convergence/torch_rank.py)."""
+    return f"{TORCH_POWERSGD}@rank={rank}"
+
+
+def torch_rank_of(method: str) -> int | None:
+    """The rank a ``torch_powerSGD@rank=R`` method name runs at; None for any other name."""
+    name, _, options = method.partition("@")
+    if name != TORCH_POWERSGD or not options.startswith("rank=") or ";" in options:
+        return None
+    try:
+        return int(options[len("rank="):])
+    except ValueError:
+        return None
 
 
 def _run(record: dict) -> tuple:

@@ -7,8 +7,9 @@ Methods:
                    (``ciuicflow.register(ddp, name)``: nothing but the model's parameter names);
                    ``name@key=value;key=value`` sets options (comparisons only)
   torch_powerSGD   PyTorch's ``powerSGD_hook`` at the rank and warm-up of ciuicflow's
-                   ``PowerSGDState`` defaults; on gloo each bucket's future is waited for inside the
-                   hook (as bench/comm does: its later all-reduces interleave across buckets)
+                   ``PowerSGDState`` defaults (``torch_powerSGD@rank=R``: at rank R); on gloo each
+                   bucket's future is waited for inside the hook (as bench/comm does: its later
+                   all-reduces interleave across buckets)
   onebit_adam, zero_one_adam   ciuicflow's 1-bit optimizers with their defaults, no DDP (Adam tasks)
   fsdp_hsdp        FSDP2's own HSDP (each child module with parameters, and the root,
                    fully_shard-ed over the 2-D mesh "replicate" x "shard")
@@ -38,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.convergence import diloco_methods as convergence_diloco
 from bench.convergence import tasks
+from bench.convergence.report import TORCH_POWERSGD
 from bench.comm.worker import waiting  # noqa: E402  (PyTorch's PowerSGD hook made to work on gloo)
 
 OPTIMIZER_METHODS = ("onebit_adam", "zero_one_adam")
@@ -158,13 +160,14 @@ def setup(task, method):
     state = None
     if method == "exact":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    elif method == "torch_powerSGD":
-        # at the rank ciuicflow's PowerSGD sends this task's tensors with by default
+    elif name == TORCH_POWERSGD:
+        # by default at the rank ciuicflow's PowerSGD sends this task's tensors with
         default = PowerSGDCompressor()
-        state = torch_psgd.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=default.adaptive_rank if task.adam_family else default.rank,
-            start_powerSGD_iter=max(2, DEFAULT_WARMUP_STEPS))
+        rank = options.pop("rank", default.adaptive_rank if task.adam_family else default.rank)
+        if options or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"{method!r}: {TORCH_POWERSGD} takes one option, rank=<int >= 1>")
+        state = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                         start_powerSGD_iter=max(2, DEFAULT_WARMUP_STEPS))
         ddp.register_comm_hook(state, waiting(torch_psgd.powerSGD_hook))
         state = None
     elif name in HOOKS:
