@@ -114,7 +114,8 @@ def test_rounds_combine_into_medians_and_ratios_within_rounds():
 
 def test_allreduce_cost_measures_the_compressor_and_the_exact_reduction(tmp_path):
     """bench/comm/allreduce_cost.py --smoke: a record per method (the compressor's, then the exact
-    baseline's), every rank measured, the table written, bad sizes refused."""
+    baseline's), every rank measured, the table written, bad sizes refused; --adaptive times the
+    Adam plan in plain units and in the optimizer's."""
     json_path = tmp_path / "cost.json"
     proc = subprocess.run([sys.executable, "-m", "bench.comm.allreduce_cost",
                            "--smoke", "--flat", "--json", str(json_path)],
@@ -126,6 +127,17 @@ def test_allreduce_cost_measures_the_compressor_and_the_exact_reduction(tmp_path
         assert r["route"] == "flat" and r["numel"] == 1 << 20 and len(r["per_rank"]) == 4
         assert all(cpu > 0 and wall > 0 for cpu, wall in r["per_rank"])
     assert (tmp_path / "cost.md").read_text().count("| onebit |") == 1
+    assert records[0]["plan"].startswith("onebit") and records[1]["plan"] is None
+    adaptive = subprocess.run([sys.executable, "-m", "bench.comm.allreduce_cost", "--smoke",
+                               "--adaptive", "--json", str(tmp_path / "adam.json")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert adaptive.returncode == 0, adaptive.stderr[-4000:]
+    rows = {r["method"]: r for r in json.loads((tmp_path / "adam.json").read_text())}
+    # under Adam the 1-bit state sends int4, timed in plain units and in the optimizer's
+    plain, units = rows["onebit (Adam, plain units)"], rows["onebit (Adam, optimizer's units)"]
+    assert plain["plan"].startswith("int4") and units["plan"].startswith("int4")
+    assert plain["in_units"] is False and units["in_units"] is True
+    assert list(rows)[-1] == "exact"
     bad = subprocess.run([sys.executable, "-m", "bench.comm.allreduce_cost",
                           "--numel", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--numel" in bad.stderr
