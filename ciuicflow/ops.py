@@ -39,9 +39,11 @@ __all__ = [
     "orthogonalize_",
     "node_sum_into",
     "int8_pack",
+    "int8_pack_ef",
     "int8_unpack",
     "int8_unpack_mean",
     "int4_pack",
+    "int4_pack_ef",
     "int4_unpack",
     "int4_unpack_mean",
     "has_cuda_kernels",
@@ -180,6 +182,26 @@ def int8_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[to
     return torch.ops.ciuicflow.int8_pack(x, error, chunk_size)
 
 
+def int8_pack_ef(x: torch.Tensor, error: torch.Tensor, error_decay: float, error_out: torch.Tensor,
+                 chunk_size: int, units: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``int8_pack`` of ``y = x / units + error_decay * (error / units)`` with the new error, times
+    ``units``, in ``error_out``, and the accuracy guard's sums, in one pass over memory (CPU).
+
+    ``units`` (float32, ``x.numel()`` elements, or None for 1): what the optimizer divides each
+    coordinate by, so that the values are rounded as the optimizer will see them; the memory stays
+    in plain units. ``error`` is read, ``error_out`` written (float32, contiguous; the same tensor
+    or apart). Each step rounds as the torch ops ``xu = x.float() / units``, ``eu = error / units``,
+    ``e = error_decay * eu`` (``eu`` where the decay is 1), ``int8_pack(xu, e)``, ``e * units``
+    would: the same bytes, scales and new error.
+
+    Returns ``(values, scales, sums)``: as ``int8_pack``, and float64 ``[2]``:
+    ``(sum(new_error_in_units**2), sum((x / units)**2))``.
+    """
+    return torch.ops.ciuicflow.int8_pack_ef(x, error, float(error_decay), error_out, chunk_size,
+                                            units)
+
+
 def int8_unpack(values: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, *,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[i] = values[i] * scales[i // chunk_size]``, float32 ``[numel]``."""
@@ -205,6 +227,14 @@ def int4_pack(x: torch.Tensor, error: torch.Tensor, chunk_size: int) -> tuple[to
     Returns ``(values, scales)``: uint8 ``[ceil(n/2)]`` and float32 ``[ceil(n/chunk_size)]``.
     """
     return torch.ops.ciuicflow.int4_pack(x, error, chunk_size)
+
+
+def int4_pack_ef(x: torch.Tensor, error: torch.Tensor, error_decay: float, error_out: torch.Tensor,
+                 chunk_size: int, units: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``int8_pack_ef`` with ``int4_pack``'s format."""
+    return torch.ops.ciuicflow.int4_pack_ef(x, error, float(error_decay), error_out, chunk_size,
+                                            units)
 
 
 def int4_unpack(values: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, *,
@@ -289,6 +319,16 @@ def _int8_pack_fake(x, error, chunk_size):
     n = x.numel()
     return (x.new_empty((n,), dtype=torch.int8),
             x.new_empty((_ceil_div(n, chunk_size),), dtype=torch.float32))
+
+
+@torch.library.register_fake("ciuicflow::int8_pack_ef")
+def _int8_pack_ef_fake(x, error, error_decay, error_out, chunk_size, units=None):
+    return (*_int8_pack_fake(x, error_out, chunk_size), x.new_empty((2,), dtype=torch.float64))
+
+
+@torch.library.register_fake("ciuicflow::int4_pack_ef")
+def _int4_pack_ef_fake(x, error, error_decay, error_out, chunk_size, units=None):
+    return (*_int4_pack_fake(x, error_out, chunk_size), x.new_empty((2,), dtype=torch.float64))
 
 
 @torch.library.register_fake("ciuicflow::int8_unpack_into")

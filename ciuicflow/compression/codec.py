@@ -33,12 +33,20 @@ class Codec:
         raise NotImplementedError
 
     def pack_ef(self, x: torch.Tensor, error: torch.Tensor, error_decay: float,
-                error_out: torch.Tensor, chunk: int, measure: bool = True):
+                error_out: torch.Tensor, chunk: int, measure: bool = True,
+                units: torch.Tensor | None = None):
         """``pack`` of ``x + error_decay * error``, the new error in ``error_out`` (``error`` is
         left as it was unless it is ``error_out``): (payload, scales, sums), where sums is float64
         (sum error_out^2, sum x^2) on x's device, for the guard (None without ``measure``,
-        unless they come free).
+        unless they come free). ``units`` (float32, x's numel): quantise in them, what an
+        adaptive optimizer divides each coordinate by: ``x / units`` and ``error / units`` are
+        packed, the sums are in the units, and ``error_out`` is multiplied back (plain units).
         Here in torch ops; a codec with a native one-pass version overrides it."""
+        if units is not None:
+            payload, scales, sums = self.pack_ef(x.float() / units, error / units, error_decay,
+                                                 error_out, chunk, measure)
+            error_out.mul_(units)
+            return payload, scales, sums
         if error_out is not error:
             if error_decay == 1.0:
                 error_out.copy_(error)

@@ -8,14 +8,14 @@ sends an adaptive optimizer's tensors with (``compression.policy``; why: docs/de
 from __future__ import annotations
 
 from ciuicflow import formats
-from ciuicflow.compression.int8 import Int8Codec
-from ciuicflow.compression.quantized import Codec, QuantizedCompressor, native_ops
+from ciuicflow.compression.int8 import Int8Codec, IntCodec
+from ciuicflow.compression.quantized import QuantizedCompressor, native_ops
 from ciuicflow.compression.registry import FAMILIES
 
 _COST = FAMILIES["int4"].cost
 
 
-class Int4Codec(Codec):
+class Int4Codec(IntCodec):
     name = "int4"
     granule = 2  # two values per byte
 

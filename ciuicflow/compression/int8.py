@@ -16,7 +16,20 @@ from ciuicflow.compression.registry import FAMILIES
 _COST = FAMILIES["int8"].cost
 
 
-class Int8Codec(Codec):
+class IntCodec(Codec):
+    """int8's and int4's: on CPU the error feedback, the optimizer's units and the guard's sums
+    are one native pass with the pack (``ops.int8_pack_ef``, ``ops.int4_pack_ef``); elsewhere
+    ``Codec``'s torch ops, which round every step as the native pass does."""
+
+    def pack_ef(self, x, error, error_decay, error_out, chunk, measure=True, units=None):
+        if x.device.type != "cpu":
+            return super().pack_ef(x, error, error_decay, error_out, chunk, measure, units)
+        pack_ef = getattr(native_ops(), f"{self.name}_pack_ef")
+        values, scales, sums = pack_ef(x, error, error_decay, error_out, chunk, units)
+        return values.view(torch.uint8), scales, sums  # rows of the exchange are bytes
+
+
+class Int8Codec(IntCodec):
     name = "int8"
     granule = 1
 

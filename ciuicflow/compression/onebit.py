@@ -32,7 +32,9 @@ class OneBitCodec(Codec):
     def pack(self, x, error, chunk):
         return native_ops().onebit_pack(x, error, chunk)
 
-    def pack_ef(self, x, error, error_decay, error_out, chunk, measure=True):
+    def pack_ef(self, x, error, error_decay, error_out, chunk, measure=True, units=None):
+        if units is not None:  # an adaptive optimizer's tensor sent as 1 bit (an option)
+            return super().pack_ef(x, error, error_decay, error_out, chunk, measure, units)
         # one native pass; its sums cost nothing, so they come whether measured or not
         return native_ops().onebit_pack_ef(x, error, error_decay, error_out, chunk)
 

@@ -101,9 +101,12 @@ class OneBitOutlierCodec(SideBlockCodec):
         """Bytes of a marked chunk's side block: its values and their positions."""
         return 3 * self.values
 
-    def pack_ef(self, x, error, error_decay, error_out, chunk, measure=True):
+    def pack_ef(self, x, error, error_decay, error_out, chunk, measure=True, units=None):
         """(payload, scales, sums): the payload is the signs (``payload_bytes``), then the side
         blocks of the chunks whose scale is negative, in chunk order."""
+        if units is not None:
+            raise ValueError(f"{type(self).__name__} does not quantise in an optimizer's units "
+                             "(the policy plans them only for the int and 1-bit codecs)")
         n, k = x.numel(), self.values
         sign_bytes = self._sign_bytes(chunk)
         signs, scales, sums = native_ops().onebit_pack_ef(x, error, error_decay, error_out, chunk)

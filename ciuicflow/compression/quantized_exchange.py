@@ -271,16 +271,10 @@ class QuantizedStep:
             # Segments are whole chunks, so packing the unpadded values gives the first bytes and
             # scales of the padded layout; the padding's bits and scales stay zero (it unpacks to 0).
             # One pass: the decayed memory, the pack and the guard's norms.
-            if unit is None:
-                packed, scales, sums = codec.pack_ef(xc, errors.worker[:layout.numel],
-                                                     self.error_decay, worker_error[:layout.numel],
-                                                     layout.chunk, measure=self.measure)
-            else:  # in the optimizer's units, the memory too; it is kept in plain units
-                packed, scales, sums = codec.pack_ef(xc.float() / unit,
-                                                     errors.worker[:layout.numel] / unit,
-                                                     self.error_decay, worker_error[:layout.numel],
-                                                     layout.chunk, measure=self.measure)
-                worker_error[:layout.numel].mul_(unit)
+            # With units: in the optimizer's units, the memory too (it is kept in plain units).
+            packed, scales, sums = codec.pack_ef(xc, errors.worker[:layout.numel],
+                                                 self.error_decay, worker_error[:layout.numel],
+                                                 layout.chunk, measure=self.measure, units=unit)
             fixed = codec.payload_bytes(layout.numel, layout.chunk)
             packed, side = packed[:fixed], packed[fixed:]
             packed = padded(packed, parts * layout.packed_bytes)

@@ -48,10 +48,13 @@ class RefinedOneBitCodec(SideBlockCodec):
             raise ValueError(f"share must be in [0, 1], got {share}")
         self.plain_decay, self.share = float(plain_decay), float(share)
 
-    def pack_ef(self, x, error, error_decay, error_out, chunk, measure=True):
+    def pack_ef(self, x, error, error_decay, error_out, chunk, measure=True, units=None):
         """(payload, scales, sums) of y = x + error_decay x error; ``error_out`` gets what was
         not sent, each chunk's share of it carried (all in a refined chunk, ``plain_decay`` in
         a plain one)."""
+        if units is not None:
+            raise ValueError(f"{type(self).__name__} does not quantise in an optimizer's units "
+                             "(the policy plans them only for the int and 1-bit codecs)")
         n = x.numel()
         sign_bytes = self._sign_bytes(chunk)
         signs, scales, sums = native_ops().onebit_pack_ef(x, error, error_decay, error_out, chunk)

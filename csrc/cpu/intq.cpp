@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -160,6 +162,199 @@ void pack_chunk(const scalar_t* x, float* err, uint8_t* bytes, float* scale, int
   }
 }
 
+// Pass 1 of a chunk of intq_pack_ef: y = xu + d into err_out (which may be err_in), where, in the
+// optimizer's units u (kUnits; else 1), xu = x / u and d = decay * (err_in / u) (kScaled; else
+// err_in / u itself): each step rounded as the torch ops that define the op round it (a division,
+// a multiply, then add_error_amax's add). Returns max |y| and sets *nan as add_error_amax does;
+// adds sum xu^2 to *x2.
+template <bool kScaled, bool kUnits, typename scalar_t>
+CIUICFLOW_HOT float ef_add_error_amax(const scalar_t* __restrict__ x, const float* err_in,
+                                      float decay, const float* __restrict__ u, float* err_out,
+                                      int64_t len, bool* nan, double* x2) {
+  Lanes lanes_max = {}, lanes_x2 = {};
+  IntLanes lanes_nan = {};
+  const int64_t body = len - len % 8;
+  for (int64_t i = 0; i < body; i += 8) {
+    Lanes v, e;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      std::memcpy(&v, x + i, sizeof v);
+    } else {
+      for (int k = 0; k < 8; ++k) v[k] = static_cast<float>(x[i + k]);
+    }
+    std::memcpy(&e, err_in + i, sizeof e);
+    if constexpr (kUnits) {
+      Lanes w;
+      std::memcpy(&w, u + i, sizeof w);
+      v = v / w;
+      e = e / w;
+    }
+    if constexpr (kScaled) e = decay * e;
+    const Lanes y = v != v ? v + v : v + e;  // add_error_amax's choice where both are NaN
+    std::memcpy(err_out + i, &y, sizeof y);
+    const Lanes a = reinterpret_cast<Lanes>(reinterpret_cast<IntLanes>(y) & 0x7fffffff);
+    lanes_nan |= a != a;
+    lanes_max = a > lanes_max ? a : lanes_max;
+    lanes_x2 += v * v;
+  }
+  float amax = 0.0f;
+  bool any_nan = false;
+  double squares = 0.0;
+  for (int k = 0; k < 8; ++k) {
+    amax = lanes_max[k] > amax ? lanes_max[k] : amax;
+    any_nan |= lanes_nan[k] != 0;
+    squares += lanes_x2[k];
+  }
+  for (int64_t i = body; i < len; ++i) {
+    float v = static_cast<float>(x[i]);
+    float e = err_in[i];
+    if constexpr (kUnits) {
+      v = v / u[i];
+      e = e / u[i];
+    }
+    if constexpr (kScaled) e = decay * e;
+    const float y = v != v ? v + v : v + e;
+    err_out[i] = y;
+    const float a = std::fabs(y);
+    any_nan |= a != a;
+    amax = a > amax ? a : amax;
+    squares += static_cast<double>(v) * v;
+  }
+  *nan = any_nan;
+  *x2 += squares;
+  return amax;
+}
+
+// After a block's pass 2: adds sum r^2 of its residuals r (in the units they were quantised in) to
+// *e2, then (kUnits) writes r * u back: the memory is kept in plain units.
+template <bool kUnits>
+CIUICFLOW_HOT void ef_residual(float* __restrict__ err, const float* __restrict__ u, int64_t n,
+                               double* e2) {
+  Lanes lanes = {};
+  const int64_t body = n - n % 8;
+  for (int64_t k = 0; k < body; k += 8) {
+    Lanes r;
+    std::memcpy(&r, err + k, sizeof r);
+    lanes += r * r;
+    if constexpr (kUnits) {
+      Lanes w;
+      std::memcpy(&w, u + k, sizeof w);
+      r = r * w;
+      std::memcpy(err + k, &r, sizeof r);
+    }
+  }
+  double squares = 0.0;
+  for (int k = 0; k < 8; ++k) squares += lanes[k];
+  for (int64_t k = body; k < n; ++k) {
+    squares += static_cast<double>(err[k]) * err[k];
+    if constexpr (kUnits) err[k] = err[k] * u[k];
+  }
+  *e2 += squares;
+}
+
+struct EfSums {
+  double e2 = 0.0, x2 = 0.0;
+};
+
+template <typename F, bool kScaled, bool kUnits, typename scalar_t>
+void pack_ef_chunk(const scalar_t* x, const float* err_in, float decay, const float* u, float* err,
+                   uint8_t* bytes, float* scale, int64_t len, EfSums& sums) {
+  bool nan = false;
+  const float amax = ef_add_error_amax<kScaled, kUnits>(x, err_in, decay, u, err, len, &nan,
+                                                        &sums.x2);
+  const float s = nan ? NAN : amax / F::kLevels;
+  *scale = s;
+  if (!(s > 0.0f) || !(s < INFINITY)) {  // every value quantises to 0 (intq::quantize)
+    const float sent = static_cast<float>(0) * s;
+    for (int64_t i = 0; i < len; ++i) err[i] = err[i] - sent;
+    std::memset(bytes, 0, intq::payload_bytes<F>(len));
+    ef_residual<kUnits>(err, u, len, &sums.e2);
+    return;
+  }
+  int8_t q[kBlock];
+  for (int64_t start = 0; start < len; start += kBlock) {
+    const int64_t n = std::min(kBlock, len - start);
+    quantize_block<F>(err + start, q, s, n);
+    place_block<F>(q, bytes + start / intq::per_byte<F>(), n);
+    ef_residual<kUnits>(err + start, kUnits ? u + start : nullptr, n, &sums.e2);
+  }
+}
+
+// error and error_out: the same tensor or apart (a partial overlap would read what was written).
+inline bool apart_or_same(const at::Tensor& a, const at::Tensor& b) {
+  const float* pa = a.const_data_ptr<float>();
+  const float* pb = b.const_data_ptr<float>();
+  return pa == pb || pa + a.numel() <= pb || pb + b.numel() <= pa;
+}
+
+// intq_pack of y = x / u + error_decay * (error / u) with the new error (times u) in error_out, and
+// float64 (sum of the new error^2 in the units, sum (x / u)^2): the torch ops
+//   xu = x.float() / units; eu = error / units; error_out = error_decay * eu (eu where 1);
+//   pack(xu, error_out); sums; error_out *= units
+// in one pass over memory (units None: 1, and no division or multiply).
+template <typename F>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_ef_cpu(
+    const at::Tensor& x, const at::Tensor& error, double error_decay, at::Tensor& error_out,
+    int64_t chunk_size, const std::optional<at::Tensor>& units) {
+  intq::check_pack<F>(x, error, chunk_size);
+  const int64_t n = x.numel();
+  TORCH_CHECK(error_out.scalar_type() == at::kFloat && error_out.is_contiguous() &&
+                  error_out.numel() == n && error_out.device() == x.device(),
+              F::kName, "_pack_ef: error_out must be a contiguous float32 tensor of ", n,
+              " elements on ", x.device(), ", got ", error_out.scalar_type(), " ",
+              error_out.sizes(), " on ", error_out.device());
+  TORCH_CHECK(apart_or_same(error, error_out), F::kName,
+              "_pack_ef: error and error_out must be one tensor or not overlap");
+  const bool with_units = units.has_value() && units->defined();
+  if (with_units) {
+    TORCH_CHECK(units->scalar_type() == at::kFloat && units->is_contiguous() &&
+                    units->numel() == n && units->device() == x.device(),
+                F::kName, "_pack_ef: units must be a contiguous float32 tensor of ", n,
+                " elements on ", x.device(), ", got ", units->scalar_type(), " ",
+                units->sizes(), " on ", units->device());
+  }
+  const int64_t nchunks = intq::chunks(n, chunk_size);
+  auto xc = x.contiguous();
+  auto values = at::empty({intq::payload_bytes<F>(n)}, x.options().dtype(F::kDtype));
+  auto scales = at::empty({nchunks}, x.options().dtype(at::kFloat));
+  const float* err_in = error.const_data_ptr<float>();
+  float* err = error_out.data_ptr<float>();
+  const float* u = with_units ? units->const_data_ptr<float>() : nullptr;
+  uint8_t* vp = static_cast<uint8_t*>(values.data_ptr());
+  float* sp = scales.data_ptr<float>();
+  const int64_t chunk_bytes = chunk_size / intq::per_byte<F>();
+  const float decay = static_cast<float>(error_decay);
+  const bool scaled = decay != 1.0f;
+  using Pair = std::pair<double, double>;
+  Pair total(0.0, 0.0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xc.scalar_type(), "intq_pack_ef", [&] {
+    const scalar_t* xp = xc.const_data_ptr<scalar_t>();
+    total = at::parallel_reduce(
+        0, nchunks, std::max<int64_t>(1, kGrainElements / chunk_size), Pair(0.0, 0.0),
+        [&](int64_t c0, int64_t c1, Pair acc) {
+          EfSums sums;
+          for (int64_t c = c0; c < c1; ++c) {
+            const int64_t begin = c * chunk_size, len = std::min(chunk_size, n - begin);
+            const float* uc = with_units ? u + begin : nullptr;
+            auto chunk = [&](auto scaled_tag, auto units_tag) {
+              pack_ef_chunk<F, decltype(scaled_tag)::value, decltype(units_tag)::value>(
+                  xp + begin, err_in + begin, decay, uc, err + begin, vp + c * chunk_bytes,
+                  sp + c, len, sums);
+            };
+            if (scaled) {
+              with_units ? chunk(std::true_type{}, std::true_type{})
+                         : chunk(std::true_type{}, std::false_type{});
+            } else {
+              with_units ? chunk(std::false_type{}, std::true_type{})
+                         : chunk(std::false_type{}, std::false_type{});
+            }
+          }
+          return Pair(acc.first + sums.e2, acc.second + sums.x2);
+        },
+        [](Pair a, Pair b) { return Pair(a.first + b.first, a.second + b.second); });
+  });
+  return {values, scales, at::tensor({total.first, total.second}, x.options().dtype(at::kDouble))};
+}
+
 template <typename F>
 std::tuple<at::Tensor, at::Tensor> pack_cpu(const at::Tensor& x, at::Tensor& error,
                                             int64_t chunk_size) {
@@ -276,6 +471,11 @@ TORCH_LIBRARY_FRAGMENT(ciuicflow, m) {
   // values [W, bytes], scales [W, nchunks] -> the mean of the W vectors, into out
   m.def("int8_unpack_mean_into(Tensor values, Tensor scales, int numel, int chunk_size, Tensor(a!) out) -> ()");
   m.def("int4_pack(Tensor x, Tensor(a!) error, int chunk_size) -> (Tensor, Tensor)");
+  // the pack of y = x / units + error_decay * error / units (units None: 1) with the new error, times
+  // units, in error_out (which may be error), and float64 (sum new error^2 in the units, sum
+  // (x / units)^2): the error feedback, the optimizer's units and the guard's sums in one pass
+  m.def("int8_pack_ef(Tensor x, Tensor error, float error_decay, Tensor(a!) error_out, int chunk_size, Tensor? units=None) -> (Tensor, Tensor, Tensor)");
+  m.def("int4_pack_ef(Tensor x, Tensor error, float error_decay, Tensor(a!) error_out, int chunk_size, Tensor? units=None) -> (Tensor, Tensor, Tensor)");
   m.def("int4_unpack_into(Tensor values, Tensor scales, int numel, int chunk_size, Tensor(a!) out) -> ()");
   m.def("int4_unpack_mean_into(Tensor values, Tensor scales, int numel, int chunk_size, Tensor(a!) out) -> ()");
 }
@@ -285,6 +485,8 @@ TORCH_LIBRARY_IMPL(ciuicflow, CPU, m) {
   m.impl("int8_unpack_into", &unpack_into_cpu<intq::Int8>);
   m.impl("int8_unpack_mean_into", &unpack_mean_into_cpu<intq::Int8>);
   m.impl("int4_pack", &pack_cpu<intq::Int4>);
+  m.impl("int8_pack_ef", &pack_ef_cpu<intq::Int8>);
+  m.impl("int4_pack_ef", &pack_ef_cpu<intq::Int4>);
   m.impl("int4_unpack_into", &unpack_into_cpu<intq::Int4>);
   m.impl("int4_unpack_mean_into", &unpack_mean_into_cpu<intq::Int4>);
 }
