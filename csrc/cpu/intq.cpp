@@ -29,49 +29,66 @@ namespace {
 // buffer that stays in L1.
 constexpr int64_t kBlock = 256;
 
-typedef float Lanes __attribute__((vector_size(32)));
-typedef int32_t IntLanes __attribute__((vector_size(32)));
 
-// Pass 1 of a chunk: y = x + err (kept in err); returns max |y| over the elements that are not NaN
-// and sets *nan where one is. The maximum does not depend on the order it is taken in (every
-// |y| is >= +0, NaN never wins a comparison), so 8 lanes give the scalar loop's value.
-template <typename scalar_t>
-CIUICFLOW_HOT float add_error_amax(const scalar_t* __restrict__ x, float* __restrict__ err,
-                                   int64_t len, bool* nan) {
-  Lanes lanes_max = {};
+// Pass 1 of a chunk: y = xu + d into err_out (which may be err_in), where, in the optimizer's
+// units u (kUnits; else 1), xu = x / u and d = decay * (err_in / u) (kScaled; else err_in / u
+// itself): each step rounded as the torch ops that define intq_pack_ef round it (a division, a
+// multiply, an add; intq_pack is the case y = x + err). Returns max |y| over the elements that are
+// not NaN and sets *nan where one is; with kSquares adds sum xu^2 to *x2. The maximum does not
+// depend on the order it is taken in (every |y| is >= +0, NaN never wins a comparison), so 8
+// lanes give the scalar loop's value.
+template <bool kScaled, bool kUnits, bool kSquares, typename scalar_t>
+CIUICFLOW_HOT float ef_add_error_amax(const scalar_t* __restrict__ x, const float* err_in,
+                                      float decay, const float* __restrict__ u, float* err_out,
+                                      int64_t len, bool* nan, double* x2) {
+  Lanes lanes_max = {}, lanes_x2 = {};
   IntLanes lanes_nan = {};
   const int64_t body = len - len % 8;
   for (int64_t i = 0; i < body; i += 8) {
     Lanes v, e;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      std::memcpy(&v, x + i, sizeof v);
-    } else {
-      for (int k = 0; k < 8; ++k) v[k] = static_cast<float>(x[i + k]);
+    load_lanes(x + i, v);
+    std::memcpy(&e, err_in + i, sizeof e);
+    if constexpr (kUnits) {
+      Lanes w;
+      std::memcpy(&w, u + i, sizeof w);
+      v = v / w;
+      e = e / w;
     }
-    std::memcpy(&e, err + i, sizeof e);
+    if constexpr (kScaled) e = decay * e;
     // where both are NaN the scalar x + err gives x's (quieted): the compiler may swap the
     // operands of a vector add, so that choice is made here
     const Lanes y = v != v ? v + v : v + e;
-    std::memcpy(err + i, &y, sizeof y);
+    std::memcpy(err_out + i, &y, sizeof y);
     const Lanes a = reinterpret_cast<Lanes>(reinterpret_cast<IntLanes>(y) & 0x7fffffff);
     lanes_nan |= a != a;
     lanes_max = a > lanes_max ? a : lanes_max;
+    if constexpr (kSquares) lanes_x2 += v * v;
   }
   float amax = 0.0f;
   bool any_nan = false;
+  double squares = 0.0;
   for (int k = 0; k < 8; ++k) {
     amax = lanes_max[k] > amax ? lanes_max[k] : amax;
     any_nan |= lanes_nan[k] != 0;
+    squares += lanes_x2[k];
   }
   for (int64_t i = body; i < len; ++i) {
-    const float v = static_cast<float>(x[i]);
-    const float y = v != v ? v + v : v + err[i];
-    err[i] = y;
+    float v = static_cast<float>(x[i]);
+    float e = err_in[i];
+    if constexpr (kUnits) {
+      v = v / u[i];
+      e = e / u[i];
+    }
+    if constexpr (kScaled) e = decay * e;
+    const float y = v != v ? v + v : v + e;
+    err_out[i] = y;
     const float a = std::fabs(y);
     any_nan |= a != a;
     amax = a > amax ? a : amax;
+    if constexpr (kSquares) squares += static_cast<double>(v) * v;
   }
   *nan = any_nan;
+  if constexpr (kSquares) *x2 += squares;
   return amax;
 }
 
@@ -141,89 +158,6 @@ inline void place_block(const int8_t* q, uint8_t* bytes, int64_t n) {
   }
 }
 
-template <typename F, typename scalar_t>
-void pack_chunk(const scalar_t* x, float* err, uint8_t* bytes, float* scale, int64_t len) {
-  bool nan = false;
-  const float amax = add_error_amax(x, err, len, &nan);
-  const float s = nan ? NAN : amax / F::kLevels;
-  *scale = s;
-  if (!(s > 0.0f) || !(s < INFINITY)) {  // every value quantises to 0 (intq::quantize)
-    const float sent = static_cast<float>(0) * s;
-    for (int64_t i = 0; i < len; ++i) err[i] = err[i] - sent;
-    std::memset(bytes, 0, intq::payload_bytes<F>(len));
-    return;
-  }
-  int8_t q[kBlock];
-  // blocks start at even offsets in the chunk: whole bytes
-  for (int64_t start = 0; start < len; start += kBlock) {
-    const int64_t n = std::min(kBlock, len - start);
-    quantize_block<F>(err + start, q, s, n);
-    place_block<F>(q, bytes + start / intq::per_byte<F>(), n);
-  }
-}
-
-// Pass 1 of a chunk of intq_pack_ef: y = xu + d into err_out (which may be err_in), where, in the
-// optimizer's units u (kUnits; else 1), xu = x / u and d = decay * (err_in / u) (kScaled; else
-// err_in / u itself): each step rounded as the torch ops that define the op round it (a division,
-// a multiply, then add_error_amax's add). Returns max |y| and sets *nan as add_error_amax does;
-// adds sum xu^2 to *x2.
-template <bool kScaled, bool kUnits, typename scalar_t>
-CIUICFLOW_HOT float ef_add_error_amax(const scalar_t* __restrict__ x, const float* err_in,
-                                      float decay, const float* __restrict__ u, float* err_out,
-                                      int64_t len, bool* nan, double* x2) {
-  Lanes lanes_max = {}, lanes_x2 = {};
-  IntLanes lanes_nan = {};
-  const int64_t body = len - len % 8;
-  for (int64_t i = 0; i < body; i += 8) {
-    Lanes v, e;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      std::memcpy(&v, x + i, sizeof v);
-    } else {
-      for (int k = 0; k < 8; ++k) v[k] = static_cast<float>(x[i + k]);
-    }
-    std::memcpy(&e, err_in + i, sizeof e);
-    if constexpr (kUnits) {
-      Lanes w;
-      std::memcpy(&w, u + i, sizeof w);
-      v = v / w;
-      e = e / w;
-    }
-    if constexpr (kScaled) e = decay * e;
-    const Lanes y = v != v ? v + v : v + e;  // add_error_amax's choice where both are NaN
-    std::memcpy(err_out + i, &y, sizeof y);
-    const Lanes a = reinterpret_cast<Lanes>(reinterpret_cast<IntLanes>(y) & 0x7fffffff);
-    lanes_nan |= a != a;
-    lanes_max = a > lanes_max ? a : lanes_max;
-    lanes_x2 += v * v;
-  }
-  float amax = 0.0f;
-  bool any_nan = false;
-  double squares = 0.0;
-  for (int k = 0; k < 8; ++k) {
-    amax = lanes_max[k] > amax ? lanes_max[k] : amax;
-    any_nan |= lanes_nan[k] != 0;
-    squares += lanes_x2[k];
-  }
-  for (int64_t i = body; i < len; ++i) {
-    float v = static_cast<float>(x[i]);
-    float e = err_in[i];
-    if constexpr (kUnits) {
-      v = v / u[i];
-      e = e / u[i];
-    }
-    if constexpr (kScaled) e = decay * e;
-    const float y = v != v ? v + v : v + e;
-    err_out[i] = y;
-    const float a = std::fabs(y);
-    any_nan |= a != a;
-    amax = a > amax ? a : amax;
-    squares += static_cast<double>(v) * v;
-  }
-  *nan = any_nan;
-  *x2 += squares;
-  return amax;
-}
-
 // After a block's pass 2: adds sum r^2 of its residuals r (in the units they were quantised in) to
 // *e2, then (kUnits) writes r * u back: the memory is kept in plain units.
 template <bool kUnits>
@@ -255,27 +189,32 @@ struct EfSums {
   double e2 = 0.0, x2 = 0.0;
 };
 
-template <typename F, bool kScaled, bool kUnits, typename scalar_t>
-void pack_ef_chunk(const scalar_t* x, const float* err_in, float decay, const float* u, float* err,
-                   uint8_t* bytes, float* scale, int64_t len, EfSums& sums) {
+// A chunk: its scale, its bytes, its new error in err (which may be err_in); with kSums, the
+// guard's sums added to sums.
+template <typename F, bool kScaled, bool kUnits, bool kSums, typename scalar_t>
+void pack_chunk(const scalar_t* x, const float* err_in, float decay, const float* u, float* err,
+                uint8_t* bytes, float* scale, int64_t len, EfSums& sums) {
   bool nan = false;
-  const float amax = ef_add_error_amax<kScaled, kUnits>(x, err_in, decay, u, err, len, &nan,
-                                                        &sums.x2);
+  const float amax = ef_add_error_amax<kScaled, kUnits, kSums>(x, err_in, decay, u, err, len,
+                                                               &nan, &sums.x2);
   const float s = nan ? NAN : amax / F::kLevels;
   *scale = s;
   if (!(s > 0.0f) || !(s < INFINITY)) {  // every value quantises to 0 (intq::quantize)
     const float sent = static_cast<float>(0) * s;
     for (int64_t i = 0; i < len; ++i) err[i] = err[i] - sent;
     std::memset(bytes, 0, intq::payload_bytes<F>(len));
-    ef_residual<kUnits>(err, u, len, &sums.e2);
+    if constexpr (kSums || kUnits) ef_residual<kUnits>(err, u, len, &sums.e2);
     return;
   }
   int8_t q[kBlock];
+  // blocks start at even offsets in the chunk: whole bytes
   for (int64_t start = 0; start < len; start += kBlock) {
     const int64_t n = std::min(kBlock, len - start);
     quantize_block<F>(err + start, q, s, n);
     place_block<F>(q, bytes + start / intq::per_byte<F>(), n);
-    ef_residual<kUnits>(err + start, kUnits ? u + start : nullptr, n, &sums.e2);
+    if constexpr (kSums || kUnits) {
+      ef_residual<kUnits>(err + start, kUnits ? u + start : nullptr, n, &sums.e2);
+    }
   }
 }
 
@@ -336,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_ef_cpu(
             const int64_t begin = c * chunk_size, len = std::min(chunk_size, n - begin);
             const float* uc = with_units ? u + begin : nullptr;
             auto chunk = [&](auto scaled_tag, auto units_tag) {
-              pack_ef_chunk<F, decltype(scaled_tag)::value, decltype(units_tag)::value>(
+              pack_chunk<F, decltype(scaled_tag)::value, decltype(units_tag)::value, true>(
                   xp + begin, err_in + begin, decay, uc, err + begin, vp + c * chunk_bytes,
                   sp + c, len, sums);
             };
@@ -373,7 +312,9 @@ std::tuple<at::Tensor, at::Tensor> pack_cpu(const at::Tensor& x, at::Tensor& err
                      [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t begin = c * chunk_size, len = std::min(chunk_size, n - begin);
-        pack_chunk<F>(xp + begin, err + begin, vp + c * chunk_bytes, sp + c, len);
+        EfSums unused;
+        pack_chunk<F, false, false, false>(xp + begin, err + begin, 1.0f, nullptr, err + begin,
+                                           vp + c * chunk_bytes, sp + c, len, unused);
       }
     });
   });

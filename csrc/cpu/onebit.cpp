@@ -57,8 +57,6 @@ inline void add_error_tail(const scalar_t* x, const float* err_in, float decay, 
 // The 8 lanes are a GCC vector (one AVX register, two SSE ones in the baseline build): plain
 // arrays of three sums made the vectoriser shuffle every element, at a third of the speed.
 // kInPlace: err_in is err_out (read through err_out only); otherwise the two are distinct.
-typedef float Lanes __attribute__((vector_size(32)));
-typedef int32_t IntLanes __attribute__((vector_size(32)));
 
 template <bool kInPlace, typename scalar_t>
 CIUICFLOW_HOT void add_error(const scalar_t* __restrict__ x, const float* __restrict__ err_in,
@@ -69,11 +67,7 @@ CIUICFLOW_HOT void add_error(const scalar_t* __restrict__ x, const float* __rest
   const int64_t body = len - len % 8;
   for (int64_t i = 0; i < body; i += 8) {
     Lanes v, e;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      std::memcpy(&v, x + i, sizeof v);
-    } else {
-      for (int k = 0; k < 8; ++k) v[k] = static_cast<float>(x[i + k]);
-    }
+    load_lanes(x + i, v);
     std::memcpy(&e, src + i, sizeof e);
     const Lanes y = v + decay * e;
     std::memcpy(err_out + i, &y, sizeof y);

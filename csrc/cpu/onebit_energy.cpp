@@ -16,8 +16,6 @@
 namespace ciuicflow {
 namespace {
 
-typedef float Lanes __attribute__((vector_size(32)));
-typedef int32_t IntLanes __attribute__((vector_size(32)));
 
 // (sum y^2, max y^2) over one chunk of len elements, y = (bit ? scale : -scale) + error: the same
 // float operations as onebit_unpack followed by adding the error, so y is bit for bit what those
