@@ -352,7 +352,8 @@ def _smallest_torch_rank_lines(task_rows: list[dict]) -> list[str]:
         lines.append(head + f"**rank {rank}**, {report._fmt_bytes(r['bytes'])} per step{ratio} "
                      f"(gap {_fmt_gap(r['metric'], r['gap'])}, seeds "
                      f"{','.join(map(str, r['seeds']))})"
-                     + (f"; rank {', '.join(below)} outside it." if below else "."))
+                     + (f"; rank{'s' if len(below) > 1 else ''} {', '.join(below)} outside it."
+                        if below else "."))
     return lines
 
 

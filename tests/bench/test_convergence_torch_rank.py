@@ -86,7 +86,11 @@ def test_the_appendix_names_the_smallest_rank_within_per_task_and_shape(tmp_path
             _rec("mlp_sgd_constant", "torch_powerSGD@rank=4", 0.80, nbytes=400),
             _rec("cnn_sgd_cosine", "exact", 0.90, nbytes=8000),
             _rec("cnn_sgd_cosine", "torch_powerSGD@rank=1", 0.85, nbytes=100),
-            _rec("cnn_sgd_cosine", "torch_powerSGD@rank=2", 0.86, nbytes=200)]
+            _rec("cnn_sgd_cosine", "torch_powerSGD@rank=2", 0.86, nbytes=200),
+            _rec("charlm_adamw", "exact", 2.0, metric="val_loss", nbytes=8000),
+            _rec("charlm_adamw", "torch_powerSGD@rank=1", 2.1, metric="val_loss", nbytes=100),
+            _rec("charlm_adamw", "torch_powerSGD@rank=2", 2.05, metric="val_loss", nbytes=200),
+            _rec("charlm_adamw", "torch_powerSGD@rank=4", 2.03, metric="val_loss", nbytes=400)]
     path = tmp_path / "run"
     path.mkdir()
     (path / "convergence.json").write_text(json.dumps(recs))
@@ -96,5 +100,7 @@ def test_the_appendix_names_the_smallest_rank_within_per_task_and_shape(tmp_path
     assert "rank 1 outside it" in mlp
     cnn = text.split("## cnn_sgd_cosine")[1].split("\n## ")[0]
     assert "the smallest rank within the line: none of ranks 1, 2." in cnn
+    lm = text.split("## charlm_adamw")[1].split("\n## ")[0]
+    assert "**rank 4**" in lm and "(gap +1.50%, seeds 0); ranks 1, 2 outside it." in lm
     # a reference: PyTorch's hook outside the line is not one of ciuicflow's misses
     assert "Every judged method within its line." in text
