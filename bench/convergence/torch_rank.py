@@ -83,7 +83,10 @@ def search(task, seeds, ranks, nodes, ranks_per_node, raw, baseline, steps=None,
             tried.append({"rank": rank, "failed": True})
             break
         tried.append(dict(result, rank=rank))
-        log(f"[torch_rank] {task.name}: rank {rank}: mean gap {result['gap']:+.4f} "
+        gap = f"{-100 * result['gap']:+.2f} points" if result["metric"] == "accuracy" else \
+            (f"{100 * result['relative_gap']:+.2f}% of loss" if result["relative_gap"] is not None
+             else f"{result['gap']:+.4f}")
+        log(f"[torch_rank] {task.name}: rank {rank}: mean gap {gap} "
             f"({'within' if result['within'] else 'outside'} the line), "
             f"{result['bytes'] / 1e3:.1f} KB/step")
         if result["within"]:
