@@ -62,6 +62,9 @@ class AllReduceState:
         self._masks: dict[str, torch.Tensor | None] = {}
         self._routes: dict = {}
         self._ledger = Ledger()
+        # the first exception a bucket's reduction raised: a rank that fails part-way through
+        # its collectives no longer issues them in its peers' order, so later buckets must not go
+        self._failure: BaseException | None = None
         if model is not None:
             self.bind_model(model)
 
@@ -166,13 +169,26 @@ class AllReduceState:
         step = self.iter
         if info.is_last:
             self.iter += 1
-        job = lambda: self._reduce_bucket(info, step, route)  # noqa: E731
+        job = lambda: self._reduce_or_refuse(info, step, route)  # noqa: E731
         if not self.overlap:
             return completed(job())
         future = ordered_worker().submit(job, info.buffer)
         if info.is_last:
             future.wait()  # the worker is idle again before DDP issues its own collectives
         return future
+
+    def _reduce_or_refuse(self, info: BucketView, step: int, route_name: str) -> torch.Tensor:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"bucket {info.index} of step {step} was not reduced: an earlier bucket of this "
+                f"state failed ({type(self._failure).__name__}: {self._failure}), after which this "
+                f"rank's collectives may no longer match its peers'; restart the processes "
+                f"(or build a new process group and state)") from self._failure
+        try:
+            return self._reduce_bucket(info, step, route_name)
+        except BaseException as exc:
+            self._failure = exc
+            raise
 
     def _reduce_bucket(self, info: BucketView, step: int, route_name: str) -> torch.Tensor:
         start = self._ledger.start(info.buffer.device)

@@ -451,6 +451,49 @@ def test_excluded_parameters_are_reduced_exactly():
                 assert gap > 1e-4, (name, gap)  # the weights really were compressed
 
 
+def _after_a_failed_bucket(rank, world):
+    import ciuicflow
+
+    out = {}
+    for overlap in (True, False):
+        ddp = DDP(Net(), bucket_cap_mb=0.0001)
+        state = ciuicflow.register(ddp, "hierarchical_1bit", warmup_steps=0, overlap=overlap)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        reduce_bucket, calls = state._reduce_bucket, []
+
+        def failing_once(info, step, route, reduce_bucket=reduce_bucket, calls=calls):
+            calls.append((step, info.index))
+            if step == 2 and sum(1 for s, _ in calls if s == 2) == 2:
+                # the second bucket of step 2 (DDP rebuilds its buckets after step 0), before
+                # any of its collectives
+                raise RuntimeError("injected fault")
+            return reduce_bucket(info, step, route)
+
+        state._reduce_bucket = failing_once
+        errors = []
+        for step in range(3):
+            try:
+                _step(ddp, optimizer, rank, step)
+                errors.append(None)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        out[overlap] = {"errors": errors, "calls": calls,
+                        "buckets_per_step": sum(1 for s, _ in calls if s == 1)}
+    return out
+
+
+def test_a_failed_bucket_stops_the_state_from_issuing_more_collectives():
+    for results in run_distributed(_after_a_failed_bucket, 4, nodes=2):
+        for overlap, r in results.items():
+            assert r["errors"][:2] == [None, None], overlap
+            assert "injected fault" in r["errors"][2], (overlap, r["errors"])
+            # no bucket of the state is reduced after the failure (the buckets already queued behind
+            # it included): this rank's collectives would no longer be in its peers' order
+            first_of_step2 = next(i for i, (s, _) in enumerate(r["calls"]) if s == 2)
+            assert len(r["calls"]) == first_of_step2 + 2, (overlap, r["calls"])
+            assert r["buckets_per_step"] > 2, overlap
+
+
 # -- world sizes and node layouts --------------------------------------------------------------
 
 
