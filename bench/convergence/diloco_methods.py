@@ -40,6 +40,8 @@ def parse(name: str, options: dict) -> dict:
                   fragment_sync_delay=int(match["d"] or 0), codec=match["codec"],
                   outer_optimizer=outer,
                   fragment_update_alpha=float(options.pop("alpha", 0.0)))
+    if "inner_lr_scale" in options:
+        kwargs["inner_lr_scale"] = float(options.pop("inner_lr_scale"))
     if options:
         kwargs["codec_options"] = options
     return kwargs

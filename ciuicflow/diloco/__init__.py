@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from ciuicflow.diloco.diloco import DEFAULT_CODEC, DEFAULT_FRAGMENT_SYNC_DELAY, DEFAULT_FRAGMENTS, \
     DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_SGD_OUTER_LR, DEFAULT_SYNC_EVERY, DiLoCo, \
-    default_outer_optimizer, nesterov
+    default_outer_optimizer, nesterov, resolve_inner_lr_scale
 from ciuicflow.diloco.exchange import NodeLayout, node_members
 
 __all__ = ["DEFAULT_CODEC", "DEFAULT_FRAGMENTS", "DEFAULT_FRAGMENT_SYNC_DELAY", "DEFAULT_OUTER_LR",
            "DEFAULT_OUTER_MOMENTUM", "DEFAULT_SGD_OUTER_LR", "DEFAULT_SYNC_EVERY", "DiLoCo",
-           "NodeLayout", "default_outer_optimizer", "nesterov", "node_group"]
+           "NodeLayout", "default_outer_optimizer", "nesterov", "node_group", "resolve_inner_lr_scale"]
 
 
 def node_group(ranks_per_node: int | None = None):

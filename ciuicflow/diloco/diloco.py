@@ -13,6 +13,7 @@ rank, and anchors and outer optimizers start equal and step alike.
 from __future__ import annotations
 
 import io
+import math
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +63,33 @@ def default_outer_optimizer(inner_optimizer=None):
     return nesterov(DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM)
 
 
+# Inner optimizers that divide each coordinate by the root of its running mean square.
+ADAPTIVE_INNER = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+                  torch.optim.RMSprop, torch.optim.Adagrad)
+
+
+def resolve_inner_lr_scale(scale, inner_optimizer, nodes: int) -> float:
+    """``"auto"``: sqrt(nodes) under an ``ADAPTIVE_INNER`` optimizer, else 1. Each node's Adam
+    divides by the mean square of a gradient averaged over 1/nodes of the batch; where the
+    gradient's noise dominates that is nodes times the whole batch's, so the nodes' mean step is
+    1/sqrt(nodes) of Adam's on the whole batch (docs/diloco.md, "Each node's own Adam")."""
+    _check_inner_lr_scale(scale, inner_optimizer)
+    if scale == "auto":
+        return math.sqrt(nodes) if isinstance(inner_optimizer, ADAPTIVE_INNER) else 1.0
+    return float(scale)
+
+
+def _check_inner_lr_scale(scale, inner_optimizer) -> None:
+    if isinstance(scale, str) and scale == "auto":
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"inner_lr_scale must be a positive number or 'auto', got {scale!r}")
+    if scale != 1 and inner_optimizer is None:
+        raise ValueError("inner_lr_scale needs the inner_optimizer: DiLoCo scales its lr "
+                         "during each of its steps")
+
+
 class _Pending:
     """A fragment's sync in flight: sent after one inner step, applied after ``apply_at``."""
 
@@ -94,6 +122,10 @@ class DiLoCo:
             ``torch.optim.SGD``, else the nodes' mean); each fragment gets its own, over one flat
             float32 tensor.
         ranks_per_node: nodes of this many consecutive ranks (default: ``Topology.detect()``).
+        inner_lr_scale: the inner optimizer's lr is multiplied by this during each of its steps
+            (and given back after it, so schedulers see the user's lr). ``"auto"``: the square
+            root of the number of nodes under an optimizer that divides by a running mean square
+            (``ADAPTIVE_INNER``), else 1 (``resolve_inner_lr_scale``).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer=None, *,
@@ -101,16 +133,19 @@ class DiLoCo:
                  fragment_sync_delay: int = DEFAULT_FRAGMENT_SYNC_DELAY,
                  fragment_update_alpha: float = 0.0, codec: str = DEFAULT_CODEC,
                  codec_options: dict | None = None, outer_optimizer=None,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, inner_lr_scale: float | str = "auto"):
         module = getattr(model, "module", model)
         params = [p for p in module.parameters() if p.requires_grad]
         _check_options(params, sync_every, fragments, fragment_sync_delay, fragment_update_alpha,
                        outer_optimizer)
+        _check_inner_lr_scale(inner_lr_scale, inner_optimizer)
         self.sync_every, self.alpha = int(sync_every), float(fragment_update_alpha)
         self.schedule = Schedule(self.sync_every, int(fragments), int(fragment_sync_delay))
         self.codec = codec
         compressor = make_compressor(codec, codec_options)  # before any collective: fail alike
         self.layout = NodeLayout(ranks_per_node)
+        self.inner_lr_scale = resolve_inner_lr_scale(inner_lr_scale, inner_optimizer,
+                                                     self.layout.nodes)
         self.sharded = is_sharded(params)
         self.fragments = _cut(params, int(fragments), self.sharded)
         self._exchange = OuterExchange(self.layout, compressor, len(self.fragments), self.sharded)
@@ -130,11 +165,29 @@ class DiLoCo:
         self._last_time: float | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ciuicflow-diloco") \
             if self.schedule.delay else None
-        self._hook = inner_optimizer.register_step_post_hook(lambda *_: self.step()) \
-            if inner_optimizer is not None else None
+        self._saved_lrs: list | None = None
+        self._hooks = []
+        if inner_optimizer is not None:
+            if self.inner_lr_scale != 1.0:
+                self._hooks.append(inner_optimizer.register_step_pre_hook(
+                    lambda opt, *_: self._scale_lrs(opt)))
+            self._hooks.append(inner_optimizer.register_step_post_hook(
+                lambda opt, *_: self._after_inner_step(opt)))
         self._closed = False
 
     # -- the training loop's calls -------------------------------------------------------------
+
+    def _scale_lrs(self, optimizer) -> None:
+        self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * self.inner_lr_scale
+
+    def _after_inner_step(self, optimizer) -> None:
+        if self._saved_lrs is not None:  # the user's (or the scheduler's) lr, as it was
+            for group, lr in zip(optimizer.param_groups, self._saved_lrs):
+                group["lr"] = lr
+            self._saved_lrs = None
+        self.step()
 
     def step(self) -> None:
         """After an inner optimizer step: send the fragments due, apply those whose delay is up."""
@@ -169,8 +222,8 @@ class DiLoCo:
             self._resolve(k)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        if self._hook is not None:
-            self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         self._closed = True
 
     def __enter__(self) -> "DiLoCo":
@@ -197,7 +250,7 @@ class DiLoCo:
         return {
             "method": "diloco", "codec": self.codec,
             "wire_plan": plan.summary() if plan is not None else self.codec,
-            "outer_optimizer": self.outer_description,
+            "outer_optimizer": self.outer_description, "inner_lr_scale": self.inner_lr_scale,
             "topology": layout.describe(), "sync_every": self.sync_every,
             "fragments": len(self.fragments), "fragment_sync_delay": self.schedule.delay,
             "inner_steps": self.inner_steps, "outer_steps": outer_steps,

@@ -167,6 +167,54 @@ def test_default_outer_step_is_damped_under_sgd_and_the_mean_under_adam():
             assert error < 1e-6, (name, error)
 
 
+def _inner_lr_scaled(rank, world):
+    """The first inner step (no sync yet) against a plain optimizer at lr x the expected scale on
+    the same gradients; the optimizer's lr as the user set it after the step."""
+    import copy
+    import math
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ciuicflow.diloco as diloco
+
+    out = {}
+    for name, make, scale in (
+            ("adamw", lambda p, lr=1e-2: torch.optim.AdamW(p, lr=lr), math.sqrt(2)),
+            ("sgd", lambda p, lr=0.1: torch.optim.SGD(p, lr=lr, momentum=0.9), 1.0)):
+        torch.manual_seed(7)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+        reference = copy.deepcopy(model)
+        ddp = DDP(model, process_group=diloco.node_group())
+        optimizer = make(ddp.parameters())
+        lr = optimizer.param_groups[0]["lr"]
+        outer = diloco.DiLoCo(ddp, optimizer, codec="exact", sync_every=H)
+        plain = make(reference.parameters(), lr=lr * scale)
+        gen = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q.grad = p.grad.clone()
+        optimizer.step()
+        plain.step()
+        out[name] = {"gap": (_flat(model) - _flat(reference)).abs().max().item(),
+                     "lr_after": optimizer.param_groups[0]["lr"], "lr": lr,
+                     "stats_scale": outer.stats()["inner_lr_scale"]}
+        outer.close()
+    return out
+
+
+def test_inner_lr_is_scaled_by_the_root_of_the_nodes_under_adam_only():
+    import math
+
+    for report in run_distributed(_inner_lr_scaled, 4, nodes=2):
+        adamw, sgd = report["adamw"], report["sgd"]
+        assert adamw["stats_scale"] == math.sqrt(2) and sgd["stats_scale"] == 1.0, report
+        for r in (adamw, sgd):
+            assert r["gap"] < 1e-7, r  # the step taken at lr x scale
+            assert r["lr_after"] == r["lr"], r  # and the user's lr given back, exactly
+
+
 # -- resume ----------------------------------------------------------------------------------------
 
 
@@ -253,6 +301,9 @@ BAD = [
     (dict(codec="powersgd"), "codec must be one of"),
     (dict(codec="exact", codec_options={"chunk_size": 8}), "takes no options"),
     (dict(outer_optimizer=0.7), "factory"),
+    (dict(inner_lr_scale=0.0), "inner_lr_scale must be a positive number"),
+    (dict(inner_lr_scale="fast"), "inner_lr_scale must be a positive number"),
+    (dict(inner_lr_scale=1.5), "needs the inner_optimizer"),
     (dict(ranks_per_node=2), "do not divide into nodes"),
 ]
 
