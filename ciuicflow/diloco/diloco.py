@@ -5,7 +5,8 @@ with any ciuicflow hook, or FSDP2 over the node). Every ``sync_every`` inner ste
 pseudo-gradient (its parameters at the last sync minus now) is averaged across nodes
 (``diloco.exchange``), and the fragment's outer optimizer (SGD; Nesterov momentum optional) steps its
 anchor (the parameters at the last sync, the same on every rank) with that mean: the fragment's
-parameters become the new anchor. The inner optimizer's state stays local.
+parameters become the new anchor. The inner optimizer's state stays local; under Adam-family
+optimizers its lr is scaled during each inner step (``inner_lr_scale``).
 
 Replicas are bit-identical after each outer step: the mean is unpacked from the same bytes on every
 rank, and anchors and outer optimizers start equal and step alike.
@@ -72,7 +73,7 @@ def resolve_inner_lr_scale(scale, inner_optimizer, nodes: int) -> float:
     """``"auto"``: sqrt(nodes) under an ``ADAPTIVE_INNER`` optimizer, else 1. Each node's Adam
     divides by the mean square of a gradient averaged over 1/nodes of the batch; where the
     gradient's noise dominates that is nodes times the whole batch's, so the nodes' mean step is
-    1/sqrt(nodes) of Adam's on the whole batch (docs/diloco.md, "Each node's own Adam")."""
+    1/sqrt(nodes) of Adam's on the whole batch (docs/diloco.md, "Defaults", the inner lr)."""
     _check_inner_lr_scale(scale, inner_optimizer)
     if scale == "auto":
         return math.sqrt(nodes) if isinstance(inner_optimizer, ADAPTIVE_INNER) else 1.0
