@@ -179,15 +179,19 @@ class DiLoCo:
     # -- the training loop's calls -------------------------------------------------------------
 
     def _scale_lrs(self, optimizer) -> None:
+        self._give_back_lrs(optimizer)  # a step that raised never reached the post-hook
         self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * self.inner_lr_scale
 
-    def _after_inner_step(self, optimizer) -> None:
+    def _give_back_lrs(self, optimizer) -> None:
         if self._saved_lrs is not None:  # the user's (or the scheduler's) lr, as it was
             for group, lr in zip(optimizer.param_groups, self._saved_lrs):
                 group["lr"] = lr
             self._saved_lrs = None
+
+    def _after_inner_step(self, optimizer) -> None:
+        self._give_back_lrs(optimizer)
         self.step()
 
     def step(self) -> None:

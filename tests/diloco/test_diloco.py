@@ -197,7 +197,24 @@ def _inner_lr_scaled(rank, world):
             q.grad = p.grad.clone()
         optimizer.step()
         plain.step()
-        out[name] = {"gap": (_flat(model) - _flat(reference)).abs().max().item(),
+        # a step that raises inside the optimizer: the lr is not scaled twice at the next one
+        def fail(*_):  # runs after DiLoCo's pre-hook, as an error inside the step would
+            raise RuntimeError("injected")
+
+        failing = optimizer.register_step_pre_hook(fail)
+        try:
+            optimizer.step()
+        except RuntimeError:
+            pass
+        failing.remove()
+        scaled_once = []
+        hook = optimizer.register_step_pre_hook(
+            lambda opt, *_: scaled_once.append(opt.param_groups[0]["lr"]))
+        before = _flat(model)
+        optimizer.step()
+        hook.remove()
+        out[name] = {"gap": (before - _flat(reference)).abs().max().item(),
+                     "lr_in_step": scaled_once[0],
                      "lr_after": optimizer.param_groups[0]["lr"], "lr": lr,
                      "stats_scale": outer.stats()["inner_lr_scale"]}
         outer.close()
@@ -213,6 +230,9 @@ def test_inner_lr_is_scaled_by_the_root_of_the_nodes_under_adam_only():
         for r in (adamw, sgd):
             assert r["gap"] < 1e-7, r  # the step taken at lr x scale
             assert r["lr_after"] == r["lr"], r  # and the user's lr given back, exactly
+        # after a step that raised, the next is scaled once, not twice
+        assert adamw["lr_in_step"] == pytest.approx(adamw["lr"] * math.sqrt(2), rel=1e-12), adamw
+        assert sgd["lr_in_step"] == sgd["lr"], sgd
 
 
 # -- resume ----------------------------------------------------------------------------------------
