@@ -7,7 +7,7 @@ job loses only itself (bench/comm relaunches with the rest).
 Per method: build the model from the same seed, wrap it in DDP, register the hook, run --warmup steps
 (not measured: DDP rebuilds its buckets after step 1 and PowerSGD starts compressing at step 2), then --steps
 measured steps. Measured:
-  step_seconds   wall time of forward + backward (incl. waiting for the hook) + Adam step, mean over the
+  step_seconds   wall time of forward + backward (incl. waiting for the hook) + optimizer step (Adam; SGD with --optimizer sgd), mean over the
                  measured steps, slowest rank
   comm_seconds   time during which at least one bucket's communication was in flight (union of the intervals
                  from the hook's call to its future's completion), mean per step, slowest rank; it may overlap
@@ -219,7 +219,7 @@ def run_method(spec, args, width, data):
     model = build_model(width, args.layers, args.seed)
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
     state, note = register(ddp, name, rank, clock)
-    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    opt = common_worker.make_optimizer(ddp.parameters(), args)
     loss_fn = torch.nn.MSELoss()
 
     def step(i):

@@ -8,6 +8,7 @@ import os
 import sys
 import traceback
 
+import torch
 import torch.distributed as dist
 
 
@@ -25,7 +26,9 @@ def parser(description: str, steps: int, bucket_cap: bool = True, probe: bool = 
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
+    p.add_argument("--lr", type=float, default=1e-4, help="the optimizer's learning rate")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                   help="adam, or sgd (momentum 0.9): what DiLoCo's defaults follow")
     p.add_argument("--seed", type=int, default=0)
     if bucket_cap:
         p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (PyTorch's default: 25)")
@@ -34,6 +37,16 @@ def parser(description: str, steps: int, bucket_cap: bool = True, probe: bool = 
         p.add_argument("--probe-numel", type=int, default=0,
                        help="after the methods, measure the machine for the planner with tensors of this size")
     return p
+
+
+OPTIMIZERS = ("adam", "sgd")
+
+
+def make_optimizer(params, args):
+    """The timed runs' optimizer: Adam, or SGD with momentum 0.9, at ``args.lr``."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+    return torch.optim.Adam(params, lr=args.lr)
 
 
 def run_or_die(run, *args):

@@ -1,5 +1,6 @@
 """DiLoCo rows of bench/convergence: exact DDP inside each node, ``ciuicflow.diloco`` across.
 
+    diloco[@...]                                   ciuicflow.DiLoCo's defaults ("auto": by optimizer)
     diloco_<codec>_h<H>[_f<F>][_d<D>][@outer_lr=..;outer_momentum=..;alpha=..]
 
 Without ``outer_lr``/``outer_momentum`` the outer step is DiLoCo's default for the task's inner
@@ -21,14 +22,15 @@ _NAME = re.compile(r"^diloco_(?P<codec>[a-z0-9]+)_h(?P<h>\d+)(?:_f(?P<f>\d+))?(?
 
 
 def is_diloco(name: str) -> bool:
-    return name.startswith("diloco_")
+    return name == "diloco" or name.startswith("diloco_")
 
 
 def parse(name: str, options: dict) -> dict:
     """The DiLoCo keyword arguments of a method name and its ``@`` options."""
     match = _NAME.match(name)
-    if match is None:
-        raise ValueError(f"a DiLoCo method is diloco_<codec>_h<H>[_f<F>][_d<D>], got {name!r}")
+    if match is None and name != "diloco":
+        raise ValueError(f"a DiLoCo method is diloco or diloco_<codec>_h<H>[_f<F>][_d<D>], got "
+                         f"{name!r}")
     import ciuicflow.diloco as diloco
 
     options = dict(options)
@@ -36,10 +38,10 @@ def parse(name: str, options: dict) -> dict:
     if "outer_lr" in options or "outer_momentum" in options:
         outer = diloco.nesterov(float(options.pop("outer_lr", diloco.DEFAULT_OUTER_LR)),
                                 float(options.pop("outer_momentum", diloco.DEFAULT_OUTER_MOMENTUM)))
-    kwargs = dict(sync_every=int(match["h"]), fragments=int(match["f"] or 1),
-                  fragment_sync_delay=int(match["d"] or 0), codec=match["codec"],
-                  outer_optimizer=outer,
-                  fragment_update_alpha=float(options.pop("alpha", 0.0)))
+    kwargs = dict(outer_optimizer=outer, fragment_update_alpha=float(options.pop("alpha", 0.0)))
+    if match is not None:
+        kwargs.update(sync_every=int(match["h"]), fragments=int(match["f"] or 1),
+                      fragment_sync_delay=int(match["d"] or 0), codec=match["codec"])
     if "inner_lr_scale" in options:
         kwargs["inner_lr_scale"] = float(options.pop("inner_lr_scale"))
     if options:
@@ -48,16 +50,8 @@ def parse(name: str, options: dict) -> dict:
 
 
 def default_name() -> str:
-    """The method name of ``ciuicflow.DiLoCo``'s documented defaults (its outer step's default too:
-    a name without ``@`` options leaves ``outer_optimizer`` to DiLoCo)."""
-    import ciuicflow.diloco as diloco
-
-    name = f"diloco_{diloco.DEFAULT_CODEC}_h{diloco.DEFAULT_SYNC_EVERY}"
-    if diloco.DEFAULT_FRAGMENTS != 1 or diloco.DEFAULT_FRAGMENT_SYNC_DELAY:
-        name += f"_f{diloco.DEFAULT_FRAGMENTS}"
-    if diloco.DEFAULT_FRAGMENT_SYNC_DELAY:
-        name += f"_d{diloco.DEFAULT_FRAGMENT_SYNC_DELAY}"
-    return name
+    """The method name of ``ciuicflow.DiLoCo``'s documented defaults."""
+    return "diloco"
 
 
 def setup(task, model, name: str, options: dict, make_optimizer):

@@ -7,7 +7,7 @@ from bench/convergence's records (``convergence.json`` or ``records.jsonl``; sev
 For each task (the mean over the seeds every method of it ran on), every method is a point (bytes one rank sends
 to other nodes per step, final metric). A family's frontier is its best metric at or below a number of bytes:
 ``synchronous`` (exact DDP, the hooks, PyTorch's PowerSGD, the 1-bit optimizers) and ``diloco`` (every
-``diloco_*`` row). "Where they meet": at each synchronous method's bytes, DiLoCo's frontier there (its best row
+``diloco`` or ``diloco_*`` row). "Where they meet": at each synchronous method's bytes, DiLoCo's frontier there (its best row
 sending no more) against that method's metric: ``ahead`` (DiLoCo better), ``behind``, or ``no DiLoCo row`` that
 cheap. Writes frontier.json (points and comparisons), frontier.md, and frontier.png (matplotlib, if installed).
 """
@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from bench.convergence import diloco_methods
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -33,7 +34,7 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def family(method: str) -> str:
-    return "diloco" if method.startswith("diloco_") else "synchronous"
+    return "diloco" if diloco_methods.is_diloco(method.partition("@")[0]) else "synchronous"
 
 
 def points(records: list[dict]) -> dict[str, list[dict]]:

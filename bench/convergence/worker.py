@@ -13,7 +13,7 @@ Methods:
   onebit_adam, zero_one_adam   ciuicflow's 1-bit optimizers with their defaults, no DDP (Adam tasks)
   fsdp_hsdp        FSDP2's own HSDP (each child module with parameters, and the root,
                    fully_shard-ed over the 2-D mesh "replicate" x "shard")
-  diloco_<codec>_h<H>[_f<F>][_d<D>]   DDP inside each node, ciuicflow.diloco across nodes
+  diloco, diloco_<codec>_h<H>[_f<F>][_d<D>]   DDP inside each node, ciuicflow.diloco across nodes
                    (bench/convergence/diloco_methods.py)
   fsdp:<method>    a hierarchical method of the registry: FSDP2 inside the node and
                    ``ciuicflow.fsdp.register(model, method)`` across nodes (HSDP's replicas, a

@@ -1,15 +1,17 @@
 """DiLoCo beside the synchronous methods on the simulated multi-node cluster: step time and inter-node bytes.
 
 Same cluster as bench/comm (network namespaces, each node's link rate limited with tc tbf; bytes read from
-the links' counters), same model (an MLP), data and Adam; the synchronous rows (``allreduce``, any hook of
-bench/comm, the ``no_comm`` floor) run through bench/comm/worker.py's own code, and the DiLoCo rows
-(``diloco_<codec>_h<H>[_f<F>][_d<D>]``, bench/convergence/diloco_methods.py's names) train with DDP inside each
+the links' counters), same model (an MLP), data and optimizer (Adam, or SGD with momentum: ``--optimizer``);
+the synchronous rows (``allreduce``, any hook of bench/comm, the ``no_comm`` floor) run through
+bench/comm/worker.py's own code, and the DiLoCo rows (``diloco``: its defaults, which follow the optimizer;
+``diloco_<codec>_h<H>[_f<F>][_d<D>]``, bench/convergence/diloco_methods.py's names) train with DDP inside each
 node and ``ciuicflow.DiLoCo`` across nodes (bench/diloco/worker.py). Each DiLoCo row measures a whole
 number of periods H, its syncs included. Writes JSON (records), a markdown table and (optionally) a PNG.
 
     python -m bench.diloco                  # 25M-param MLP, 2 nodes x 2 ranks, 1 Gbit/s, 2 rounds
     python -m bench.diloco --smoke          # tiny and quick, for CI (< 60 s)
     python -m bench.diloco --methods no_comm,allreduce,diloco_int4_h8 --rounds 3
+    python -m bench.diloco --optimizer sgd --lr 0.01   # the defaults under SGD (1 bit every 2 steps)
 
 Target: at DiLoCo's default configuration, a mean step within 1.1x of ``no_comm``'s, as a
 ratio of the same run's medians (the rounds are interleaved: every method, then every method again).
@@ -34,9 +36,8 @@ def default_diloco() -> str:
 
 
 def default_methods() -> str:
-    d = default_diloco()
-    return ",".join(["no_comm", "allreduce", "hierarchical_1bit", d, f"{d}_f2_d1", "diloco_int8_h16",
-                     "diloco_exact_h8"])
+    return ",".join(["no_comm", "allreduce", "hierarchical_1bit", default_diloco(), "diloco_int4_h8_f2_d1",
+                     "diloco_onebit_h2_f2_d1", "diloco_int8_h16", "diloco_exact_h8"])
 
 
 SMOKE = dict(params=200_000, layers=4, batch=8, steps=8, warmup=2, rounds=1, bucket_cap_mb=0.25, timeout=120)
@@ -49,7 +50,9 @@ def parse_args(argv=None):
     p.set_defaults(steps=32)
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per method first (>= 2)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
+    p.add_argument("--lr", type=float, default=1e-4, help="the optimizer's learning rate")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="adam, or sgd (momentum 0.9); DiLoCo's defaults follow it")
     p.add_argument("--methods", help="comma-separated (default: no_comm, allreduce, hierarchical_1bit, "
                    "DiLoCo's default and variants)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians reported")
@@ -87,11 +90,18 @@ def run_methods(cluster, args, log):
     def worker_argv(todo, out):
         return [*WORKER, "--methods", ",".join(todo), "--params", args.params, "--layers", args.layers,
                 "--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup,
-                "--bucket-cap-mb", args.bucket_cap_mb, "--lr", args.lr, "--out", out]
+                "--bucket-cap-mb", args.bucket_cap_mb, "--lr", args.lr, "--optimizer", args.optimizer,
+                "--out", out]
 
     records, _ = run_in_launches(cluster, list(args.method_list) * args.rounds, worker_argv, log, args.timeout,
                                  lambda method, why: {"method": method, "failed": why})
     return records
+
+
+def _resolved(record) -> str:
+    """" (default: onebit every 2)": what DiLoCo's "auto" chose for this run's optimizer."""
+    stats = record.get("hook_stats") or {}
+    return f" (default: {stats.get('codec', '?')} every {stats.get('sync_every', '?')})"
 
 
 def ratios(records):
@@ -137,7 +147,7 @@ def markdown(records, cluster_line, config_line, default, smoke=False):
         if b and base and base.get("inter_node_bytes_per_step"):
             fewer = f"{base['inter_node_bytes_per_step'] / b:.0f}x"
         lines.append(
-            f"| {r['method']}{' (default)' if r['method'] == default else ''} | {r['step_seconds']:.3f} | "
+            f"| {r['method']}{_resolved(r) if r['method'] == default else ''} | {r['step_seconds']:.3f} | "
             f"{'n/a' if x is None else f'{x:.2f}'} | {', '.join(f'{v:.2f}' for v in each)} | "
             f"{r['comm_seconds']:.3f} | {r.get('cpu_seconds', float('nan')):.3f} | "
             f"{'n/a' if b is None else f'{b / 1e6:.4f}'} | {fewer} | {r['final_loss']:.5f} |")
@@ -199,7 +209,7 @@ def main(argv=None) -> int:
     config_line = (f"MLP {args.layers} x Linear({widths.pop() if len(widths) == 1 else '?'}) "
                    f"~{args.params / 1e6:g}M params, batch {args.batch}/rank, {args.warmup} warm-up + "
                    f"{args.steps} measured steps per method (DiLoCo: whole periods), {args.rounds} interleaved "
-                   f"round(s), medians; Adam lr {args.lr:g}; {args.nodes} nodes x {args.ranks_per_node} ranks, "
+                   f"round(s), medians; {args.optimizer} lr {args.lr:g}; {args.nodes} nodes x {args.ranks_per_node} ranks, "
                    f"gloo; {time.monotonic() - started:.0f} s wall; load (1-min) {load_before:.1f} before, "
                    f"{os.getloadavg()[0]:.1f} after, {os.cpu_count()} CPUs")
     for r in records:

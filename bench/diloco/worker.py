@@ -1,12 +1,13 @@
 """One rank of bench/diloco, started by torchrun on each simulated node (ciuicflow/testing/cluster.py).
 
 The synchronous methods (``allreduce``, a ciuicflow hook, ``no_comm``) run exactly as bench/comm's
-worker runs them (``comm_worker.run_method``: same model, data, Adam, timing and link counters). A
-DiLoCo method ``diloco_<codec>_h<H>[_f<F>][_d<D>]`` (bench/convergence/diloco_methods.py's names and
+worker runs them (``comm_worker.run_method``: same model, data, optimizer (``--optimizer``), timing
+and link counters). A DiLoCo method (``diloco``: its defaults, which follow the optimizer; or
+``diloco_<codec>_h<H>[_f<F>][_d<D>]``, bench/convergence/diloco_methods.py's names, with
 ``@outer_lr=..;outer_momentum=..`` options) runs the same model with DDP over the node's ranks and
 ``ciuicflow.DiLoCo`` across nodes, timed the same way:
 
-  step_seconds   wall time of forward + backward (DDP inside the node) + Adam step + DiLoCo's step
+  step_seconds   wall time of forward + backward (DDP inside the node) + optimizer step + DiLoCo's step
                  (a sync's exchange when one is due, or waiting for one in flight), mean over the
                  measured steps, slowest rank; the measured steps are a whole number of periods H
                  (warm-up steps first), so every fragment's sync is in them the same number of times
@@ -57,13 +58,13 @@ def run_diloco(spec, args, width, data, node_group):
 
     name, options = split_options(spec)
     kwargs = convergence_diloco.parse(name, options)
-    period = kwargs["sync_every"]
-    warmup = args.warmup
-    steps = max(period, -(-args.steps // period) * period)  # whole periods
     model = build_model(width, args.layers, args.seed)
     ddp = DDP(model, process_group=node_group, bucket_cap_mb=args.bucket_cap_mb)
-    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    opt = common_worker.make_optimizer(ddp.parameters(), args)
     outer = diloco.DiLoCo(ddp, opt, **kwargs)
+    period = outer.sync_every  # "auto" resolved by the optimizer
+    warmup = args.warmup
+    steps = max(period, -(-args.steps // period) * period)  # whole periods
     loss_fn = torch.nn.MSELoss()
     x, y = data
 
@@ -105,9 +106,9 @@ def run_diloco(spec, args, width, data, node_group):
         "first_loss": reduce_scalar(first_loss, dist.ReduceOp.SUM) / world,
         "final_loss": reduce_scalar(loss, dist.ReduceOp.SUM) / world,
         "measured_steps": steps,
-        "note": f"ciuicflow.DiLoCo(sync_every={period}, fragments={kwargs['fragments']}, "
-                f"fragment_sync_delay={kwargs['fragment_sync_delay']}, codec={kwargs['codec']!r}); "
-                f"DDP inside the node",
+        "note": f"ciuicflow.DiLoCo(sync_every={period}, fragments={stats['fragments']}, "
+                f"fragment_sync_delay={stats['fragment_sync_delay']}, codec={outer.codec!r}); "
+                f"DDP inside the node, {type(opt).__name__}",
         "hook_stats": json.loads(json.dumps(stats, default=str)),
     }
     return record
@@ -140,7 +141,7 @@ def main(argv=None):
         if rank == 0:
             record.update(width=width, layers=args.layers, params=args.layers * (width * width + width),
                           batch=args.batch, steps=record.get("measured_steps", args.steps),
-                          warmup=args.warmup, world_size=dist.get_world_size(),
+                          warmup=args.warmup, world_size=dist.get_world_size(), optimizer=args.optimizer,
                           bucket_cap_mb=args.bucket_cap_mb, shaped=os.environ.get(ENV_SHAPED) == "1")
             common_worker.report(record, args.out)
     common_worker.finish(args)

@@ -23,6 +23,8 @@ The rule, in its options' defaults ("auto"):
 3. Phases: one (each value quantised once) up to two ranks, and up to the family's
    ``one_phase_ranks`` for its own codec; else two, whose servers send the family's
    ``server_family`` (or the workers' codec).
+4. DiLoCo's outer exchange (``outer_wire``): rule 2's codec for the inner optimizer's kind, synced
+   every (its bits / ``OUTER_BITS_PER_STEP``) inner steps.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ ADAPTIVE_LADDER = ("int4", "int8")
 TOLERANCE = 0.5  # noise at half the signal's size: the optimizer's RMS inflated by at most 12%
 PATIENCE = 5
 ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODECS, "same")
+# DiLoCo's outer exchange under "auto" (``outer_wire``): bits per parameter per inner step
+OUTER_BITS_PER_STEP = 0.5
 ROUTE_POLICIES = ("auto", "flat")
 
 
@@ -194,6 +198,29 @@ def wire_plan(method: str, *, exchange_ranks: int, route: str = "hierarchical",
     else:
         reasons.append(f"{ranks} ranks exchange in one phase: each value quantised once")
     return WirePlan(method, route, ranks, codec, 2 if twice else 1, server, values, tuple(reasons))
+
+
+def outer_wire(codec, sync_every, sgd: bool, optimizer_name: str = "") -> tuple[str, int, str]:
+    """(codec, sync_every, why) of DiLoCo's outer exchange (``ciuicflow.diloco``). ``codec="auto"``:
+    what ``wire_plan`` sends for a tensor of the 1-bit family that the inner optimizer steps: 1 bit
+    where it is SGD (``sgd``: a sum of gradients, as the hooks send them), int4 under
+    any other optimizer or none given (a sum of normalised steps, as the hooks send an adaptive
+    optimizer's tensors). ``sync_every="auto"``: the codec's payload bits / ``OUTER_BITS_PER_STEP``
+    (1 bit every 2 steps, int4 every 8, int8 every 16, exact every 64): every codec at the same
+    bytes per step, so a coarser codec syncs more often and its model drifts less between syncs.
+    (The codec does not hang on the number of nodes; its phases do, planned by the compressor.)"""
+    why = []
+    if codec == "auto":
+        codec = wire_plan("onebit", exchange_ranks=2, route="flat", adaptive=not sgd).codec
+        why.append(f"codec='auto': {codec}, what the 1-bit hooks send for a tensor "
+                   f"{'SGD steps' if sgd else 'an adaptive optimizer steps'} "
+                   f"(inner optimizer: {optimizer_name or 'none given'})")
+    if sync_every == "auto":
+        bits = FAMILIES[codec].cost.payload_bits if codec in FAMILIES else 32  # exact
+        sync_every = max(1, round(bits / OUTER_BITS_PER_STEP))
+        why.append(f"sync_every='auto': {sync_every}, so that {bits} bit(s) per parameter per "
+                   f"sync are {OUTER_BITS_PER_STEP:g} bit per parameter per inner step")
+    return codec, sync_every, "; ".join(why)
 
 
 def _outlier_count(options: dict, cost: Cost, chunk: int) -> int:

@@ -23,15 +23,14 @@ import torch
 import torch.distributed as dist
 
 from ciuicflow.collectives.primitives import Traffic, ring_all_reduce_bytes
+from ciuicflow.compression.policy import outer_wire
 from ciuicflow.diloco.exchange import NodeLayout, OuterExchange, make_compressor
 from ciuicflow.diloco.layout import Fragment, Schedule, is_sharded, local_tensor, split
 
 _STATE_VERSION = 2
-# The defaults, measured on bench/convergence's tuned tasks (docs/diloco.md, "Defaults"):
-# int4 every 8 inner steps costs the bytes of int8 every 16 (about 120x fewer inter-node bytes per
-# step than exact DDP) with half the drift between syncs.
-DEFAULT_CODEC = "int4"
-DEFAULT_SYNC_EVERY = 8
+# "auto": compression.policy.outer_wire, by the inner optimizer (docs/diloco.md, "Defaults")
+DEFAULT_CODEC = "auto"
+DEFAULT_SYNC_EVERY = "auto"
 DEFAULT_FRAGMENTS = 1
 DEFAULT_FRAGMENT_SYNC_DELAY = 0
 # The outer step: the nodes' mean (lr 1, no momentum) under Adam-family inner optimizers (and when
@@ -109,7 +108,8 @@ class DiLoCo:
     Args:
         model: the model (a DDP model's ``module`` is read; FSDP2 shards are read locally).
         inner_optimizer: optional; its ``step`` then calls ``self.step()`` after it.
-        sync_every: inner steps between two syncs of a fragment (H).
+        sync_every: inner steps between two syncs of a fragment (H); ``"auto"``: the codec's
+            bits over ``OUTER_BITS_PER_STEP`` (``compression.policy.outer_wire``).
         fragments: the model is cut into this many fragments, each synced at its own step,
             staggered over the period (Streaming DiLoCo); 1: the whole model at once.
         fragment_sync_delay: inner steps between a fragment's send and its update (its exchange
@@ -117,7 +117,8 @@ class DiLoCo:
         fragment_update_alpha: the fragment becomes alpha x local + (1 - alpha) x global; 0 keeps
             the replicas bit-identical.
         codec: the registry compressor of the outer exchange ("int8", "int4", "onebit") or
-            "exact"; ``codec_options``: its options (``chunk_size``, ``error_decay``, ...).
+            "exact"; ``"auto"``: 1 bit under ``torch.optim.SGD``, else int4
+            (``compression.policy.outer_wire``); ``codec_options``: its options (``chunk_size``, ...).
         outer_optimizer: a factory ``params -> torch.optim.Optimizer`` (default:
             ``default_outer_optimizer(inner_optimizer)``: lr 0.9 without momentum under
             ``torch.optim.SGD``, else the nodes' mean); each fragment gets its own, over one flat
@@ -130,16 +131,21 @@ class DiLoCo:
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer=None, *,
-                 sync_every: int = DEFAULT_SYNC_EVERY, fragments: int = DEFAULT_FRAGMENTS,
+                 sync_every: int | str = DEFAULT_SYNC_EVERY, fragments: int = DEFAULT_FRAGMENTS,
                  fragment_sync_delay: int = DEFAULT_FRAGMENT_SYNC_DELAY,
                  fragment_update_alpha: float = 0.0, codec: str = DEFAULT_CODEC,
                  codec_options: dict | None = None, outer_optimizer=None,
                  ranks_per_node: int | None = None, inner_lr_scale: float | str = "auto"):
         module = getattr(model, "module", model)
         params = [p for p in module.parameters() if p.requires_grad]
+        _check_inner_lr_scale(inner_lr_scale, inner_optimizer)
+        if codec != "auto":
+            make_compressor(codec, codec_options)  # a bad codec named before a bad sync_every
+        codec, sync_every, self.wire_reason = outer_wire(
+            codec, sync_every, isinstance(inner_optimizer, torch.optim.SGD),
+            type(inner_optimizer).__name__ if inner_optimizer is not None else "")
         _check_options(params, sync_every, fragments, fragment_sync_delay, fragment_update_alpha,
                        outer_optimizer)
-        _check_inner_lr_scale(inner_lr_scale, inner_optimizer)
         self.sync_every, self.alpha = int(sync_every), float(fragment_update_alpha)
         self.schedule = Schedule(self.sync_every, int(fragments), int(fragment_sync_delay))
         self.codec = codec
@@ -253,7 +259,7 @@ class DiLoCo:
         per_step = t.inter_bytes / steps if steps else 0.0
         plan = self._exchange.wire_plan()
         return {
-            "method": "diloco", "codec": self.codec,
+            "method": "diloco", "codec": self.codec, "wire_reason": self.wire_reason,
             "wire_plan": plan.summary() if plan is not None else self.codec,
             "outer_optimizer": self.outer_description, "inner_lr_scale": self.inner_lr_scale,
             "topology": layout.describe(), "sync_every": self.sync_every,
@@ -474,7 +480,8 @@ def _check_options(params, sync_every, fragments, delay, alpha, outer_optimizer)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
-    integer("sync_every", sync_every, 1)
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every must be an integer >= 1 or 'auto', got {sync_every!r}")
     integer("fragments", fragments, 1)
     integer("fragment_sync_delay", delay, 0)
     if not params:

@@ -5,7 +5,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from ciuicflow.compression.policy import ADAPTIVE_OPTIMIZER_POLICIES, explain
+from ciuicflow.compression.policy import ADAPTIVE_OPTIMIZER_POLICIES, explain, outer_wire
 from ciuicflow.plan.cost_model import plan, recommend
 from ciuicflow.plan.diloco_model import diloco
 from ciuicflow.plan.inputs import BACKENDS, OPTIMIZERS, SERVER_CODECS, ClusterSpec, Workload, \
@@ -86,9 +86,11 @@ def add_arguments(parser) -> None:
                         help="also print what each quantising DDP method sends and why "
                              "(ciuicflow.explain: the rule the compressors take)")
     parser.add_argument("--diloco", metavar="H[,H...]",
-                        help="also model ciuicflow.diloco syncing every H inner steps (docs/diloco.md)")
-    parser.add_argument("--diloco-codec", default="int4",
-                        help="its outer exchange's codec (default int4, ciuicflow.diloco's)")
+                        help="also model ciuicflow.diloco syncing every H inner steps, or auto: "
+                             "its default for --diloco-codec (docs/diloco.md)")
+    parser.add_argument("--diloco-codec", default="auto",
+                        help="its outer exchange's codec (default auto, ciuicflow.diloco's: 1 bit "
+                             "under --optimizer sgd, int4 under adam)")
     parser.add_argument("--fragments", type=int, default=1, help="its fragments (default 1)")
     parser.add_argument("--fragment-sync-delay", type=int, default=0,
                         help="inner steps a fragment's sync overlaps (default 0)")
@@ -147,6 +149,17 @@ def table(estimates, baseline) -> str:
     return "\n".join(rows)
 
 
+def _period(text: str):
+    """A ``--diloco`` entry: an inner step count, or "auto"."""
+    text = text.strip()
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--diloco takes inner step counts or auto, got {text!r}") from None
+
+
 def diloco_table(estimates, baseline) -> str:
     """One row per ``--diloco`` H: inter-node bytes per node and exposed seconds per inner step."""
     rows = ["| ciuicflow.diloco | outer exchange | inter-node per node / step | exposed sync / step | "
@@ -200,8 +213,11 @@ def run(args) -> int:
         print(f"(modelled with SGD; under Adam/AdamW {best.strategy} sends {under_adam} values, raised "
               f"to int8 where measured noise says so: pass --optimizer adam)")
     try:
-        localsgd = [diloco(cluster, workload, int(h), args.fragments, args.fragment_sync_delay,
-                           args.diloco_codec) for h in args.diloco.split(",")] if args.diloco else []
+        localsgd = []
+        for h in args.diloco.split(",") if args.diloco else []:
+            codec, period, _ = outer_wire(args.diloco_codec, _period(h), workload.optimizer == "sgd")
+            localsgd.append(diloco(cluster, workload, period, args.fragments,
+                                   args.fragment_sync_delay, codec))
     except ValueError as exc:
         print(f"ciuicflow plan: error: {exc}", file=sys.stderr)
         return 2

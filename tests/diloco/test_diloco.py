@@ -3,6 +3,7 @@
 Each node starts from its own random weights (DiLoCo must make them equal), and each rank draws
 its own batches, so the nodes' replicas drift apart between outer steps.
 """
+import argparse
 import os
 import warnings
 
@@ -157,7 +158,6 @@ def _default_outer_mean(rank, world):
 def test_default_outer_step_is_damped_under_sgd_and_the_mean_under_adam():
     import ciuicflow.diloco as diloco
 
-    assert diloco.DEFAULT_CODEC == "int4" and diloco.DEFAULT_SYNC_EVERY == 8
     assert diloco.DEFAULT_SGD_OUTER_LR == 0.9 and diloco.DEFAULT_OUTER_LR == 1.0
     reports = run_distributed(_default_outer_mean, 4, nodes=2)
     for report in reports:
@@ -233,6 +233,59 @@ def test_inner_lr_is_scaled_by_the_root_of_the_nodes_under_adam_only():
         # after a step that raised, the next is scaled once, not twice
         assert adamw["lr_in_step"] == pytest.approx(adamw["lr"] * math.sqrt(2), rel=1e-12), adamw
         assert sgd["lr_in_step"] == sgd["lr"], sgd
+
+
+def _auto_wire(rank, world):
+    """DiLoCo's defaults under SGD, AdamW and no optimizer given: what it says it sends, and the
+    bytes it counted over two periods."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ciuicflow.diloco as diloco
+
+    out = {}
+    for name, make in (("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+                       ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-2)), ("none", None)):
+        torch.manual_seed(100 + rank // 2)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
+                                    torch.nn.Linear(128, 3))
+        ddp = DDP(model, process_group=diloco.node_group())
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1) if make is None \
+            else make(ddp.parameters())
+        outer = diloco.DiLoCo(ddp, None if make is None else optimizer)
+        period = outer.sync_every
+        for step in range(1, 2 * period + 1):
+            _inner_step_wide(ddp, optimizer, rank, step)
+            if make is None:
+                outer.step()
+        stats = outer.stats()
+        out[name] = {k: stats[k] for k in ("codec", "sync_every", "wire_reason", "outer_steps",
+                                           "inter_node_bytes", "wire_plan")}
+        out[name]["numel"] = sum(p.numel() for p in model.parameters())
+        outer.close()
+    return out
+
+
+def _inner_step_wide(ddp, optimizer, rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(8, 64, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    optimizer.step()
+
+
+def test_auto_sends_one_bit_every_2_steps_under_sgd_and_int4_every_8_otherwise():
+    for report in run_distributed(_auto_wire, 4, nodes=2):
+        for name, codec, period in (("sgd", "onebit", 2), ("adamw", "int4", 8),
+                                    ("none", "int4", 8)):
+            r = report[name]
+            assert (r["codec"], r["sync_every"], r["outer_steps"]) == (codec, period, 2), r
+            assert r["wire_plan"].startswith(codec), r
+            assert "codec='auto'" in r["wire_reason"] and "sync_every='auto'" in r["wire_reason"]
+            # each rank sends its node's half of the model once per outer step: the codec's
+            # bits per element, plus the scales (a float per 256 elements at most)
+            bits = 8 * r["inter_node_bytes"] / (2 * r["numel"] / 2)
+            want = {"onebit": 1, "int4": 4}[codec]
+            assert want <= bits < want + 0.5, (name, bits)
 
 
 # -- resume ----------------------------------------------------------------------------------------
@@ -313,6 +366,8 @@ def test_nonfinite_pseudo_gradient_skips_the_outer_step_on_every_rank():
 BAD = [
     (dict(sync_every=0), "sync_every"),
     (dict(sync_every=2.5), "sync_every"),
+    (dict(sync_every="fast"), "an integer >= 1 or 'auto'"),
+    (dict(codec="zstd", sync_every="auto"), "codec must be one of"),
     (dict(fragments=5, sync_every=8), "more than the model's 4"),
     (dict(fragments=3, sync_every=2), "fragments=3 must be <= sync_every"),
     (dict(fragment_sync_delay=4), "fragment_sync_delay=4 must be < sync_every"),
@@ -381,6 +436,23 @@ def test_plan_models_bytes_per_step_from_the_policy_and_formats():
         diloco(cluster, work, 4, fragments=5)
     with pytest.raises(ValueError):
         diloco(cluster, work, 4, codec="powersgd")
+
+
+def test_plan_auto_models_what_diloco_auto_sends(capsys):
+    from ciuicflow.plan import cli
+
+    rows = {}
+    for optimizer in ("sgd", "adam"):
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        args = parser.parse_args(["--model", "1e9", "--nodes", "2", "--gpus-per-node", "4",
+                                  "--optimizer", optimizer, "--diloco", "auto,4"])
+        assert cli.run(args) == 0
+        rows[optimizer] = [line for line in capsys.readouterr().out.splitlines()
+                           if line.startswith("| diloco ")]
+    assert rows["sgd"][0].startswith("| diloco onebit H=2 "), rows
+    assert rows["sgd"][1].startswith("| diloco onebit H=4 "), rows
+    assert rows["adam"][0].startswith("| diloco int4 H=8 "), rows
 
 
 # -- the monitor ------------------------------------------------------------------------------------
