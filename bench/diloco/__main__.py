@@ -11,7 +11,7 @@ number of periods H, its syncs included. Writes JSON (records), a markdown table
     python -m bench.diloco                  # 25M-param MLP, 2 nodes x 2 ranks, 1 Gbit/s, 2 rounds
     python -m bench.diloco --smoke          # tiny and quick, for CI (< 60 s)
     python -m bench.diloco --methods no_comm,allreduce,diloco_int4_h8 --rounds 3
-    python -m bench.diloco --optimizer sgd --lr 0.01   # the defaults under SGD (1 bit every 2 steps)
+    python -m bench.diloco --optimizer sgd --lr 0.01   # the defaults under SGD (1 bit every 4 steps)
 
 Target: at DiLoCo's default configuration, a mean step within 1.1x of ``no_comm``'s, as a
 ratio of the same run's medians (the rounds are interleaved: every method, then every method again).
@@ -99,7 +99,7 @@ def run_methods(cluster, args, log):
 
 
 def _resolved(record) -> str:
-    """" (default: onebit every 2)": what DiLoCo's "auto" chose for this run's optimizer."""
+    """" (default: onebit every 4)": what DiLoCo's "auto" chose for this run's optimizer."""
     stats = record.get("hook_stats") or {}
     return f" (default: {stats.get('codec', '?')} every {stats.get('sync_every', '?')})"
 

@@ -40,7 +40,7 @@ TOLERANCE = 0.5  # noise at half the signal's size: the optimizer's RMS inflated
 PATIENCE = 5
 ADAPTIVE_OPTIMIZER_POLICIES = ("auto", *ADAPTIVE_CODECS, "same")
 # DiLoCo's outer exchange under "auto" (``outer_wire``): bits per parameter per inner step
-OUTER_BITS_PER_STEP = 0.5
+OUTER_BITS_PER_STEP = 0.25
 ROUTE_POLICIES = ("auto", "flat")
 
 
@@ -206,7 +206,7 @@ def outer_wire(codec, sync_every, sgd: bool, optimizer_name: str = "") -> tuple[
     where it is SGD (``sgd``: a sum of gradients, as the hooks send them), int4 under
     any other optimizer or none given (a sum of normalised steps, as the hooks send an adaptive
     optimizer's tensors). ``sync_every="auto"``: the codec's payload bits / ``OUTER_BITS_PER_STEP``
-    (1 bit every 2 steps, int4 every 8, int8 every 16, exact every 64): every codec at the same
+    (1 bit every 4 steps, int4 every 16, int8 every 32, exact every 128): every codec at the same
     bytes per step, so a coarser codec syncs more often and its model drifts less between syncs.
     (The codec does not hang on the number of nodes; its phases do, planned by the compressor.)"""
     why = []

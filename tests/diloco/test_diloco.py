@@ -273,10 +273,10 @@ def _inner_step_wide(ddp, optimizer, rank, step):
     optimizer.step()
 
 
-def test_auto_sends_one_bit_every_2_steps_under_sgd_and_int4_every_8_otherwise():
+def test_auto_sends_one_bit_every_4_steps_under_sgd_and_int4_every_16_otherwise():
     for report in run_distributed(_auto_wire, 4, nodes=2):
-        for name, codec, period in (("sgd", "onebit", 2), ("adamw", "int4", 8),
-                                    ("none", "int4", 8)):
+        for name, codec, period in (("sgd", "onebit", 4), ("adamw", "int4", 16),
+                                    ("none", "int4", 16)):
             r = report[name]
             assert (r["codec"], r["sync_every"], r["outer_steps"]) == (codec, period, 2), r
             assert r["wire_plan"].startswith(codec), r
@@ -446,13 +446,13 @@ def test_plan_auto_models_what_diloco_auto_sends(capsys):
         parser = argparse.ArgumentParser()
         cli.add_arguments(parser)
         args = parser.parse_args(["--model", "1e9", "--nodes", "2", "--gpus-per-node", "4",
-                                  "--optimizer", optimizer, "--diloco", "auto,4"])
+                                  "--optimizer", optimizer, "--diloco", "auto,2"])
         assert cli.run(args) == 0
         rows[optimizer] = [line for line in capsys.readouterr().out.splitlines()
                            if line.startswith("| diloco ")]
-    assert rows["sgd"][0].startswith("| diloco onebit H=2 "), rows
-    assert rows["sgd"][1].startswith("| diloco onebit H=4 "), rows
-    assert rows["adam"][0].startswith("| diloco int4 H=8 "), rows
+    assert rows["sgd"][0].startswith("| diloco onebit H=4 "), rows
+    assert rows["sgd"][1].startswith("| diloco onebit H=2 "), rows
+    assert rows["adam"][0].startswith("| diloco int4 H=16 "), rows
 
 
 # -- the monitor ------------------------------------------------------------------------------------
