@@ -25,6 +25,7 @@ from ciuicflow.testing.cluster import SimCluster, parse_rate
 from bench.common.cluster_args import add_cluster_arguments
 from bench.common.launch import run_in_launches
 from bench.common.report import combine_rounds, per_round_ratios, write_outputs
+from bench.common.worker import OPTIMIZERS
 
 WORKER = ["-m", "bench.diloco.worker"]
 
@@ -51,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per method first (>= 2)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--lr", type=float, default=1e-4, help="the optimizer's learning rate")
-    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
                    help="adam, or sgd (momentum 0.9); DiLoCo's defaults follow it")
     p.add_argument("--methods", help="comma-separated (default: no_comm, allreduce, hierarchical_1bit, "
                    "DiLoCo's default and variants)")
