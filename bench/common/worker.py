@@ -18,6 +18,9 @@ def say(line: str):
     sys.stdout.flush()
 
 
+OPTIMIZERS = ("adam", "sgd")
+
+
 def parser(description: str, steps: int, bucket_cap: bool = True, probe: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--methods", required=True, help="comma-separated method specs")
@@ -37,9 +40,6 @@ def parser(description: str, steps: int, bucket_cap: bool = True, probe: bool = 
         p.add_argument("--probe-numel", type=int, default=0,
                        help="after the methods, measure the machine for the planner with tensors of this size")
     return p
-
-
-OPTIMIZERS = ("adam", "sgd")
 
 
 def make_optimizer(params, args):

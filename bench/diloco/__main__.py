@@ -100,7 +100,7 @@ def run_methods(cluster, args, log):
 
 
 def _resolved(record) -> str:
-    """" (default: onebit every 4)": what DiLoCo's "auto" chose for this run's optimizer."""
+    """What DiLoCo's "auto" chose for this run's optimizer, e.g. " (default: onebit every 4)"."""
     stats = record.get("hook_stats") or {}
     return f" (default: {stats.get('codec', '?')} every {stats.get('sync_every', '?')})"
 

@@ -139,8 +139,6 @@ class DiLoCo:
         module = getattr(model, "module", model)
         params = [p for p in module.parameters() if p.requires_grad]
         _check_inner_lr_scale(inner_lr_scale, inner_optimizer)
-        if codec != "auto":
-            make_compressor(codec, codec_options)  # a bad codec named before a bad sync_every
         codec, sync_every, self.wire_reason = outer_wire(
             codec, sync_every, isinstance(inner_optimizer, torch.optim.SGD),
             type(inner_optimizer).__name__ if inner_optimizer is not None else "")
@@ -476,12 +474,11 @@ def _cut(params: list, fragments: int, sharded: bool) -> list[Fragment]:
 
 
 def _check_options(params, sync_every, fragments, delay, alpha, outer_optimizer) -> None:
-    def integer(name, value, low):
+    def integer(name, value, low, other=""):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            raise ValueError(f"{name} must be an integer >= {low}{other}, got {value!r}")
 
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"sync_every must be an integer >= 1 or 'auto', got {sync_every!r}")
+    integer("sync_every", sync_every, 1, " or 'auto'")
     integer("fragments", fragments, 1)
     integer("fragment_sync_delay", delay, 0)
     if not params:
