@@ -1,7 +1,7 @@
 """DiLoCo rows of bench/convergence: exact DDP inside each node, ``ciuicflow.diloco`` across.
 
     diloco[@...]                                   ciuicflow.DiLoCo's defaults ("auto": by optimizer)
-    diloco_<codec>_h<H>[_f<F>][_d<D>][@outer_lr=..;outer_momentum=..;alpha=..]
+    diloco_<codec>_h<H>[_f<F>][_d<D>[_k]][@outer_lr=..;outer_momentum=..;alpha=..]
 
 Without ``outer_lr``/``outer_momentum`` the outer step is DiLoCo's default for the task's inner
 optimizer (``ciuicflow.diloco.default_outer_optimizer``: lr 0.9 under SGD, the mean under Adam;
@@ -11,14 +11,15 @@ momentum 0).
 
 ``codec``: "exact" or a quantising family of the registry ("int8", "int4", "onebit"); ``H``: inner
 steps between two syncs of a fragment; ``F`` fragments (default 1), ``D`` inner steps of delay
-(default 0). The last inner step is followed by ``DiLoCo.sync()`` (every fragment's outer step,
+(default 0), ``_k``: ``keep_local_progress`` (the steps taken during the delay are kept). The
+last inner step is followed by ``DiLoCo.sync()`` (every fragment's outer step,
 its bytes counted), so the final evaluation and the replica check see the global model.
 """
 from __future__ import annotations
 
 import re
 
-_NAME = re.compile(r"^diloco_(?P<codec>[a-z0-9]+)_h(?P<h>\d+)(?:_f(?P<f>\d+))?(?:_d(?P<d>\d+))?$")
+_NAME = re.compile(r"^diloco_(?P<codec>[a-z0-9]+)_h(?P<h>\d+)(?:_f(?P<f>\d+))?(?:_d(?P<d>\d+)(?P<k>_k)?)?$")
 
 
 def is_diloco(name: str) -> bool:
@@ -29,7 +30,7 @@ def parse(name: str, options: dict) -> dict:
     """The DiLoCo keyword arguments of a method name and its ``@`` options."""
     match = _NAME.match(name)
     if match is None and name != "diloco":
-        raise ValueError(f"a DiLoCo method is diloco or diloco_<codec>_h<H>[_f<F>][_d<D>], got "
+        raise ValueError(f"a DiLoCo method is diloco or diloco_<codec>_h<H>[_f<F>][_d<D>[_k]], got "
                          f"{name!r}")
     import ciuicflow.diloco as diloco
 
@@ -41,7 +42,8 @@ def parse(name: str, options: dict) -> dict:
     kwargs = dict(outer_optimizer=outer, fragment_update_alpha=float(options.pop("alpha", 0.0)))
     if match is not None:
         kwargs.update(sync_every=int(match["h"]), fragments=int(match["f"] or 1),
-                      fragment_sync_delay=int(match["d"] or 0), codec=match["codec"])
+                      fragment_sync_delay=int(match["d"] or 0), codec=match["codec"],
+                      keep_local_progress=bool(match["k"]))
     if "inner_lr_scale" in options:
         kwargs["inner_lr_scale"] = float(options.pop("inner_lr_scale"))
     if options:

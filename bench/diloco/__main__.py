@@ -4,7 +4,7 @@ Same cluster as bench/comm (network namespaces, each node's link rate limited wi
 the links' counters), same model (an MLP), data and optimizer (Adam, or SGD with momentum: ``--optimizer``);
 the synchronous rows (``allreduce``, any hook of bench/comm, the ``no_comm`` floor) run through
 bench/comm/worker.py's own code, and the DiLoCo rows (``diloco``: its defaults, which follow the optimizer;
-``diloco_<codec>_h<H>[_f<F>][_d<D>]``, bench/convergence/diloco_methods.py's names) train with DDP inside each
+``diloco_<codec>_h<H>[_f<F>][_d<D>[_k]]``, bench/convergence/diloco_methods.py's names) train with DDP inside each
 node and ``ciuicflow.DiLoCo`` across nodes (bench/diloco/worker.py). Each DiLoCo row measures a whole
 number of periods H, its syncs included. Writes JSON (records), a markdown table and (optionally) a PNG.
 

@@ -3,7 +3,7 @@
 The synchronous methods (``allreduce``, a ciuicflow hook, ``no_comm``) run exactly as bench/comm's
 worker runs them (``comm_worker.run_method``: same model, data, optimizer (``--optimizer``), timing
 and link counters). A DiLoCo method (``diloco``: its defaults, which follow the optimizer; or
-``diloco_<codec>_h<H>[_f<F>][_d<D>]``, bench/convergence/diloco_methods.py's names, with
+``diloco_<codec>_h<H>[_f<F>][_d<D>[_k]]``, bench/convergence/diloco_methods.py's names, with
 ``@outer_lr=..;outer_momentum=..`` options) runs the same model with DDP over the node's ranks and
 ``ciuicflow.DiLoCo`` across nodes, timed the same way:
 

@@ -8,8 +8,9 @@ anchor (the parameters at the last sync, the same on every rank) with that mean:
 parameters become the new anchor. The inner optimizer's state stays local; under Adam-family
 optimizers its lr is scaled during each inner step (``inner_lr_scale``).
 
-Replicas are bit-identical after each outer step: the mean is unpacked from the same bytes on every
-rank, and anchors and outer optimizers start equal and step alike.
+Anchors are bit-identical after each outer step: the mean is unpacked from the same bytes on every
+rank, and anchors and outer optimizers start equal and step alike. So are the replicas, unless
+``keep_local_progress`` adds each node's own steps taken while a sync was in flight.
 """
 from __future__ import annotations
 
@@ -93,10 +94,12 @@ def _check_inner_lr_scale(scale, inner_optimizer) -> None:
 class _Pending:
     """A fragment's sync in flight: sent after one inner step, applied after ``apply_at``."""
 
-    __slots__ = ("apply_at", "future", "mean", "done")
+    __slots__ = ("apply_at", "future", "mean", "done", "since")
 
-    def __init__(self, apply_at: int, future: Future | None = None, mean=None, done=False):
+    def __init__(self, apply_at: int, future: Future | None = None, mean=None, done=False,
+                 since=None):
         self.apply_at, self.future, self.mean, self.done = apply_at, future, mean, done
+        self.since = since  # keep_local_progress: the fragment's values when it was sent
 
 
 class DiLoCo:
@@ -116,6 +119,10 @@ class DiLoCo:
             runs on a worker thread meanwhile); 0: wait for it at once.
         fragment_update_alpha: the fragment becomes alpha x local + (1 - alpha) x global; 0 keeps
             the replicas bit-identical.
+        keep_local_progress: with a delay, the fragment becomes the global one plus what this
+            node's inner steps moved it while its sync was in flight (instead of dropping those
+            steps); the anchors stay bit-identical, the replicas then differ by those steps until
+            the next ``sync()``. Holds one more float32 copy of the model.
         codec: the registry compressor of the outer exchange ("int8", "int4", "onebit") or
             "exact"; ``"auto"``: 1 bit under ``torch.optim.SGD``, else int4
             (``compression.policy.outer_wire``); ``codec_options``: its options (``chunk_size``, ...).
@@ -133,9 +140,10 @@ class DiLoCo:
     def __init__(self, model: torch.nn.Module, inner_optimizer=None, *,
                  sync_every: int | str = DEFAULT_SYNC_EVERY, fragments: int = DEFAULT_FRAGMENTS,
                  fragment_sync_delay: int = DEFAULT_FRAGMENT_SYNC_DELAY,
-                 fragment_update_alpha: float = 0.0, codec: str = DEFAULT_CODEC,
-                 codec_options: dict | None = None, outer_optimizer=None,
-                 ranks_per_node: int | None = None, inner_lr_scale: float | str = "auto"):
+                 fragment_update_alpha: float = 0.0, keep_local_progress: bool = False,
+                 codec: str = DEFAULT_CODEC, codec_options: dict | None = None,
+                 outer_optimizer=None, ranks_per_node: int | None = None,
+                 inner_lr_scale: float | str = "auto"):
         module = getattr(model, "module", model)
         params = [p for p in module.parameters() if p.requires_grad]
         _check_inner_lr_scale(inner_lr_scale, inner_optimizer)
@@ -143,8 +151,9 @@ class DiLoCo:
             codec, sync_every, isinstance(inner_optimizer, torch.optim.SGD),
             type(inner_optimizer).__name__ if inner_optimizer is not None else "")
         _check_options(params, sync_every, fragments, fragment_sync_delay, fragment_update_alpha,
-                       outer_optimizer)
+                       outer_optimizer, keep_local_progress)
         self.sync_every, self.alpha = int(sync_every), float(fragment_update_alpha)
+        self.keep_local_progress = keep_local_progress
         self.schedule = Schedule(self.sync_every, int(fragments), int(fragment_sync_delay))
         self.codec = codec
         compressor = make_compressor(codec, codec_options)  # before any collective: fail alike
@@ -164,6 +173,7 @@ class DiLoCo:
         self.skipped = 0         # fragments' outer steps skipped (non-finite pseudo-gradient)
         self._traffic = Traffic()
         self._pending: dict[int, _Pending] = {}
+        self._snapshots: list[torch.Tensor | None] = [None] * len(self.fragments)
         self._wait = self._wall = 0.0
         self._counted_from = 0  # inner steps before the last reset_stats()
         self.algorithm = "diloco"  # ciuicflow.monitor's name for this source
@@ -262,6 +272,7 @@ class DiLoCo:
             "outer_optimizer": self.outer_description, "inner_lr_scale": self.inner_lr_scale,
             "topology": layout.describe(), "sync_every": self.sync_every,
             "fragments": len(self.fragments), "fragment_sync_delay": self.schedule.delay,
+            "keep_local_progress": self.keep_local_progress,
             "inner_steps": self.inner_steps, "outer_steps": outer_steps,
             "fragment_syncs": self.fragment_syncs, "skipped_outer_steps": self.skipped,
             "inter_node_bytes": t.inter_bytes, "intra_node_bytes": t.intra_bytes,
@@ -322,7 +333,10 @@ class DiLoCo:
                  "pending": {k: {"apply_at": p.apply_at,
                                  "mean": None if p.mean is None else p.mean.clone()}
                              for k, p in self._pending.items()}}
-        mine = {"memory": self._exchange.state_dict(), "traffic": self._traffic.as_dict()}
+        mine = {"memory": self._exchange.state_dict(), "traffic": self._traffic.as_dict(),
+                # this node's values at each send in flight: unlike the other nodes'
+                "since": {k: p.since.clone() for k, p in self._pending.items()
+                          if p.since is not None}}
         return {
             "version": _STATE_VERSION, "config": self._config(),
             "inner_steps": self.inner_steps, "fragment_syncs": self.fragment_syncs,
@@ -357,8 +371,10 @@ class DiLoCo:
         for optimizer, saved in zip(self.outer, outer["optimizers"]):
             optimizer.load_state_dict(saved)
         self._exchange.load_state_dict(mine["memory"])
+        since = mine.get("since", {})
         self._pending = {int(k): _Pending(p["apply_at"], done=True, mean=None if p["mean"] is None
-                                          else p["mean"].to(self.anchors[int(k)].device))
+                                          else p["mean"].to(self.anchors[int(k)].device),
+                                          since=self._snapshot_from(int(k), since.get(k)))
                          for k, p in outer["pending"].items()}
         self._traffic = Traffic(**mine["traffic"])
         self._counted_from = 0  # the checkpoint's traffic covers the run from its start
@@ -368,11 +384,14 @@ class DiLoCo:
     def _config(self) -> dict:
         """The same on every rank: fragments by their whole parameters' elements (a DTensor's
         ``numel`` is its global one)."""
-        return {"sync_every": self.sync_every,
-                "fragments": [sum(p.numel() for p in f.params) for f in self.fragments],
-                "delay": self.schedule.delay, "codec": self.codec,
-                "nodes": self.layout.nodes, "ranks_per_node": self.layout.local,
-                "sharded": self.sharded}
+        config = {"sync_every": self.sync_every,
+                  "fragments": [sum(p.numel() for p in f.params) for f in self.fragments],
+                  "delay": self.schedule.delay, "codec": self.codec,
+                  "nodes": self.layout.nodes, "ranks_per_node": self.layout.local,
+                  "sharded": self.sharded}
+        if self.keep_local_progress:  # absent otherwise: checkpoints from before it still load
+            config["keep_local_progress"] = True
+        return config
 
     def _replica_key(self) -> str:
         """The key of the state this rank shares with others: every rank's under DDP, the same
@@ -395,10 +414,26 @@ class DiLoCo:
             for p in params:
                 dist.broadcast(local_tensor(p).data, source, group=group)
 
+    def _snapshot_from(self, k: int, saved):
+        """Fragment ``k``'s reused snapshot buffer, holding ``saved`` (None: None)."""
+        if saved is None:
+            return None
+        anchor = self.anchors[k]
+        buffer = self._snapshots[k]
+        if buffer is None or buffer.numel() != anchor.numel():
+            buffer = self._snapshots[k] = torch.empty_like(anchor.detach())
+        return buffer.copy_(saved)
+
     def _send(self, k: int, apply_at: int) -> None:
         anchor = self.anchors[k].detach()
+        since = None
+        if self.keep_local_progress and apply_at > self.inner_steps:
+            # reused: a fragment's next send comes after its apply (delay < sync_every)
+            if self._snapshots[k] is None:
+                self._snapshots[k] = torch.empty_like(anchor)
+            since = self._snapshots[k]
         delta = self.fragments[k].delta(anchor, self._exchange.delta_buffer(k, anchor.numel(),
-                                                                            anchor.device))
+                                                                            anchor.device), since)
         outer_step = self.fragment_syncs + self.skipped + len(self._pending)
         job = (lambda: self._exchange.run(k, delta, outer_step))
         if self._executor is None:
@@ -408,7 +443,7 @@ class DiLoCo:
             self._wait += time.perf_counter() - start
         else:
             future = self._executor.submit(job)
-        self._pending[k] = _Pending(apply_at, future)
+        self._pending[k] = _Pending(apply_at, future, since=since)
 
     def _resolve(self, k: int) -> None:
         pending = self._pending[k]
@@ -422,7 +457,8 @@ class DiLoCo:
 
     def _apply(self, k: int) -> None:
         self._resolve(k)
-        mean = self._pending.pop(k).mean
+        pending = self._pending.pop(k)
+        mean = pending.mean
         anchor, fragment = self.anchors[k], self.fragments[k]
         if mean is None:  # some rank's pseudo-gradient is inf/NaN: every rank drops this round
             self.skipped += 1
@@ -437,7 +473,10 @@ class DiLoCo:
         self.outer[k].step()
         anchor.grad = None
         self.fragment_syncs += 1
-        fragment.write(anchor.detach(), self.alpha)
+        if pending.since is not None:
+            fragment.write_with_progress(anchor.detach(), pending.since)
+        else:
+            fragment.write(anchor.detach(), self.alpha)
 
 
 def _to_bytes(value) -> bytes:
@@ -473,7 +512,8 @@ def _cut(params: list, fragments: int, sharded: bool) -> list[Fragment]:
     return cut
 
 
-def _check_options(params, sync_every, fragments, delay, alpha, outer_optimizer) -> None:
+def _check_options(params, sync_every, fragments, delay, alpha, outer_optimizer,
+                   keep_local_progress) -> None:
     def integer(name, value, low, other=""):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}{other}, got {value!r}")
@@ -494,5 +534,10 @@ def _check_options(params, sync_every, fragments, delay, alpha, outer_optimizer)
                          f"fragment's sync must land before its next one is sent")
     if not 0.0 <= float(alpha) < 1.0:
         raise ValueError(f"fragment_update_alpha must be in [0, 1), got {alpha!r}")
+    if not isinstance(keep_local_progress, bool):
+        raise ValueError(f"keep_local_progress must be True or False, got {keep_local_progress!r}")
+    if keep_local_progress and alpha:
+        raise ValueError("keep_local_progress and fragment_update_alpha are two ways to keep "
+                         "local steps: give one")
     if outer_optimizer is not None and not callable(outer_optimizer):
         raise ValueError("outer_optimizer must be a factory: params -> torch.optim.Optimizer")

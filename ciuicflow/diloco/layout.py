@@ -41,16 +41,20 @@ class Fragment:
                           for p in self.params]) if self.params else torch.zeros(0)
 
     @torch.no_grad()
-    def delta(self, anchor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def delta(self, anchor: torch.Tensor, out: torch.Tensor,
+              snapshot: torch.Tensor | None = None) -> torch.Tensor:
         """``anchor - read()`` written into ``out`` (float32, ``numel`` elements), parameter by
         parameter: the same values without the flat copy of the parameters or a new result (each
-        fresh vector of this size costs a page fault per 4 KiB)."""
+        fresh vector of this size costs a page fault per 4 KiB). ``snapshot``: also ``read()``
+        written into it (float32, ``numel`` elements), in the same pass."""
         offset = 0
         for p in self.params:
             local = local_tensor(p).detach().reshape(-1)
             n = local.numel()
             if local.dtype not in _EXACT_IN_FLOAT32:  # rounded to float32 first, as read() does
                 local = local.to(torch.float32)
+            if snapshot is not None:
+                local = snapshot[offset:offset + n].copy_(local)
             torch.sub(anchor[offset:offset + n], local, out=out[offset:offset + n])
             offset += n
         return out
@@ -67,6 +71,21 @@ class Fragment:
             if alpha:
                 value = local.to(torch.float32).mul(alpha).add_(value, alpha=1.0 - alpha)
             local.copy_(value)
+            offset += n
+
+
+    @torch.no_grad()
+    def write_with_progress(self, flat: torch.Tensor, since: torch.Tensor) -> None:
+        """Set the parameters to ``flat`` plus how far they moved since ``since`` (their values
+        when the sync was sent, ``delta``'s snapshot): the inner steps taken while the sync was in
+        flight are kept, not overwritten. ``since`` is overwritten."""
+        offset = 0
+        for p in self.params:
+            local = local_tensor(p)
+            n = local.numel()
+            moved = since[offset:offset + n]
+            torch.sub(local.detach().reshape(-1), moved, out=moved)
+            local.copy_(moved.add_(flat[offset:offset + n]).view(local.shape))
             offset += n
 
 

@@ -260,3 +260,16 @@ def test_smoke_leaves_out_only_the_slowest_tasks_unless_named():
     assert [t.name for t in convergence.select_tasks(None)] == list(tasks.TASKS)
     named = convergence.select_tasks("charlm_adam_bf16,regression_adam", smoke=True)
     assert [t.name for t in named] == ["charlm_adam_bf16", "regression_adam"]
+
+
+def test_diloco_method_names_parse_into_options():
+    from bench.convergence.diloco_methods import parse
+
+    streamed = parse("diloco_int4_h16_f2_d1_k", {})
+    assert (streamed["codec"], streamed["sync_every"], streamed["fragments"],
+            streamed["fragment_sync_delay"], streamed["keep_local_progress"]) == ("int4", 16, 2, 1, True)
+    assert parse("diloco_onebit_h4_d1", {})["keep_local_progress"] is False
+    assert "codec" not in parse("diloco", {})  # DiLoCo's own defaults
+    for bad in ("diloco_int4_h16_k", "diloco_int4", "diloco_int4_h16_d1_x"):  # _k needs a delay
+        with pytest.raises(ValueError, match="a DiLoCo method is"):
+            parse(bad, {})

@@ -94,6 +94,43 @@ def test_replicas_bit_identical_after_each_outer_step(codec, fragments, delay):
     assert 0.0 <= stats["network_wait_share"] <= 1.0
 
 
+def _keep_progress(rank, world):
+    model, ddp, optimizer, diloco = _setup(rank, codec="exact", fragment_sync_delay=1,
+                                           keep_local_progress=True)
+    for step in range(1, H + 2):
+        _inner_step(ddp, optimizer, rank, step)
+        if step == H:
+            at_send = _flat(model)
+        if step == H + 1:
+            before_apply = _flat(model)
+        diloco.step()
+    after = _flat(model)
+    anchor = diloco.anchors[0].detach().clone()
+    gathered = [torch.empty_like(at_send) for _ in range(world)]
+    dist.all_gather(gathered, at_send)
+    report = {"kept": torch.equal(after, (before_apply - at_send).add_(anchor)),
+              "moved": (before_apply - at_send).abs().max().item(),
+              "anchor_is_mean": (anchor - torch.stack(gathered).mean(0)).abs().max().item(),
+              "anchors_equal": _all_equal(anchor), "replicas_equal": _all_equal(after),
+              "stats": diloco.stats()}
+    diloco.sync()
+    report["after_sync"] = _all_equal(_flat(model))
+    diloco.close()
+    return report
+
+
+def test_keep_local_progress_adds_the_steps_taken_while_the_sync_was_in_flight():
+    for report in run_distributed(_keep_progress, 4, nodes=2):
+        # the model after the outer step is the new anchor plus exactly what the inner step
+        # after the send moved it (bit for bit: dropping it, or measuring it from the old anchor,
+        # gives other values), and the anchor is the mean of the nodes' models at the send
+        assert report["kept"] and report["moved"] > 1e-4
+        assert report["anchor_is_mean"] < 1e-6
+        assert report["anchors_equal"] and not report["replicas_equal"]
+        assert report["after_sync"]  # sync() applies with nothing in flight: equal again
+        assert report["stats"]["keep_local_progress"] is True
+
+
 # -- the outer step's arithmetic --------------------------------------------------------------------
 
 
@@ -291,12 +328,12 @@ def test_auto_sends_one_bit_every_4_steps_under_sgd_and_int4_every_16_otherwise(
 # -- resume ----------------------------------------------------------------------------------------
 
 
-def _resume(rank, world, path, phase):
+def _resume(rank, world, path, phase, keep=False):
     import ciuicflow.diloco as diloco_module
 
     # an outer optimizer with state (momentum buffers), which the checkpoint must carry
     options = dict(codec="int8", fragments=2, fragment_sync_delay=1,
-                   outer_optimizer=diloco_module.nesterov(0.7, 0.9))
+                   outer_optimizer=diloco_module.nesterov(0.7, 0.9), keep_local_progress=keep)
     model, ddp, optimizer, diloco = _setup(rank, **options)
     first, total = 6, 14  # at step 6 fragment 0's sync (sent after step 6) is in flight
     file = os.path.join(path, f"rank{rank}.pt")
@@ -318,9 +355,11 @@ def _resume(rank, world, path, phase):
     return _flat(model), diloco.stats()["inter_node_bytes"]
 
 
-def test_resume_from_checkpoint_is_bitwise_exact(tmp_path):
-    straight = run_distributed(_resume, 4, nodes=2, args=(str(tmp_path), "straight"))
-    resumed = run_distributed(_resume, 4, nodes=2, args=(str(tmp_path), "resume"))
+@pytest.mark.parametrize("keep", [False, True], ids=["drop", "keep-local-progress"])
+def test_resume_from_checkpoint_is_bitwise_exact(tmp_path, keep):
+    # with keep_local_progress the sync in flight needs this node's values at its send
+    straight = run_distributed(_resume, 4, nodes=2, args=(str(tmp_path), "straight", keep))
+    resumed = run_distributed(_resume, 4, nodes=2, args=(str(tmp_path), "resume", keep))
     for rank, ((a, bytes_a), (b, bytes_b)) in enumerate(zip(straight, resumed)):
         assert torch.equal(a, b), (rank, (a - b).abs().max().item())
         assert bytes_a == bytes_b
@@ -372,6 +411,8 @@ BAD = [
     (dict(fragments=3, sync_every=2), "fragments=3 must be <= sync_every"),
     (dict(fragment_sync_delay=4), "fragment_sync_delay=4 must be < sync_every"),
     (dict(fragment_update_alpha=1.0), "fragment_update_alpha"),
+    (dict(keep_local_progress="yes"), "keep_local_progress must be True or False"),
+    (dict(keep_local_progress=True, fragment_update_alpha=0.5), "give one"),
     (dict(codec="zstd"), "codec must be one of"),
     (dict(codec="powersgd"), "codec must be one of"),
     (dict(codec="exact", codec_options={"chunk_size": 8}), "takes no options"),
