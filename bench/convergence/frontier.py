@@ -4,6 +4,8 @@ from bench/convergence's records (``convergence.json`` or ``records.jsonl``; sev
     python -m bench.convergence.frontier out/convergence/convergence.json --out-dir out/frontier
     python -m bench.convergence.frontier a/records.jsonl b/records.jsonl --out-dir out/frontier --no-png
 
+A task, method and seed found in several files counts once, from the last file naming it (list reruns last).
+
 For each task (the mean over the seeds every method of it ran on), every method is a point (bytes one rank sends
 to other nodes per step, final metric). A family's frontier is its best metric at or below a number of bytes:
 ``synchronous`` (exact DDP, the hooks, PyTorch's PowerSGD, the 1-bit optimizers) and ``diloco`` (every
@@ -22,15 +24,20 @@ from bench.convergence import diloco_methods
 
 
 def load(paths: list[str]) -> list[dict]:
-    records = []
+    """The finished records of ``paths``; a task, method and seed run in several files counts once:
+    the last file's (a rerun replaces what it reruns; averaged, one seed would count twice)."""
+    kept: dict[tuple, dict] = {}
     for path in paths:
         with open(path) as f:
             if path.endswith(".jsonl"):
-                records += [json.loads(line) for line in f if line.strip()]
+                records = [json.loads(line) for line in f if line.strip()]
             else:
-                records += json.load(f)
-    return [r for r in records if not r.get("failed") and r.get("value") is not None
-            and r.get("inter_node_bytes_per_step") is not None]
+                records = json.load(f)
+        for r in records:
+            if not r.get("failed") and r.get("value") is not None \
+                    and r.get("inter_node_bytes_per_step") is not None:
+                kept[(r["task"], r["method"], r.get("seed", 0))] = r
+    return list(kept.values())
 
 
 def family(method: str) -> str:
