@@ -6,6 +6,9 @@ Every H inner steps each of the F fragments (1/F of the parameters) crosses node
 plan (``compression.policy.wire_plan`` over the nodes, the exchange ``wire_cost`` costs), the G
 ranks of a node sharing its link, then the node all-gathers the shards in float32. A sync runs while
 the next D inner steps compute (``fragment_sync_delay``), so only what outlasts them is exposed.
+Its local work is never hidden (it takes the device the inner steps run on): the codec's passes
+over the shard, costed as the hooks' (``Workload.local_seconds_per_element``), and DiLoCo's own over
+the whole fragment (``OWN_PASSES``).
 """
 from __future__ import annotations
 
@@ -18,6 +21,10 @@ from ciuicflow.plan.inputs import ClusterSpec, Workload
 from ciuicflow.plan.wire_cost import flat_ring, quantized_exchange
 
 EXACT = ("exact", "allreduce")
+# DiLoCo's own memory traffic per element of a fragment at each sync, in units of the codec's that
+# local_seconds_per_element stands for (about ten float32 passes): the pseudo-gradient (two reads,
+# a write), the finite check (a read), the outer step (three) and the write-back (two): nine
+OWN_PASSES = 0.9
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class DiLoCoEstimate:
     inter_bytes_per_sync: float    # per node, one fragment's sync
     inter_bytes_per_step: float    # per node, averaged over the inner steps
     sync_seconds: float            # one fragment's sync: inter-node exchange and node gather
+    local_seconds: float           # one fragment's sync: the codec's and DiLoCo's passes
     exposed_seconds_per_step: float
     step_seconds: float
 
@@ -78,11 +86,13 @@ def diloco(c: ClusterSpec, w: Workload, sync_every: int, fragments: int = 1, del
     seconds, sent, wire = inter_node_exchange(c, shard, codec, w.chunk_size, w.values_share)
     gather = _scatter_or_gather(g, g * shard * 4, c.intra_bw, c.intra_latency)
     sync = seconds + gather
+    codec_elements = 0.0 if codec in EXACT else shard
+    local = (codec_elements + OWN_PASSES * w.params / fragments) * w.local_seconds_per_element
     inner = ClusterSpec(1, g, c.intra_bw, c.inter_bw, c.intra_latency, c.inter_latency,
                         backend=c.backend)
     ddp_seconds = flat_ring(inner, w.params * w.grad_bytes)[0]
     step_compute = w.compute_seconds * w.accum + ddp_seconds * (1 - w.overlap)
-    exposed = fragments * max(0.0, sync - delay * step_compute) / sync_every
+    exposed = fragments * (max(0.0, sync - delay * step_compute) + local) / sync_every
     return DiLoCoEstimate(sync_every, fragments, delay, codec, wire, sent * g,
-                          sent * g * fragments / sync_every, sync, exposed,
+                          sent * g * fragments / sync_every, sync, local, exposed,
                           step_compute + exposed)

@@ -473,6 +473,19 @@ def test_plan_models_bytes_per_step_from_the_policy_and_formats():
     streamed = diloco(cluster, work, 16, fragments=4, delay=3, codec="int8")
     assert streamed.inter_bytes_per_step == pytest.approx(int8.inter_bytes_per_step)
     assert streamed.exposed_seconds_per_step < int8.exposed_seconds_per_step
+    # the local work is never hidden: the codec's passes over the shard and DiLoCo's own over the
+    # fragment, costed per element as the hooks' compressors are
+    from ciuicflow.plan.diloco_model import OWN_PASSES
+
+    slow = Workload(1_024_000, compute_seconds=0.1, local_seconds_per_element=5e-9)
+    cpu = diloco(cluster, slow, 16, codec="int8")
+    assert cpu.local_seconds == pytest.approx((shard + OWN_PASSES * 1_024_000) * 5e-9)
+    assert cpu.exposed_seconds_per_step == pytest.approx(
+        int8.exposed_seconds_per_step + (cpu.local_seconds - int8.local_seconds) / 16)
+    hidden = diloco(cluster, slow, 16, fragments=4, delay=3, codec="int8")
+    assert hidden.exposed_seconds_per_step == pytest.approx(4 * hidden.local_seconds / 16)
+    assert diloco(cluster, slow, 16, codec="exact").local_seconds == \
+        pytest.approx(OWN_PASSES * 1_024_000 * 5e-9)  # no codec
     with pytest.raises(ValueError):
         diloco(cluster, work, 4, fragments=5)
     with pytest.raises(ValueError):
