@@ -414,24 +414,21 @@ class DiLoCo:
             for p in params:
                 dist.broadcast(local_tensor(p).data, source, group=group)
 
+    def _snapshot(self, k: int) -> torch.Tensor:
+        """Fragment ``k``'s buffer for its values at a send (``keep_local_progress``), reused: a
+        fragment's next send comes after its apply (delay < sync_every)."""
+        if self._snapshots[k] is None:
+            self._snapshots[k] = torch.empty_like(self.anchors[k].detach())
+        return self._snapshots[k]
+
     def _snapshot_from(self, k: int, saved):
-        """Fragment ``k``'s reused snapshot buffer, holding ``saved`` (None: None)."""
-        if saved is None:
-            return None
-        anchor = self.anchors[k]
-        buffer = self._snapshots[k]
-        if buffer is None or buffer.numel() != anchor.numel():
-            buffer = self._snapshots[k] = torch.empty_like(anchor.detach())
-        return buffer.copy_(saved)
+        """Fragment ``k``'s snapshot buffer holding ``saved`` (None: None)."""
+        return None if saved is None else self._snapshot(k).copy_(saved)
 
     def _send(self, k: int, apply_at: int) -> None:
         anchor = self.anchors[k].detach()
-        since = None
-        if self.keep_local_progress and apply_at > self.inner_steps:
-            # reused: a fragment's next send comes after its apply (delay < sync_every)
-            if self._snapshots[k] is None:
-                self._snapshots[k] = torch.empty_like(anchor)
-            since = self._snapshots[k]
+        since = self._snapshot(k) if self.keep_local_progress and apply_at > self.inner_steps \
+            else None
         delta = self.fragments[k].delta(anchor, self._exchange.delta_buffer(k, anchor.numel(),
                                                                             anchor.device), since)
         outer_step = self.fragment_syncs + self.skipped + len(self._pending)

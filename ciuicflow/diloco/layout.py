@@ -73,7 +73,6 @@ class Fragment:
             local.copy_(value)
             offset += n
 
-
     @torch.no_grad()
     def write_with_progress(self, flat: torch.Tensor, since: torch.Tensor) -> None:
         """Set the parameters to ``flat`` plus how far they moved since ``since`` (their values
