@@ -146,3 +146,38 @@ def test_fsdp2_inside_the_node(name):
         else:
             assert stats["wire_plan"].startswith("int4")
             assert stats["inter_node_bytes"] < stats["exact_outer_inter_node_bytes"] / 3, stats
+
+
+def _keep_progress(rank, world):
+    model, optimizer, diloco = _setup(rank, codec="exact", fragment_sync_delay=1,
+                                      keep_local_progress=True)
+    for step in range(1, H + 2):
+        _inner_step(model, optimizer, rank, step)
+        if step == H:
+            at_send = _full(model)
+        if step == H + 1:
+            before_apply = _full(model)
+        diloco.step()
+    after = _full(model)
+    # this rank's anchor (its shards): the same as the other node's rank of the same local rank
+    anchor = torch.cat([a.detach() for a in diloco.anchors])
+    anchors = [None] * world  # the two local ranks' shards differ in size: as objects
+    dist.all_gather_object(anchors, anchor)
+    report = {"moved": (before_apply - at_send).abs().max().item(),
+              "kept": (after - (before_apply - at_send) - torch.stack(_gather(at_send)[::2]).mean(0))
+              .abs().max().item(),
+              "anchors_equal_across_nodes": torch.equal(*anchors[rank % 2::2]),
+              "replicas_equal": all(torch.equal(g, after) for g in _gather(after))}
+    diloco.sync()
+    full = _full(model)
+    report["after_sync"] = all(torch.equal(g, full) for g in _gather(full))
+    diloco.close()
+    return report
+
+
+def test_keep_local_progress_on_local_shards():
+    for report in run_distributed(_keep_progress, 4, nodes=2):
+        # each shard became the nodes' mean at the send plus its own node's step after it
+        assert report["moved"] > 1e-4 and report["kept"] < 1e-6, report
+        assert report["anchors_equal_across_nodes"] and not report["replicas_equal"]
+        assert report["after_sync"]
