@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.diloco.delayed import one_delayed_sync
 from tests.dist_utils import run_distributed
 
 H = 4  # sync_every
@@ -97,14 +98,8 @@ def test_replicas_bit_identical_after_each_outer_step(codec, fragments, delay):
 def _keep_progress(rank, world):
     model, ddp, optimizer, diloco = _setup(rank, codec="exact", fragment_sync_delay=1,
                                            keep_local_progress=True)
-    for step in range(1, H + 2):
-        _inner_step(ddp, optimizer, rank, step)
-        if step == H:
-            at_send = _flat(model)
-        if step == H + 1:
-            before_apply = _flat(model)
-        diloco.step()
-    after = _flat(model)
+    at_send, before_apply, after = one_delayed_sync(
+        diloco, lambda step: _inner_step(ddp, optimizer, rank, step), lambda: _flat(model), H)
     anchor = diloco.anchors[0].detach().clone()
     gathered = [torch.empty_like(at_send) for _ in range(world)]
     dist.all_gather(gathered, at_send)

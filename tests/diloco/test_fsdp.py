@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.diloco.delayed import one_delayed_sync
 from tests.dist_utils import run_distributed
 
 H = 4  # sync_every
@@ -151,14 +152,8 @@ def test_fsdp2_inside_the_node(name):
 def _keep_progress(rank, world):
     model, optimizer, diloco = _setup(rank, codec="exact", fragment_sync_delay=1,
                                       keep_local_progress=True)
-    for step in range(1, H + 2):
-        _inner_step(model, optimizer, rank, step)
-        if step == H:
-            at_send = _full(model)
-        if step == H + 1:
-            before_apply = _full(model)
-        diloco.step()
-    after = _full(model)
+    at_send, before_apply, after = one_delayed_sync(
+        diloco, lambda step: _inner_step(model, optimizer, rank, step), lambda: _full(model), H)
     # this rank's anchor (its shards): the same as the other node's rank of the same local rank
     anchor = torch.cat([a.detach() for a in diloco.anchors])
     anchors = [None] * world  # the two local ranks' shards differ in size: as objects
