@@ -36,10 +36,8 @@ DEFAULT_FRAGMENTS = 1
 DEFAULT_FRAGMENT_SYNC_DELAY = 0
 # The outer step: the nodes' mean (lr 1, no momentum) under Adam-family inner optimizers (and when
 # DiLoCo does not see the inner optimizer); under torch.optim.SGD a damped mean, lr 0.9 (Lookahead's
-# slow step): SGD's heavy-ball momentum compounds with any outer extrapolation (outer lr 1.25
-# lost 23 points on mlp_sgd_constant), and damping gained there while it cost Adam's loss. The
-# paper's Nesterov (lr 0.7, momentum 0.9) diverged on mlp_sgd_constant and ended 12% above exact
-# loss on charlm_adamw, runs of tens of outer steps.
+# slow step), as SGD's heavy-ball momentum compounds with any outer extrapolation (docs/diloco.md,
+# "Outer step").
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_SGD_OUTER_LR = 0.9
 DEFAULT_OUTER_MOMENTUM = 0.0
