@@ -14,6 +14,12 @@ line; one that names it nowhere is given as RUN_DIR=NODESxRANKS (for instance ou
 The page depends only on the runs' files: the same runs give the same bytes, and their order on the
 command line changes nothing but the command quoted in the header.
 
+``--earlier FILE`` (bench/results/convergence/earlier.json) carries the rows of runs whose record
+files are gone, as the page then printed them: marked *, listed apart in the header, and dropped
+where the runs given hold the same task, method and shape at every seed the earlier row had.
+The runs themselves live beside it (bench/results/convergence/<run>/), so that the page can be
+written again from the repository alone.
+
 ``--replacing RUN_DIR`` (repeatable) names a rerun after a method changed: its records replace those
 of the same task, shape, method and seed in the other runs (exact's included, should it hold them),
 and the header says how many each replaced. Without it two finished runs that differ are an error.
@@ -83,6 +89,33 @@ def _read_records(path: str) -> tuple[str, list[dict]]:
                     return name, json.load(f)
                 return name, [json.loads(line) for line in f if line.strip()]
     raise SystemExit(f"{path}: neither convergence.json nor records.jsonl")
+
+
+class Earlier:
+    """Rows of a page whose runs' record files are gone: per row its task, method, shape, seeds
+    and the page's cells from value to past warm-up; the header lines of those runs; PyTorch's
+    smallest-rank lines per task."""
+
+    def __init__(self, path: str):
+        with open(path) as f:
+            data = json.load(f)
+        self.path, self.source, self.runs = path, data["from"], data["runs"]
+        self.rows = [dict(r, shape=tuple(r["shape"]), earlier=True) for r in data["rows"]]
+        self.smallest = data.get("smallest_torch_rank", {})
+
+    def rows_not_in(self, rows: list[dict]) -> list[dict]:
+        """The earlier rows that no row of ``rows`` (from runs at hand) covers: the same task,
+        method and shape at every seed the earlier row had."""
+        have = {}
+        for r in rows:
+            have.setdefault((r["task"], r["method"], r["shape"]), set()).update(r["seeds"])
+        return [r for r in self.rows
+                if not set(r["seeds"]) <= have.get((r["task"], r["method"], r["shape"]), set())]
+
+
+def _earlier_miss(row: dict) -> bool:
+    line = row["cells"][3]
+    return ("MISS" in line or "FAILED" in line) and "(reference)" not in line
 
 
 def parse_run_arg(arg: str, replacing: bool = False) -> Run:
@@ -204,6 +237,9 @@ def _line_text(row: dict) -> str:
 
 
 def _row_line(row: dict, several_seeds: bool) -> str:
+    if row.get("earlier"):
+        return "| " + " | ".join([f"`{row['method']}`", _fmt_shape(row["shape"]),
+                                  ",".join(map(str, row["seeds"])) + "*", *row["cells"]]) + " |"
     metric = row["metric"]
     value = "-" if "value" not in row else f"{row['value']:.4f}"
     exact = "-" if "exact_value" not in row else f"{row['exact_value']:.4f}"
@@ -276,14 +312,19 @@ def keep_methods(runs: list[Run], methods: list[str]) -> None:
         run.records = [r for r in run.records if r["method"] == "exact" or r["method"] in methods]
 
 
-def render(runs: list[Run], command: str) -> str:
+def render(runs: list[Run], command: str, earlier: Earlier | None = None) -> str:
     merged = merge(runs)
     rows = summarise(merged)
+    carried = earlier.rows_not_in(rows) if earlier else []
     runs = sorted(runs, key=lambda r: ([_shape_order(s) for s in r.shapes], r.path))
     lines = ["# Convergence results", "",
              f"Written by `{command}` from the runs of `bench/convergence` below; do not edit by "
              "hand (docs/convergence.md says what the suite is and how to read this page).", ""]
     lines += [_run_line(run) for run in runs]
+    if carried:
+        lines += ["", f"Earlier runs, their rows marked * after the seeds and kept as the page "
+                  f"printed them (`{earlier.path}`: {earlier.source}):", ""]
+        lines += ["- " + line for line in earlier.runs]
     lines += ["", "Each row: a method on one shape (nodes x ranks per node, gloo on 127.0.0.1), against "
               "the exact run of the same shape, task and seed. Value, exact and gap are means over "
               "the seeds run (per seed in brackets). Gap: accuracy in points, the method's minus exact's "
@@ -294,14 +335,20 @@ def render(runs: list[Run], command: str) -> str:
               "bytes than float32 after warm-up (none for exact and PyTorch's hook). References (PyTorch's `powerSGD_hook`, "
               "`hierarchical_allreduce`, FSDP2's HSDP) are shown against the line but not held to it.",
               ""]
-    tasks = _task_order(sorted({r["task"] for r in rows}))
+    tasks = _task_order(sorted({r["task"] for r in rows + carried}))
     misses = [r for r in rows if r["method"] != report.EXACT and
               r["method"].split("@")[0] not in REFERENCES and (r.get("within") is False or r["failed"])]
+    misses += [r for r in carried if _earlier_miss(r)]
     if misses:
         lines.append("Misses and failures:")
         lines.append("")
         for r in sorted(misses, key=lambda r: (tasks.index(r["task"]), _shape_order(r["shape"]),
                                                _method_order(r["method"]))):
+            if r.get("earlier"):
+                gap = r["cells"][2].split(" (")[0]
+                lines.append(f"- {r['task']} `{r['method']}` on {_fmt_shape(r['shape'])}: "
+                             f"{r['cells'][3].replace('**', '')}, {gap} (earlier run)")
+                continue
             lines.append(f"- {r['task']} `{r['method']}` on {_fmt_shape(r['shape'])}: "
                          f"{_line_text(r).replace('**', '')}"
                          + (f", {_fmt_gap(r['metric'], r['gap'])}" if "gap" in r else ""))
@@ -309,22 +356,28 @@ def render(runs: list[Run], command: str) -> str:
         lines.append("Every judged method within its line.")
     for task in tasks:
         info = _task_info(task)
-        task_rows = sorted((r for r in rows if r["task"] == task),
-                           key=lambda r: (_method_order(r["method"]), _shape_order(r["shape"])))
-        metric = next((r["metric"] for r in task_rows if r["metric"]), "?")
+        task_rows = sorted((r for r in rows + carried if r["task"] == task),
+                           key=lambda r: (_method_order(r["method"]), _shape_order(r["shape"]),
+                                          bool(r.get("earlier"))))
+        metric = next((r["metric"] for r in task_rows if r.get("metric")),
+                      info.metric if info is not None else "?")
         held = "" if info is None else (" (held out)" if info.heldout else " (tuned)")
         lines += ["", f"## {task}{held}", ""]
         about = f"{info.note}; " if info is not None and info.note else \
             ("not in bench/convergence/tasks.py today; " if info is None else "")
         lines += [f"{about}metric: {metric}.", ""]
-        several = any(len(r["seeds"]) > 1 for r in task_rows)
+        several = any(len(r["seeds"]) > 1 or r.get("earlier") for r in task_rows)
         header = ["method", "shape"] + (["seeds"] if several else []) + \
             ["value", "exact", "gap", "line", "bytes/step", "vs exact", "past warm-up"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join(["---", "---"] + (["---"] if several else []) +
                                     ["---:", "---:", "---:", "---", "---:", "---:", "---:"]) + "|")
         lines += [_row_line(r, several) for r in task_rows]
-        smallest = _smallest_torch_rank_lines(task_rows)
+        smallest = _smallest_torch_rank_lines([r for r in task_rows if not r.get("earlier")])
+        if earlier:
+            shapes = {line.split(", the smallest")[0] for line in smallest}
+            smallest += [line + " *" for line in earlier.smallest.get(task, [])
+                         if line.split(", the smallest")[0] not in shapes]
         if smallest:
             lines += [""] + smallest
     return "\n".join(lines) + "\n"
@@ -360,16 +413,21 @@ def _smallest_torch_rank_lines(task_rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+    p.add_argument("runs", nargs="*", metavar="RUN_DIR",
                    help="an --out-dir of bench/convergence; RUN_DIR=NxR names a shape it lacks")
     p.add_argument("--out", required=True, help="the markdown page to write")
     p.add_argument("--replacing", action="append", default=[], metavar="RUN_DIR",
                    help="a rerun whose records replace the other runs' of the same task, shape, "
                    "method and seed (repeatable)")
+    p.add_argument("--earlier", metavar="FILE",
+                   help="rows of runs whose record files are gone (bench/results/convergence/"
+                   "earlier.json), carried where the runs given do not cover them")
     p.add_argument("--methods", default="",
                    help="comma-separated: only these methods' rows (and exact's, their baseline); "
                    "default every method the runs hold")
     args = p.parse_args(argv)
+    if not args.runs and not args.replacing and not args.earlier:
+        p.error("no runs: give RUN_DIRs, --replacing or --earlier")
     runs = [parse_run_arg(a) for a in args.runs] + \
         [parse_run_arg(a, replacing=True) for a in args.replacing]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -377,8 +435,12 @@ def main(argv=None) -> int:
         keep_methods(runs, methods)
     command = ("python -m bench.convergence.appendix " + " ".join(args.runs)
                + "".join(f" --replacing {a}" for a in args.replacing)
+               + (f" --earlier {args.earlier}" if args.earlier else "")
                + (f" --methods {args.methods}" if methods else "") + f" --out {args.out}")
-    text = render(runs, command)
+    earlier = Earlier(args.earlier) if args.earlier else None
+    if earlier and methods:
+        earlier.rows = [r for r in earlier.rows if r["method"] in methods + ["exact"]]
+    text = render(runs, command, earlier)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)

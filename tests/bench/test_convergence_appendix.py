@@ -199,3 +199,39 @@ def test_convergence_py_records_its_shape_and_command(tmp_path, monkeypatch):
     assert {(r["nodes"], r["ranks_per_node"]) for r in records} == {(3, 2)}
     rows = _rows(_render([str(tmp_path)]), "mlp_sgd_constant")
     assert rows[("hierarchical_1bit", "3 x 2")][2:6] == ["0.8990", "0.9000", "-0.10 pt", "within"]
+
+
+def _earlier(tmp_path, rows, smallest=None):
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"from": "a page whose runs are gone", "runs": ["`/old/run` (2 x 2)"],
+                                "rows": rows, "smallest_torch_rank": smallest or {}}))
+    return appendix.Earlier(str(path))
+
+
+def _old(task, method, shape, seeds, line="within", gap="+0.10 pt"):
+    return {"task": task, "method": method, "shape": shape, "seeds": seeds,
+            "cells": ["0.8000", "0.8000", gap, line, "1.0 KB", "1/8.0", "-"]}
+
+
+def test_earlier_rows_are_kept_until_runs_cover_all_their_seeds(three_shapes, tmp_path):
+    earlier = _earlier(tmp_path, [
+        _old("mlp_sgd_constant", "hierarchical_1bit", [2, 2], [0]),           # the runs hold 0, 1
+        _old("mlp_sgd_constant", "exact", [2, 2], [0, 1, 2]),                 # the runs lack 2
+        _old("mlp_sgd_constant", "hierarchical_int4", [4, 1], [0, 1, 2], "**MISS**", "-1.50 pt"),
+        _old("gru_lm_adam_step", "exact", [2, 2], [0]),                       # no run has the task
+    ], {"mlp_sgd_constant": ["PyTorch's `powerSGD_hook` on 4 x 1, the smallest rank within the "
+                             "line: **rank 2**, 1.0 KB per step."]})
+    text = appendix.render([appendix.parse_run_arg(a) for a in three_shapes], "CMD", earlier)
+    section = text.split("## mlp_sgd_constant")[1].split("\n## ")[0]
+    table = [line for line in section.splitlines() if line.startswith("| `")]
+    assert "| `hierarchical_1bit` | 2 x 2 | 0,1 | " in section       # the runs' row, not the old one
+    assert not any(line.startswith("| `hierarchical_1bit` | 2 x 2 | 0* |") for line in table)
+    assert "| `exact` | 2 x 2 | 0,1 | " in section and "| `exact` | 2 x 2 | 0,1,2* | 0.8000 |" in section
+    assert "| `hierarchical_int4` | 4 x 1 | 0,1,2* | 0.8000 | 0.8000 | -1.50 pt | **MISS** |" in section
+    assert "on 4 x 1, the smallest rank within the line: **rank 2**, 1.0 KB per step. *" in section
+    misses = text.split("Misses and failures:")[1].split("\n## ")[0]
+    assert "mlp_sgd_constant `hierarchical_int4` on 4 x 1: MISS, -1.50 pt (earlier run)" in misses
+    assert "## gru_lm_adam_step (held out)" in text and "metric: val_loss." in text
+    assert "- `/old/run` (2 x 2)" in text and "a page whose runs are gone" in text
+    # without the earlier rows the page is the runs' alone
+    assert "0,1,2*" not in _render(three_shapes)
