@@ -354,6 +354,11 @@ def render(runs: list[Run], command: str, earlier: Earlier | None = None) -> str
                          + (f", {_fmt_gap(r['metric'], r['gap'])}" if "gap" in r else ""))
     else:
         lines.append("Every judged method within its line.")
+    coverage = coverage_lines(rows + carried)
+    if len(coverage) > 2:
+        lines += ["", "Coverage: per method at its default state and shape, the tasks run (a task "
+                  "counts at 3+ seeds when its mean is over three), whether every mean is within "
+                  "the line, and the mean closest to it (its seeds in brackets).", ""] + coverage
     for task in tasks:
         info = _task_info(task)
         task_rows = sorted((r for r in rows + carried if r["task"] == task),
@@ -381,6 +386,67 @@ def render(runs: list[Run], command: str, earlier: Earlier | None = None) -> str
         if smallest:
             lines += [""] + smallest
     return "\n".join(lines) + "\n"
+
+
+OPTIMIZERS = ("onebit_adam", "zero_one_adam")   # they replace Adam: only Adam-family tasks
+
+
+def _judged(row: dict):
+    """(gap as the page writes it, is it points of accuracy, within the line) of a row, earlier
+    rows read back from their cells; None where the row has no judged gap."""
+    if row.get("earlier"):
+        gap, line = row["cells"][2].split(" (")[0], row["cells"][3]
+        if gap == "-" or not ("within" in line or "MISS" in line):
+            return None
+        return float(gap.replace(" pt", "").rstrip("%")), gap.endswith("pt"), "within" in line
+    if row.get("within") is None:
+        return None
+    return row["gap"], row["metric"] == "accuracy", row["within"]
+
+
+def _share_of_line(gap: float, points: bool) -> float:
+    """How much of the line a gap uses (1: on it; negative: better than exact)."""
+    return -gap / 1.0 if points else gap / 2.0
+
+
+def coverage_lines(rows: list[dict]) -> list[str]:
+    """Per default-state method (no ``@`` options, no reference; DiLoCo's coverage is
+    docs/diloco.md's) and shape: on how many of the tasks it applies to it has run at 3 seeds or more and at fewer,
+    whether every mean is within, and the mean closest to the line. Where a task has several rows
+    of one method and shape (runs and earlier rows), the one with more seeds counts."""
+    try:
+        from bench.convergence import tasks
+        suite = tasks.TASKS
+    except ImportError:
+        suite = {}
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        m = r["method"]
+        if m == report.EXACT or "@" in m or m.startswith("diloco") or m in REFERENCES:
+            continue
+        judged = _judged(r)
+        if judged is None:
+            continue
+        key = (m, r["shape"], r["task"])
+        if key not in best or len(r["seeds"]) > len(best[key]["seeds"]):
+            best[key] = dict(r, judged=judged)
+    lines = ["| method | shape | tasks at 3+ seeds | at 1-2 seeds | not run (of) | every mean within | "
+             "closest to the line |", "|---|---|---:|---:|---:|---|---|"]
+    for method, shape in sorted({k[:2] for k in best},
+                                key=lambda k: (_method_order(k[0]), _shape_order(k[1]))):
+        mine = [r for k, r in best.items() if k[:2] == (method, shape)]
+        applies = [t for t, spec in suite.items()
+                   if method not in OPTIMIZERS or getattr(spec, "adam_family", True)]
+        three = sum(len(r["seeds"]) >= 3 for r in mine)
+        closest = max(mine, key=lambda r: _share_of_line(*r["judged"][:2]))
+        gap, points, _ = closest["judged"]
+        misses = [r["task"] for r in mine if not r["judged"][2]]
+        lines.append(f"| `{method}` | {_fmt_shape(shape)} | {three} | {len(mine) - three} | "
+                     f"{len(set(applies) - {r['task'] for r in mine})} ({len(applies)}) | "
+                     + ("yes" if not misses else "**no**: " + ", ".join(sorted(misses)))
+                     + f" | {closest['task']} {_fmt_gap('accuracy' if points else 'loss', gap)} "
+                     f"({','.join(map(str, closest['seeds']))}) |")
+    return lines
 
 
 def _smallest_torch_rank_lines(task_rows: list[dict]) -> list[str]:

@@ -10,6 +10,7 @@ from tests import REPO
 
 ROOT = str(REPO)
 from bench.convergence import appendix  # noqa: E402
+from bench.convergence.tasks import TASKS  # noqa: E402
 
 
 def _rec(task, method, value, seed=0, metric="accuracy", nbytes=1000.0, **extra):
@@ -119,7 +120,7 @@ def test_a_miss_is_never_reported_within(three_shapes):
     assert loss[("hierarchical_1bit", "2 x 2")][4:6] == ["+2.50%", "**MISS**"]
     assert loss[("hierarchical_int8", "2 x 2")][4:6] == ["+1.50%", "within"]
     assert loss[("hierarchical_1bit", "4 x 1")][4:6] == ["-2.50%", "within"]
-    misses = text.split("Misses and failures:")[1].split("\n## ")[0]
+    misses = text.split("Misses and failures:")[1].split("\nCoverage:")[0]
     assert "mlp_sgd_constant `hierarchical_1bit` on 4 x 1: MISS, -1.10 pt" in misses
     assert "charlm_adam_bf16 `hierarchical_1bit` on 2 x 2: MISS, +2.50%" in misses
     assert "mlp_sgd_constant `hierarchical_1bit` on 3 x 2: FAILED (seed 0)" in misses
@@ -229,9 +230,31 @@ def test_earlier_rows_are_kept_until_runs_cover_all_their_seeds(three_shapes, tm
     assert "| `exact` | 2 x 2 | 0,1 | " in section and "| `exact` | 2 x 2 | 0,1,2* | 0.8000 |" in section
     assert "| `hierarchical_int4` | 4 x 1 | 0,1,2* | 0.8000 | 0.8000 | -1.50 pt | **MISS** |" in section
     assert "on 4 x 1, the smallest rank within the line: **rank 2**, 1.0 KB per step. *" in section
-    misses = text.split("Misses and failures:")[1].split("\n## ")[0]
+    misses = text.split("Misses and failures:")[1].split("\nCoverage:")[0]
     assert "mlp_sgd_constant `hierarchical_int4` on 4 x 1: MISS, -1.50 pt (earlier run)" in misses
     assert "## gru_lm_adam_step (held out)" in text and "metric: val_loss." in text
     assert "- `/old/run` (2 x 2)" in text and "a page whose runs are gone" in text
     # without the earlier rows the page is the runs' alone
     assert "0,1,2*" not in _render(three_shapes)
+
+
+def test_coverage_counts_the_tasks_and_names_the_closest_mean_and_every_miss(three_shapes, tmp_path):
+    earlier = _earlier(tmp_path, [
+        _old("gru_lm_adam_step", "hierarchical_1bit", [2, 2], [0, 1, 2], gap="+1.20%"),
+        _old("regression_adam", "hierarchical_1bit", [2, 2], [0, 1, 2], gap="-3.00%"),
+        _old("mlp_sgd_constant", "hierarchical_1bit", [4, 1], [0, 1, 2], gap="-0.20 pt"),
+        _old("mlp_sgd_constant", "diloco", [2, 2], [0]),
+    ])
+    text = appendix.render([appendix.parse_run_arg(a) for a in three_shapes], "CMD", earlier)
+    coverage = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line
+                for line in text.split("Coverage:")[1].split("\n## ")[0].splitlines()
+                if line.startswith("| `")}
+    # 2 x 2: two earlier tasks at 3 seeds, the runs' two at 1-2; charlm_adam_bf16's +2.50% misses
+    # and is nearer the line (2%) than gru's +1.20% or the accuracy task's -0.95 points
+    assert coverage[("`hierarchical_1bit`", "2 x 2")].startswith(
+        f"| `hierarchical_1bit` | 2 x 2 | 2 | 2 | {len(appendix._task_order(TASKS)) - 4} "
+        f"({len(TASKS)}) | **no**: charlm_adam_bf16 | charlm_adam_bf16 +2.50% (0) |")
+    # 4 x 1: the earlier 3-seed row of mlp_sgd_constant counts, not the runs' 1-seed miss
+    assert "| 1 | 1 |" in coverage[("`hierarchical_1bit`", "4 x 1")]
+    assert "**no**: charlm_adam_bf16 |" not in coverage[("`hierarchical_1bit`", "4 x 1")]
+    assert not any("diloco" in k[0] or "exact" in k[0] for k in coverage)
