@@ -36,6 +36,7 @@ import time
 
 
 from ciuicflow.kvflow import Client
+from ciuicflow.testing.stub_http import JsonHandler
 
 HEADER = "__ciuicflow_kv__"     # the connector's first part (transfer.py's HEADER)
 _END = None
@@ -78,23 +79,9 @@ class Fake(http.server.ThreadingHTTPServer):
                 self.log_fh.flush()
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     protocol_version = "HTTP/1.0"       # answers end when the connection closes (streamed ones too)
     server: Fake
-
-    def log_message(self, *args):
-        pass
-
-    def _body(self) -> dict:
-        return json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0") or 0)) or b"{}")
-
-    def _json(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self):
         if self.path in ("/health", "/v1/models"):

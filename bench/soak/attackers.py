@@ -39,10 +39,12 @@ import sys
 import textwrap
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.soak.ledger import Ledger
+from ciuicflow.testing.crafted import Trickle, more_block, wire_session, zero_parts_frame
+from ciuicflow.testing.stub_http import JsonHandler
 
 ROLES = ("metrics", "proxy", "packed", "handles")
 STATUS_RE = re.compile(rb"HTTP/1\.[01] (\d{3})")
@@ -182,18 +184,7 @@ def metrics_round(a, ledger, t: dict, rng: random.Random) -> None:
                 r.bad.append(f"{kind}: answered {status}, not {want}")
         # slowloris heads first (they take slots), then idle connections up to and past the cap
         slow, failed = open_conns(port, 3)
-        stop = threading.Event()
-
-        def trickle():
-            while not stop.is_set():
-                for s in slow:
-                    try:
-                        s.send(b"G")
-                    except OSError:
-                        pass
-                stop.wait(0.2)
-        trickler = threading.Thread(target=trickle, daemon=True)
-        trickler.start()
+        trickle = Trickle(slow)
         started = time.monotonic()
         idle, failed2 = open_conns(port, cap + a.extra)
         r.did["slowloris"] += len(slow)
@@ -223,8 +214,7 @@ def metrics_round(a, ledger, t: dict, rng: random.Random) -> None:
         r.extra["held_at_once"] = held
         if held > cap:
             r.bad.append(f"{held} connections held at once, cap {cap}")
-        stop.set()
-        trickler.join(2)
+        trickle.stop()
         for s in idle + slow:
             s.close()
         for _ in range(5):      # the flood is over: a scrape is served (a slot may still be the garbage's)
@@ -260,19 +250,8 @@ class Upstream:
         self.foreign = []
         up = self
 
-        class H(BaseHTTPRequestHandler):
+        class H(JsonHandler):
             protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _json(self, status, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
             def do_GET(self):
                 self._json(200, {"ok": True})
@@ -592,46 +571,6 @@ def proxy(a) -> None:
 ZERO_PARTS = 1_300_000      # zero-byte part descriptions in one frame (~7.8 MB): descriptions that must not bypass the memory budget
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def more_block(parts: int) -> bytes:
-    """Chunk.more entries 1 .. parts-1, each a valid zero-byte PartInfo (its index right): field 9, length,
-    then PartInfo.index (field 1) as a varint. Built with numpy: a Python loop of a million and more takes
-    seconds of CPU, which a loaded host may not give the attacker before the soak ends."""
-    import numpy as np
-    blocks = []
-    for n in (1, 2, 3):                  # varints of n bytes: indices [128 ** (n - 1), 128 ** n)
-        k = np.arange(max(1, 128 ** (n - 1) if n > 1 else 1), min(parts, 128 ** n), dtype=np.int64)
-        if not len(k):
-            continue
-        rows = np.empty((len(k), 3 + n), dtype=np.uint8)
-        rows[:, 0], rows[:, 1], rows[:, 2] = 0x4A, 1 + n, 0x08
-        for j in range(n):
-            rows[:, 3 + j] = ((k >> (7 * j)) & 0x7F) | (0x80 if j < n - 1 else 0)
-        blocks.append(rows.tobytes())
-    if parts > 128 ** 3:
-        raise ValueError(f"at most {128 ** 3} parts")
-    return b"".join(blocks)
-
-
-def zero_parts_frame(tid: int, block: bytes) -> bytes:
-    """A serialized PeerFrame(chunk=...): a packed chunk of zero bytes whose parts (all zero-byte, in order)
-    add up exactly; only their number is wrong."""
-    import crc32c
-    from ciuicflow.kvflow.proto import kvflow_pb2 as pb
-    head = pb.Chunk(tid=tid, seq=0, sn=1, part=0, offset=0, crc32c=crc32c.crc32c(b""),
-                    info=pb.PartInfo(index=0, nbytes=0)).SerializeToString()
-    inner = head + block
-    return b"\x12" + _varint(len(inner)) + inner
-
-
 def over_bound_frame(tid: int, parts: int, nbytes: int = 100) -> bytes:
     """A packed chunk of ``parts`` parts of ``nbytes`` each, with their data: well formed but one part too many."""
     import crc32c
@@ -662,7 +601,7 @@ def _link(listen: str, md, requests):
 def _data_plane(listen: str, md, requests):
     import grpc
     from ciuicflow.kvflow.proto import kvflow_pb2 as pb
-    from ciuicflow.kvflow.transports.tcp import HEAD, HELLO, MSG, STATUS
+    from ciuicflow.kvflow.transports.tcp import HELLO, MSG, STATUS
     with grpc.insecure_channel(listen) as ch:
         plane = ch.unary_unary("/ciuicflow.kvflow.v1.KVFlowPeer/DataPlane",
                                request_serializer=pb.DataPlaneRequest.SerializeToString,
@@ -670,27 +609,11 @@ def _data_plane(listen: str, md, requests):
                                                                                    metadata=md, timeout=10)
     if not plane.port:
         return None, None
-    with socket.create_connection(("127.0.0.1", plane.port), timeout=30) as s:
-        s.sendall(HEAD.pack(HELLO, len(plane.ticket)) + plane.ticket)
-        for raw in requests:
-            s.sendall(HEAD.pack(MSG, len(raw)) + raw)
-        try:
-            s.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-        data = b""
-        while True:
-            more = s.recv(1 << 16)
-            if not more:
-                break
-            data += more
-    acks, status, pos = [], None, 0
-    while pos + HEAD.size <= len(data):
-        kind, n = HEAD.unpack_from(data, pos)
-        payload = data[pos + HEAD.size:pos + HEAD.size + n]
-        pos += HEAD.size + n
+    acks, status = [], None
+    frames = [(HELLO, plane.ticket)] + [(MSG, raw) for raw in requests]
+    for kind, payload in wire_session(plane.port, frames, timeout=30):
         if kind == STATUS:
-            status = json.loads(payload)["code"]
+            status = payload
         elif kind == MSG:
             reply = pb.PeerReply.FromString(payload)
             if reply.HasField("ack"):

@@ -1,14 +1,11 @@
 """Hand-driven peer streams for tests: a ``RawLink`` on a sidecar's gRPC peer port, frames, data plane
-tickets and raw data plane sessions."""
-import json
+tickets (raw data plane sessions: ciuicflow.testing.crafted.wire_session)."""
 import queue
-import socket
 
 import crc32c
 import grpc
 
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
-from ciuicflow.kvflow.transports.tcp import HEAD, STATUS
 
 LINK = "/ciuicflow.kvflow.v1.KVFlowPeer/Link"
 
@@ -59,27 +56,3 @@ def ticket(listen, metadata):
         call = ch.unary_unary(DATA_PLANE, request_serializer=pb.DataPlaneRequest.SerializeToString,
                               response_deserializer=pb.DataPlaneReply.FromString)
         return call(pb.DataPlaneRequest(), metadata=metadata, timeout=10)
-
-
-def wire_session(port, frames):
-    """Send raw data-plane frames ((kind, payload) pairs); the frames that come back until the status."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        for kind, payload in frames:
-            s.sendall(HEAD.pack(kind, len(payload)) + payload)
-        try:
-            s.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass        # the receiver may have refused and closed already
-        data = b""
-        while True:
-            more = s.recv(1 << 16)
-            if not more:
-                break
-            data += more
-    out, pos = [], 0
-    while pos + HEAD.size <= len(data):
-        kind, n = HEAD.unpack_from(data, pos)
-        payload = data[pos + HEAD.size:pos + HEAD.size + n]
-        pos += HEAD.size + n
-        out.append((kind, json.loads(payload)["code"] if kind == STATUS else payload))
-    return out

@@ -16,7 +16,8 @@ from ciuicflow.kvflow.core.limits import OTHER, Labels, Tickets, seconds
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
 from ciuicflow.kvflow.transports.tcp import HEAD, HELLO, MSG, STATUS
 from tests.kvflow.sidecars import FakeClock
-from tests.kvflow.raw import RawLink, chunk, open_frame, ticket, wire_session
+from ciuicflow.testing.crafted import wire_session
+from tests.kvflow.raw import RawLink, chunk, open_frame, ticket
 
 PEER_A = (("x-ciuic-peer", "a"),)
 

@@ -14,8 +14,9 @@ import grpc
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
 from ciuicflow.kvflow.proto.messages import MAX_PACKED_PARTS
 from ciuicflow.kvflow.transports.tcp import HELLO, MSG, STATUS
+from ciuicflow.testing.crafted import more_block, wire_session, zero_parts_frame
 from tests import REPO
-from tests.kvflow.raw import LINK, open_frame, ticket, wire_session
+from tests.kvflow.raw import LINK, open_frame, ticket
 
 PEER_A = (("x-ciuic-peer", "a"),)     # a configured peer's name, no credentials (the default settings)
 PARTS = 1_300_000                       # zero-byte part descriptions in one crafted frame (~7.8 MB)
@@ -24,33 +25,6 @@ STATS_WITHIN_S = 0.1                    # the target, for 95% of the local Stats
 STATS_STALL_S = 0.5                     # ... and every one: room for a shared, busy host's scheduling (a
 #                                         receiver that expands the descriptions stalls for seconds)
 FLOOD_S = 1.0                           # crafted frames go for this long, in rounds
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _more_block(parts: int) -> bytes:
-    """Chunk.more entries 1 .. parts-1, each a valid zero-byte PartInfo (its index right)."""
-    out = []
-    for k in range(1, parts):
-        info = b"\x08" + _varint(k)
-        out.append(b"\x4a" + bytes((len(info),)) + info)
-    return b"".join(out)
-
-
-def crafted_frame(tid: int, more_block: bytes) -> bytes:
-    """A serialized PeerFrame(chunk=...) of transfer ``tid``: a packed chunk of zero bytes whose parts
-    (all zero-byte, in order) add up exactly; only their number is wrong."""
-    head = pb.Chunk(tid=tid, seq=0, sn=1, part=0, offset=0, crc32c=crc32c.crc32c(b""),
-                    info=pb.PartInfo(index=0, nbytes=0)).SerializeToString()
-    inner = head + more_block
-    return b"\x12" + _varint(len(inner)) + inner
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -122,8 +96,8 @@ def test_packed_chunk_with_a_million_part_descriptions_is_refused(sidecars):
     a = sidecars.make("a", peers={"b": b.listen})
     b.peers = {"a": a.listen}
     sidecars.start_all(b, a)
-    more_block = _more_block(PARTS)
-    frames = [(tid, crafted_frame(tid, more_block)) for tid in (1, 2)]
+    block = more_block(PARTS)
+    frames = [(tid, zero_parts_frame(tid, block)) for tid in (1, 2)]
     assert len(frames[0][1]) > 7_500_000
     warm = os.urandom(4 << 20)
     a.client().send("b", "warm", warm).wait(30)
@@ -163,7 +137,7 @@ def test_part_descriptions_are_bounded_before_protobuf_expands_them():
     refuses chunks that no sender writes before protobuf sees them; legitimate packed chunks read whole."""
     from ciuicflow.kvflow.proto.codec import MALFORMED, ChunkFrame, encode_chunk_frame, safe_deserializer
     parse = safe_deserializer(pb.PeerFrame.FromString)
-    frame = crafted_frame(7, _more_block(PARTS))
+    frame = zero_parts_frame(7, more_block(PARTS))
     t0 = time.monotonic()
     got = parse(frame)
     assert time.monotonic() - t0 < 0.05

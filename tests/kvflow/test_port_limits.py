@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import urllib.request
 
@@ -18,6 +17,7 @@ import pytest
 from ciuicflow.kvflow.client.handoff import FdHandoff
 from ciuicflow.kvflow.proto import runtime
 from ciuicflow.kvflow.proto.shm import HEADER
+from ciuicflow.testing.crafted import Trickle
 from tests import REPO
 
 EMFILE = re.compile(r"Too many open files|EMFILE|out of system resource", re.I)
@@ -119,18 +119,7 @@ def test_metrics_port_is_bounded(sidecars):
     threads0, fds0 = _threads(pid), _fds(pid)
 
     slow = _open(port, 3)               # slowloris: a request head one byte at a time, never finished
-    stop = threading.Event()
-
-    def trickle():
-        while not stop.is_set():
-            for s in slow:
-                try:
-                    s.send(b"G")
-                except OSError:
-                    pass
-            time.sleep(0.2)
-    trickler = threading.Thread(target=trickle, daemon=True)
-    trickler.start()
+    trickle = Trickle(slow)
     started = time.monotonic()
     held = _open(port, 300)
     try:
@@ -147,8 +136,7 @@ def test_metrics_port_is_bounded(sidecars):
         left = [s for s in held if s not in refused] + slow
         assert all(_closed(s, max(0.1, started + 4.5 - time.monotonic())) is not None for s in left)
     finally:
-        stop.set()
-        trickler.join()
+        trickle.stop()
         _close_all(held + slow)
     assert _http(port, os.urandom(200).replace(b"\r\n", b"") + b"\r\n\r\n").startswith(b"HTTP/1.1 400")
     assert _http(port, b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n").startswith(b"HTTP/1.1 431")

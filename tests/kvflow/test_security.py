@@ -8,8 +8,9 @@ import pytest
 
 from ciuicflow.kvflow import KVFlowError
 from ciuicflow.kvflow.proto import kvflow_pb2 as pb
+from ciuicflow.testing.crafted import wire_session as _wire_session
 from tests.kvflow.certs import make_ca as _make_ca, make_leaf as _make_leaf
-from tests.kvflow.raw import ticket as _ticket, wire_session as _wire_session
+from tests.kvflow.raw import ticket as _ticket
 
 LINK = "/ciuicflow.kvflow.v1.KVFlowPeer/Link"
 

@@ -26,12 +26,13 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from ciuicflow.integrations.vllm import config as C
+from ciuicflow.testing.stub_http import JsonHandler
 
 from tests import REPO
 MiB = 1 << 20
@@ -56,19 +57,8 @@ class Upstream:
         self._lock = threading.Lock()
         up = self
 
-        class H(BaseHTTPRequestHandler):
+        class H(JsonHandler):
             protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def _json(self, status, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
             def do_GET(self):
                 with up._lock:
