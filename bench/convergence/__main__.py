@@ -152,20 +152,32 @@ def select_tasks(spec: str | None, smoke: bool = False):
     return [tasks.TASKS[n] for n in spec.split(",")]
 
 
-def run_metadata(argv: list[str], config: dict, started: datetime.datetime) -> dict:
+def head_commit() -> str | None:
+    """The checkout's commit, read when a run starts (the code it runs)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
+                              capture_output=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_metadata(argv: list[str], config: dict, started: datetime.datetime, commit: str | None,
+                 program: str = "bench.convergence") -> dict:
     """What produced a run, beside its records (run.json): bench/convergence/appendix.py's header
     names the command, date, machine and commit of every table it writes."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
-                                capture_output=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
     import torch
-    return {"command": "python -m bench.convergence" + "".join(" " + shlex.quote(a) for a in argv),
+    return {"command": f"python -m {program}" + "".join(" " + shlex.quote(a) for a in argv),
             "argv": list(argv), "started": started.isoformat(timespec="seconds"),
             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
             "python": platform.python_version(), "torch": torch.__version__, "commit": commit,
             **config}
+
+
+def write_run_json(out_dir: str, meta: dict) -> None:
+    """run.json: written when a run starts (``seconds`` None: a run cut short keeps its command)
+    and again when it ends."""
+    with open(os.path.join(out_dir, "run.json"), "w") as f:
+        json.dump(meta, f, indent=1)
 
 
 def parse_args(argv=None):
@@ -194,13 +206,20 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started, commit = datetime.datetime.now(datetime.timezone.utc), head_commit()
     steps = args.steps or (12 if args.smoke else None)
     os.makedirs(args.out_dir, exist_ok=True)
     raw = os.path.join(args.out_dir, "records.jsonl")
     if os.path.exists(raw):
         os.remove(raw)
     seeds = parse_seeds(args)
+    json_path = args.json or os.path.join(args.out_dir, "convergence.json")
+    run_dir = os.path.dirname(os.path.abspath(json_path))
+    argv = sys.argv[1:] if argv is None else argv
+    config = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "smoke": args.smoke,
+              "steps_override": steps, "seeds": seeds, "seconds": None, "fsdp": args.fsdp}
+    os.makedirs(run_dir, exist_ok=True)
+    write_run_json(run_dir, run_metadata(argv, config, started, commit))
     start = time.monotonic()
     for task in select_tasks(args.tasks, args.smoke):
         methods = args.methods.split(",") if args.methods else default_methods(task, args.fsdp)
@@ -214,13 +233,10 @@ def main(argv=None):
     # each record names its shape, so runs of several shapes merge (bench/convergence/appendix.py)
     records = [dict(r, nodes=args.nodes, ranks_per_node=args.ranks_per_node)
                for r in compare(_records(raw))]
-    json_path = args.json or os.path.join(args.out_dir, "convergence.json")
-    config = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "smoke": args.smoke,
-              "steps_override": steps, "seeds": seeds, "seconds": round(time.monotonic() - start, 1)}
-    table = write_outputs(records, json_path, args.out_dir, png=not args.no_png, config=config)
-    meta = run_metadata(sys.argv[1:] if argv is None else argv, dict(config, fsdp=args.fsdp), started)
-    with open(os.path.join(os.path.dirname(os.path.abspath(json_path)), "run.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+    config["seconds"] = round(time.monotonic() - start, 1)
+    table = write_outputs(records, json_path, args.out_dir, png=not args.no_png,
+                          config={k: v for k, v in config.items() if k != "fsdp"})
+    write_run_json(run_dir, run_metadata(argv, config, started, commit))
     print(table)
     failed = [r for r in records if r.get("failed")]
     if failed:

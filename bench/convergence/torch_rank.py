@@ -23,11 +23,12 @@ import sys
 import time
 
 from bench.convergence import report
-from bench.convergence.__main__ import (_records, parse_seeds, run_metadata, run_task,
-                                        select_tasks)
+from bench.convergence.__main__ import (_records, head_commit, parse_seeds, run_metadata, run_task,
+                                        select_tasks, write_run_json)
 from bench.convergence.report import torch_rank_method
 
 DEFAULT_RANKS = (1, 2, 4, 8, 16, 32, 64)
+PROGRAM = "bench.convergence.torch_rank"
 
 
 def judge(records: list[dict], task: str, method: str, seeds: list[int]) -> dict | None:
@@ -119,12 +120,17 @@ def main(argv=None) -> int:
     if not ranks or any(r < 1 for r in ranks) or ranks != sorted(set(ranks)):
         raise SystemExit(f"--ranks must be distinct positive integers in ascending order: {ranks}")
     seeds = parse_seeds(args)
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started, commit = datetime.datetime.now(datetime.timezone.utc), head_commit()
     start = time.monotonic()
     os.makedirs(args.out_dir, exist_ok=True)
     raw = os.path.join(args.out_dir, "records.jsonl")
     if os.path.exists(raw):
         os.remove(raw)
+    argv = sys.argv[1:] if argv is None else argv
+    config = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "seeds": seeds,
+              "ranks": ranks, "baseline": args.baseline, "steps_override": args.steps,
+              "seconds": None}
+    write_run_json(args.out_dir, run_metadata(argv, config, started, commit, PROGRAM))
     baseline = baseline_exact(args.baseline, args.nodes, args.ranks_per_node)
     results = [search(task, seeds, ranks, args.nodes, args.ranks_per_node, raw, baseline,
                       steps=args.steps) for task in select_tasks(args.tasks)]
@@ -135,14 +141,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out_dir, "torch_rank.json"), "w") as f:
         json.dump({"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "ranks": ranks,
                    "tasks": results}, f, indent=1)
-    config = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "seeds": seeds,
-              "ranks": ranks, "baseline": args.baseline, "steps_override": args.steps,
-              "seconds": round(time.monotonic() - start, 1)}
-    meta = run_metadata(sys.argv[1:] if argv is None else argv, config, started)
-    meta["command"] = meta["command"].replace("python -m bench.convergence",
-                                              "python -m bench.convergence.torch_rank", 1)
-    with open(os.path.join(args.out_dir, "run.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+    config["seconds"] = round(time.monotonic() - start, 1)
+    write_run_json(args.out_dir, run_metadata(argv, config, started, commit, PROGRAM))
     for r in results:
         print(f"{r['task']}: smallest rank within the line: {r['smallest_rank_within']}")
     return 0

@@ -184,6 +184,9 @@ def test_convergence_py_records_its_shape_and_command(tmp_path, monkeypatch):
     from bench.convergence import __main__ as convergence
 
     def fake_run_task(task, methods, nodes, ranks_per_node, out_path, steps=None, seed=0, **kw):
+        # while it runs, run.json already names the command, and the run as unfinished
+        started = json.loads((tmp_path / "run.json").read_text())
+        assert started["seconds"] is None and started["command"].endswith("--no-png")
         with open(out_path, "a") as f:
             for i, m in enumerate(methods):
                 f.write(json.dumps(_rec(task.name, m, 0.9 - 0.001 * i, seed)) + "\n")
@@ -195,7 +198,7 @@ def test_convergence_py_records_its_shape_and_command(tmp_path, monkeypatch):
     meta = json.loads((tmp_path / "run.json").read_text())
     assert meta["command"] == "python -m bench.convergence " + " ".join(argv)
     assert (meta["nodes"], meta["ranks_per_node"], meta["seeds"]) == (3, 2, [0])
-    assert {"started", "machine", "torch", "commit"} <= set(meta)
+    assert {"started", "machine", "torch", "commit"} <= set(meta) and meta["seconds"] is not None
     records = json.loads((tmp_path / "convergence.json").read_text())
     assert {(r["nodes"], r["ranks_per_node"]) for r in records} == {(3, 2)}
     rows = _rows(_render([str(tmp_path)]), "mlp_sgd_constant")
@@ -258,3 +261,20 @@ def test_coverage_counts_the_tasks_and_names_the_closest_mean_and_every_miss(thr
     assert "| 1 | 1 |" in coverage[("`hierarchical_1bit`", "4 x 1")]
     assert "**no**: charlm_adam_bf16 |" not in coverage[("`hierarchical_1bit`", "4 x 1")]
     assert not any("diloco" in k[0] or "exact" in k[0] for k in coverage)
+
+
+def test_the_committed_page_is_what_its_command_writes_from_the_repository(tmp_path, monkeypatch):
+    """docs/convergence-results.md is written from runs kept in the repository: its own command
+    writes it again, byte for byte (a page edited by hand, or a run quoted but not kept, fails)."""
+    with open(os.path.join(ROOT, "docs", "convergence-results.md")) as f:
+        text = f.read()
+    command = text.split("Written by `", 1)[1].split("`", 1)[0].split()
+    assert command[:3] == ["python", "-m", "bench.convergence.appendix"], command
+    args = command[3:]
+    runs = [a for i, a in enumerate(args) if not a.startswith("-") and args[i - 1] != "--methods"]
+    assert all(a.startswith("bench/results/convergence/") for a in runs), runs
+    out = tmp_path / "page.md"
+    args[args.index("--out") + 1] = str(out)
+    monkeypatch.chdir(ROOT)       # the run paths as the header quotes them
+    assert appendix.main(args) == 0
+    assert out.read_text().replace(str(out), "docs/convergence-results.md") == text
