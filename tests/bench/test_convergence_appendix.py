@@ -271,8 +271,10 @@ def test_the_committed_page_is_what_its_command_writes_from_the_repository(tmp_p
     command = text.split("Written by `", 1)[1].split("`", 1)[0].split()
     assert command[:3] == ["python", "-m", "bench.convergence.appendix"], command
     args = command[3:]
-    runs = [a for i, a in enumerate(args) if not a.startswith("-") and args[i - 1] != "--methods"]
-    assert all(a.startswith("bench/results/convergence/") for a in runs), runs
+    runs = [a for i, a in enumerate(args)       # RUN_DIRs, --replacing's and --earlier's
+            if i == 0 or args[i - 1] in ("--replacing", "--earlier") or
+            not (a.startswith("-") or args[i - 1].startswith("-"))]
+    assert runs and all(a.startswith("bench/results/convergence/") for a in runs), runs
     out = tmp_path / "page.md"
     args[args.index("--out") + 1] = str(out)
     monkeypatch.chdir(ROOT)       # the run paths as the header quotes them
