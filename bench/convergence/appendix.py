@@ -411,9 +411,10 @@ def _share_of_line(gap: float, points: bool) -> float:
 
 def coverage_lines(rows: list[dict]) -> list[str]:
     """Per default-state method (no ``@`` options, no reference; DiLoCo's coverage is
-    docs/diloco.md's) and shape: on how many of the tasks it applies to it has run at 3 seeds or more and at fewer,
-    whether every mean is within, and the mean closest to the line. Where a task has several rows
-    of one method and shape (runs and earlier rows), the one with more seeds counts."""
+    docs/diloco.md's) and shape: on how many of the tasks it applies to it has run at 3 seeds or
+    more and at fewer, whether every mean is within, and the mean closest to the line. Where a task
+    has several rows of one method and shape (runs and earlier rows), the one with more seeds
+    counts."""
     try:
         from bench.convergence import tasks
         suite = tasks.TASKS
