@@ -45,8 +45,11 @@ def test_the_sys_path_check_sees_each_kind_of_edit(tmp_path):
 def test_bench_is_one_folder_per_family():
     loose = sorted(p.name for p in BENCH.glob("*.py") if p.name != "__init__.py")
     assert loose == [], f"benchmarks outside a family folder: {loose}"
-    for family in (p for p in BENCH.iterdir() if p.is_dir() and p.name != "__pycache__"):
+    for family in (p for p in BENCH.iterdir()
+                   if p.is_dir() and p.name not in ("__pycache__", "results")):
         assert (family / "__init__.py").exists(), family
+    # bench/results holds the runs the docs quote (data, no code)
+    assert not any((BENCH / "results").rglob("*.py"))
 
 
 def test_scripts_name_existing_bench_modules():
